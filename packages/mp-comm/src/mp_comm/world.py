@@ -1,0 +1,248 @@
+"""Starting the process world: under mpiexec, under torchrun, or as one plain process.
+
+`init_world` finds out how the processes were started, groups them by host, sets torch's thread
+count, and brings up torch.distributed (gloo on CPU; NCCL for CUDA tensors with gloo beside it for
+CPU objects). The user never provides MASTER_ADDR/MASTER_PORT under MPI: rank 0 opens a TCPStore on
+a free port and shares the port over MPI.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import logging
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mp_comm.errors import WorldError
+
+log = logging.getLogger(__name__)
+
+# Environment variables that MPI launchers set in every rank (MPICH/hydra, Open MPI, PMIx, Intel MPI).
+_MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class Launcher(enum.Enum):
+    """How this process was started."""
+
+    MPI = "mpi"
+    TORCHRUN = "torchrun"
+    SINGLE = "single"
+
+
+@dataclass(frozen=True)
+class WorldInfo:
+    """Where this process sits in the world."""
+
+    rank: int
+    size: int
+    local_rank: int
+    """Rank among the processes on this host."""
+    local_size: int
+    """Number of processes on this host."""
+    node: int
+    """Index of this host, in the order of the lowest global rank on each host."""
+    num_nodes: int
+    launcher: Launcher
+
+
+def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher:
+    """MPI if an MPI launcher's variables are present, torchrun if RANK/WORLD_SIZE are, else single."""
+    env = os.environ if environ is None else environ
+    if any(var in env for var in _MPI_RANK_VARS):
+        return Launcher.MPI
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return Launcher.TORCHRUN
+    return Launcher.SINGLE
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _set_thread_count(local_size: int, environ: Mapping[str, str]) -> None:
+    # Several ranks on one host each defaulting to all cores oversubscribe the host badly.
+    if "OMP_NUM_THREADS" in environ or "MP_NUM_THREADS" in environ:
+        if "MP_NUM_THREADS" in environ:
+            torch.set_num_threads(int(environ["MP_NUM_THREADS"]))
+        return
+    torch.set_num_threads(max(1, _usable_cores() // max(1, local_size)))
+
+
+def _free_port_store(host: str, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    return dist.TCPStore(host, 0, world_size, True, timeout=timeout, wait_for_workers=False)
+
+
+@dataclass
+class World:
+    """The started world: its coordinates, its torch.distributed backend and, under MPI, the communicator.
+
+    `mpi_comm` is a duplicate of MPI_COMM_WORLD owned by mp (None unless started under MPI), so that
+    mp's traffic never mixes with the user's own MPI messages.
+    """
+
+    info: WorldInfo
+    backend: str
+    device: torch.device
+    mpi_comm: Any | None
+    owns_process_group: bool
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def size(self) -> int:
+        return self.info.size
+
+    def new_groups(self, groups: Sequence[Sequence[int]]) -> list[dist.ProcessGroup | None]:
+        """Create torch groups for a partition of some ranks; collective over the whole world.
+
+        Every rank must pass the same list in the same order. Returns one entry per group: the
+        ProcessGroup for groups this rank belongs to, None for the others.
+        """
+        made: list[dist.ProcessGroup | None] = []
+        for ranks in groups:
+            pg = dist.new_group(sorted(ranks), use_local_synchronization=False)
+            made.append(pg if self.rank in ranks else None)
+        return made
+
+    def shutdown(self) -> None:
+        """Tear down what init_world created (the process group it started, the MPI duplicate)."""
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        if self.mpi_comm is not None:
+            self.mpi_comm.Free()
+            self.mpi_comm = None
+
+
+def _choose_backend(requested: str | None) -> tuple[str, torch.device]:
+    if requested is not None:
+        if requested not in ("gloo", "nccl", "cpu:gloo,cuda:nccl"):
+            raise WorldError(
+                f"backend={requested!r} is not supported; expected 'gloo', 'nccl' or "
+                "'cpu:gloo,cuda:nccl'. Leave it unset to choose automatically (gloo on CPU, NCCL on GPU)."
+            )
+        wants_cuda = "nccl" in requested
+        return requested, torch.device("cuda", torch.cuda.current_device()) if wants_cuda else torch.device(
+            "cpu"
+        )
+    if torch.cuda.is_available():
+        # NCCL carries CUDA tensors, gloo carries CPU tensors and pickled objects, in one group.
+        return "cpu:gloo,cuda:nccl", torch.device("cuda", torch.cuda.current_device())
+    return "gloo", torch.device("cpu")
+
+
+def _mpi_coordinates() -> tuple[Any, WorldInfo, str]:
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:  # pragma: no cover - mpi4py is a declared dependency
+        raise WorldError(
+            "this process was started by an MPI launcher but mpi4py cannot be imported "
+            f"({exc}); install it with `pip install mpi4py mpich`."
+        ) from exc
+    comm = MPI.COMM_WORLD.Dup()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank, local_size = local.Get_rank(), local.Get_size()
+    leader = local.bcast(rank, root=0)
+    local.Free()
+    leaders = sorted(set(comm.allgather(leader)))
+    info = WorldInfo(
+        rank=rank,
+        size=size,
+        local_rank=local_rank,
+        local_size=local_size,
+        node=leaders.index(leader),
+        num_nodes=len(leaders),
+        launcher=Launcher.MPI,
+    )
+    host = "127.0.0.1" if len(leaders) == 1 else socket.gethostbyname(socket.gethostname())
+    return comm, info, host
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    raw = env.get(name)
+    if raw is None:
+        if default is None:
+            raise WorldError(f"{name} is not set; torchrun sets it. Start the job with torchrun or mpiexec.")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise WorldError(f"{name}={raw!r} is not an integer; expected the value torchrun sets.") from None
+
+
+def init_world(
+    *,
+    backend: str | None = None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    environ: Mapping[str, str] | None = None,
+) -> World:
+    """Start (or adopt) the process world. Collective: every rank of the job must call it.
+
+    If torch.distributed is already initialized (a user script that called init_process_group, or
+    a second call), the existing default group is adopted and not torn down by `shutdown`.
+    """
+    env = os.environ if environ is None else environ
+    launcher = detect_launcher(env)
+    mpi_comm: Any | None = None
+    host = "127.0.0.1"
+    if launcher is Launcher.MPI:
+        mpi_comm, info, host = _mpi_coordinates()
+    elif launcher is Launcher.TORCHRUN:
+        size = _env_int(env, "WORLD_SIZE")
+        local_size = _env_int(env, "LOCAL_WORLD_SIZE", size)
+        info = WorldInfo(
+            rank=_env_int(env, "RANK"),
+            size=size,
+            local_rank=_env_int(env, "LOCAL_RANK", 0),
+            local_size=local_size,
+            node=_env_int(env, "GROUP_RANK", 0),
+            num_nodes=max(1, size // max(1, local_size)),
+            launcher=Launcher.TORCHRUN,
+        )
+    else:
+        info = WorldInfo(rank=0, size=1, local_rank=0, local_size=1, node=0, num_nodes=1, launcher=launcher)
+
+    _set_thread_count(info.local_size, env)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    chosen, device = _choose_backend(backend)
+
+    if dist.is_initialized():
+        if dist.get_world_size() != info.size or dist.get_rank() != info.rank:
+            raise WorldError(
+                f"torch.distributed is already initialized with rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but the launcher says rank {info.rank} of {info.size}; "
+                "initialize torch.distributed with the launcher's ranks or let mp do it."
+            )
+        return World(info, str(dist.get_backend()), device, mpi_comm, owns_process_group=False)
+
+    if launcher is Launcher.MPI:
+        assert mpi_comm is not None
+        host = env.get("MASTER_ADDR", host)
+        store: dist.Store
+        if info.rank == 0:
+            store = _free_port_store(host, info.size, timeout)
+            port = mpi_comm.bcast(store.port, root=0)
+        else:
+            port = mpi_comm.bcast(None, root=0)
+            store = dist.TCPStore(host, port, info.size, False, timeout=timeout)
+        dist.init_process_group(chosen, store=store, rank=info.rank, world_size=info.size, timeout=timeout)
+    elif launcher is Launcher.TORCHRUN:
+        dist.init_process_group(chosen, init_method="env://", timeout=timeout)
+    else:
+        dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    log.debug("rank %d/%d started by %s on node %d", info.rank, info.size, launcher.value, info.node)
+    return World(info, chosen, device, mpi_comm, owns_process_group=True)

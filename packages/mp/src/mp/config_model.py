@@ -1,0 +1,500 @@
+"""``ModelParallelConfig``: every smp v1 configuration key, its type, default and rules.
+
+The keys, types and defaults are smp's (seed 003 and reference/smp_api.md §4). Where smp's
+documentation [D] and its source [S] disagree, the documented value is taken and the field says so.
+Values are checked on construction; the first problem raises :class:`~mp.errors.ConfigError` (a
+ValueError). Checks run in a fixed order (each key in sorted key order, then the rules between keys
+in sorted order of the key they are about), so every rank raises the identical error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from mp.config_schema import (
+    MODEL_KWARGS,
+    UNSUPPORTED_KEYS,
+    WRAPPER_KEYS,
+    KeySpec,
+    check_value,
+    config_error,
+    did_you_mean,
+    show,
+)
+from mp.errors import ConfigError
+
+__all__ = ["ModelParallelConfig"]
+
+logger = logging.getLogger("mp.config")
+
+_SPEC = "mp.spec"
+PLACEMENTS = ("cluster", "spread", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD")
+_NAMED_PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}
+
+
+def _key(default: object, spec: KeySpec) -> Any:
+    return field(default=default, metadata={_SPEC: spec})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelParallelConfig:
+    """The smp v1 configuration: pass it (or a dict of the same keys) to ``smp.init``.
+
+    Build one from keyword arguments, from a dict with :meth:`from_dict` (which also takes smp's
+    aliases such as ``partitions``), or from a file or the environment with ``mp.config.load_config``.
+    """
+
+    # ------------------------------------------------------------------------------- pipeline
+    pipeline_parallel_degree: int = _key(1, KeySpec(kind="int", minimum=1, aliases=("partitions",), example="2"))
+    """Number of pipeline stages (model partitions). Alias: ``partitions`` (its name before smp 1.6);
+    giving both with different values is an error. smp's docs call it required, its source defaults
+    to 1; mp defaults to 1 (no pipelining)."""
+    microbatches: int = _key(1, KeySpec(kind="int", minimum=1, example="4"))
+    """Microbatches per step; 1 means no pipelining. The batch size must be divisible by it."""
+    pipeline: Literal["interleaved", "simple"] = _key(
+        "interleaved", KeySpec(kind="str", choices=("interleaved", "simple"), example='"interleaved"')
+    )
+    """Pipeline schedule. "simple" runs all forwards then all backwards; when an explicit
+    ``active_microbatches`` is below ``microbatches`` the schedule is forced to "interleaved" (smp's
+    rule, logged at info level; see :attr:`resolved_pipeline`)."""
+    optimize: Literal["memory", "speed"] = _key(
+        "memory", KeySpec(kind="str", choices=("memory", "speed"), example='"speed"')
+    )
+    """Tensor-parallel transformer implementation: "speed" communicates less and does not distribute
+    layernorm, "memory" stores no duplicate activations. Default "memory" as documented; smp's source
+    defaulted to "speed" (set it explicitly when porting a script that relied on that)."""
+    placement_strategy: Literal["cluster", "spread", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD"] = _key(
+        "cluster", KeySpec(kind="str", choices=PLACEMENTS, example='"cluster"')
+    )
+    """Rank layout: "cluster" (= "DPT"), "spread" (= "TPD") or a permutation of D (reduced data), P
+    (pipeline), T (tensor); the right-most letter varies fastest over consecutive ranks."""
+    auto_partition: bool = _key(True, KeySpec(kind="bool", example="true"))
+    """Partition the model automatically. If false, ``default_partition`` must be given."""
+    default_partition: int | None = _key(None, KeySpec(kind="int", minimum=0, nullable=True, example="0"))
+    """Partition for modules outside any ``smp.partition`` context, in [0, pipeline_parallel_degree).
+    None means not given and resolves to 0, the documented default (smp's source kept None); it must
+    be given when ``auto_partition`` is false."""
+    contiguous: bool = _key(True, KeySpec(kind="bool", example="true"))
+    """Whether each partition must be a connected part of the graph (a TensorFlow option in smp;
+    accepted for compatibility)."""
+    horovod: bool = _key(False, KeySpec(kind="bool", example="false"))
+    """smp: data parallelism through Horovod (TensorFlow). Accepted and informational in mp, which does
+    data parallelism itself; it may not be true together with ``ddp`` (smp's rule)."""
+    memory_weight: float | None = _key(
+        None, KeySpec(kind="float", minimum=0.0, maximum=1.0, nullable=True, example="0.8")
+    )
+    """Weight of memory balance (vs compute balance) in auto-partitioning, in [0, 1]. None resolves to
+    the documented default, 0.2 if ``optimize`` is "speed" else 0.8 (smp's source: always 0.8).
+    An int (0 or 1) is accepted as JSON writes it, unlike smp's exact type check."""
+
+    # ---------------------------------------------------------------------- data parallelism
+    ddp: bool = _key(False, KeySpec(kind="bool", example="true"))
+    """smp: enables DistributedDataParallel, which smp required for any data parallelism and for tensor
+    parallelism. Accepted and informational in mp: mp always reduces gradients over its data-parallel
+    groups, so neither ``world size > pp*tp`` nor ``tensor_parallel_degree > 1`` requires it (a
+    deliberate relaxation of smp's rules)."""
+    ddp_port: int | None = _key(None, KeySpec(kind="int", minimum=0, maximum=65535, nullable=True, example="29500"))
+    """TCP port for the torch.distributed rendezvous (smp source only). None or 0 leaves the choice to
+    the launcher (MASTER_PORT). smp required ``ddp`` for it; mp does not (``ddp`` is informational)."""
+    ddp_dist_backend: Literal["auto", "nccl", "gloo"] = _key(
+        "auto", KeySpec(kind="str", choices=("auto", "nccl", "gloo"), example='"auto"')
+    )
+    """Collective backend. "auto" (documented default from smp 1.13; smp 1.12.1's source had "nccl" as
+    the only choice) picks NCCL on GPUs and gloo on CPU; mp adds "gloo"."""
+
+    # ----------------------------------------------------------------- pipeline runtime
+    active_microbatches: int | None = _key(None, KeySpec(kind="int", minimum=1, nullable=True, example="2"))
+    """Most microbatches in flight at once, in [1, microbatches]. None resolves to
+    ``min(pipeline_parallel_degree + 2, microbatches)``, or to ``microbatches`` under the "simple"
+    pipeline (mp's choice: smp would force such a config to "interleaved")."""
+    deterministic_server: bool = _key(False, KeySpec(kind="bool", example="false"))
+    """Execute pipeline requests in the same order on all data-parallel ranks (documented; absent
+    from smp 1.12.1's schema)."""
+    offload_activations: bool = _key(False, KeySpec(kind="bool", example="false"))
+    """Offload checkpointed activations to CPU; has an effect only with activation checkpointing and
+    more than one microbatch."""
+    activation_loading_horizon: int = _key(4, KeySpec(kind="int", minimum=1, example="4"))
+    """How many pipeline tasks ahead offloaded activations are loaded back; > 0 as the developer guide
+    says (smp's source allowed 0)."""
+
+    # --------------------------------------------------------------- tensor parallelism
+    tensor_parallel_degree: int = _key(1, KeySpec(kind="int", minimum=1, example="2"))
+    """Number of ranks a tensor-parallel module is split over. smp required ``ddp`` when it is > 1;
+    mp does not (see ``ddp``)."""
+    prescaled_batch: bool = _key(False, KeySpec(kind="bool", example="false"))
+    """Tensor-parallel ranks receive the same batch (shard data by rdp_rank/rdp_size). Requires
+    ``optimize`` "speed" (smp's rule; with the documented default "memory" that must now be explicit)."""
+    tensor_parallel_seed: int = _key(0, KeySpec(kind="int", minimum=0, maximum=2**64 - 1, example="0"))
+    """RNG seed for tensor-parallel modules (smp source only)."""
+
+    # ---------------------------------------------------------------------- precision
+    fp16: bool = _key(False, KeySpec(kind="bool", example="true"))
+    """FP16 training: the model is wrapped for fp16 and the optimizer gets loss scaling."""
+    fp16_params: bool = _key(False, KeySpec(kind="bool", example="false"))
+    """Initialize distributed-module parameters in fp16. Deprecated in smp in favour of ``fp16``
+    (a warning is logged)."""
+    bf16: bool = _key(False, KeySpec(kind="bool", example="true"))
+    """BF16 training; requires ``fp16`` and ``fp16_params`` false. The developer guide says bf16 works
+    only with sharded data parallelism; mp does not require that."""
+
+    # ------------------------------------------------------------------------- memory
+    shard_optimizer_state: bool = _key(False, KeySpec(kind="bool", example="true"))
+    """Shard optimizer state over the reduced-data-parallel group (save partial optimizer state).
+    Conflicts with ``sharded_data_parallel_degree`` > 1, which shards it already. smp also required
+    ``ddp``; mp does not."""
+    skip_tracing: bool = _key(False, KeySpec(kind="bool", example="false"))
+    """Skip the tracing step (for models too large to trace even on CPU)."""
+    delayed_parameter_initialization: bool = _key(False, KeySpec(kind="bool", example="true"))
+    """Delay parameter allocation and initialization until after partitioning (used by
+    ``smp.model_creation``). Absent from smp's docs table, present in its source and AWS examples."""
+    checkpoint_attentions: bool = _key(False, KeySpec(kind="bool", example="false"))
+    """Internal smp key: checkpoint attention layers. Automatically disabled when
+    ``pipeline_parallel_degree`` > 1 (logged; see :attr:`resolved_checkpoint_attentions`)."""
+
+    # ------------------------------------------------------------ sharded data parallelism
+    sharded_data_parallel_degree: int = _key(1, KeySpec(kind="int", minimum=1, example="2"))
+    """Sharded data parallelism (parameters, gradients and optimizer state split over this many
+    ranks); 1 disables it. It must divide the data-parallel size, and > 1 is incompatible with
+    pipeline and tensor parallelism and with ``shard_optimizer_state``."""
+    sdp_reduce_bucket_size: int = _key(
+        500_000_000, KeySpec(kind="int", minimum=1, integral_float=True, example="500000000")
+    )
+    """Gradient bucket size in elements under sharded data parallelism (default 5e8; an integral
+    float such as 5e8 is accepted)."""
+    sdp_param_persistence_threshold: int = _key(
+        1_000_000, KeySpec(kind="int", minimum=0, integral_float=True, example="1000000")
+    )
+    """Parameters with fewer elements than this are not sharded (default 1e6)."""
+    sdp_max_live_parameters: int = _key(
+        1_000_000_000, KeySpec(kind="int", minimum=1, integral_float=True, example="1000000000")
+    )
+    """Most parameters recombined (all-gathered) at once (default 1e9)."""
+    sdp_hierarchical_allgather: bool = _key(True, KeySpec(kind="bool", example="true"))
+    """All-gather within each node first, then across nodes."""
+    sdp_gradient_clipping: float = _key(1.0, KeySpec(kind="float", minimum=0.0, example="1.0"))
+    """L2-norm gradient clipping threshold applied under sharded data parallelism; 0 disables clipping
+    (the DeepSpeed convention smp's implementation followed). An int is accepted."""
+
+    # ----------------------------------------------------------------------- static graph
+    fast_mode: bool = _key(False, KeySpec(kind="bool", example="false"))
+    """Internal smp key: for a static graph, send tensors child-to-child rather than through the
+    parent. A graph change then raises NotSupportedByFastModeError. No rule ties it to other keys."""
+    static_mode: bool = _key(False, KeySpec(kind="bool", example="false"))
+    """Internal smp key: for a static graph, skip the request/response exchange and post receives
+    early. No rule ties it to other keys."""
+
+    # ------------------------------------------------------------- other internal smp keys
+    fp32_grad_accumulation: bool = _key(False, KeySpec(kind="bool", key="_fp32_grad_accumulation", example="false"))
+    """Internal smp key ``_fp32_grad_accumulation``: accumulate half-precision gradients in fp32."""
+    match_weights: bool = _key(False, KeySpec(kind="bool", key="_match_weights", example="false"))
+    """Internal smp key ``_match_weights`` (seen in AWS example configs); accepted for compatibility."""
+    shard_offloaded_activations: bool = _key(
+        False, KeySpec(kind="bool", key="_shard_offloaded_activations", example="false")
+    )
+    """Internal smp key ``_shard_offloaded_activations``: shard offloaded activations over
+    tensor-parallel ranks. smp's default is not documented; mp's is False."""
+    task_level_activation_loading_horizon: int | None = _key(
+        None, KeySpec(kind="int", minimum=0, nullable=True, example="4")
+    )
+    """Internal smp key: a per-task activation loading horizon; None leaves it to the runtime."""
+    herring: bool = _key(False, KeySpec(kind="bool", example="false"))
+    """Internal smp key: use SageMaker's data-parallel library (herring). Accepted and informational."""
+    load_partition: bool = _key(False, KeySpec(kind="bool", example="false"))
+    """Internal smp key: load the partition decision from ``partition_file`` instead of computing it;
+    requires ``partition_file``."""
+    partition_file: str | None = _key(None, KeySpec(kind="str", nullable=True, example='"partition.json"'))
+    """Internal smp key: the file a partition decision is loaded from (see ``load_partition``)."""
+
+    _specs: ClassVar[dict[str, tuple[str, KeySpec]]]
+    """Per smp key: the field name and the spec (filled in below the class)."""
+
+    def __post_init__(self) -> None:
+        for key, (name, spec) in sorted(self._specs.items()):
+            value = getattr(self, name)
+            normalized = check_value(key, spec, value)
+            if normalized is not value:
+                object.__setattr__(self, name, normalized)
+        _check_rules(self)
+        _log_resolutions(self)
+
+    # -------------------------------------------------------------------- derived values
+    @property
+    def pp(self) -> int:
+        """Pipeline parallel degree."""
+        return self.pipeline_parallel_degree
+
+    @property
+    def partitions(self) -> int:
+        """smp's old name of ``pipeline_parallel_degree``."""
+        return self.pipeline_parallel_degree
+
+    @property
+    def tp(self) -> int:
+        """Tensor parallel degree."""
+        return self.tensor_parallel_degree
+
+    @property
+    def sdp(self) -> int:
+        """Sharded data parallel degree."""
+        return self.sharded_data_parallel_degree
+
+    @property
+    def mp_size(self) -> int:
+        """Ranks holding one model replica: pp * tp."""
+        return self.pipeline_parallel_degree * self.tensor_parallel_degree
+
+    @property
+    def placement_order(self) -> str:
+        """The placement strategy as a permutation of "DPT" ("cluster" -> "DPT", "spread" -> "TPD")."""
+        return _NAMED_PLACEMENTS.get(self.placement_strategy, self.placement_strategy)
+
+    @property
+    def resolved_memory_weight(self) -> float:
+        """``memory_weight``, or its documented default: 0.2 if optimize == "speed" else 0.8."""
+        if self.memory_weight is not None:
+            return self.memory_weight
+        return 0.2 if self.optimize == "speed" else 0.8
+
+    @property
+    def resolved_active_microbatches(self) -> int:
+        """``active_microbatches``, or min(pp + 2, microbatches) (all microbatches under "simple")."""
+        if self.active_microbatches is not None:
+            return self.active_microbatches
+        if self.pipeline == "simple":
+            return self.microbatches
+        return min(self.pipeline_parallel_degree + 2, self.microbatches)
+
+    @property
+    def resolved_pipeline(self) -> Literal["interleaved", "simple"]:
+        """The schedule that runs: "simple" becomes "interleaved" when fewer microbatches are active."""
+        if self.pipeline == "simple" and self.resolved_active_microbatches != self.microbatches:
+            return "interleaved"
+        return self.pipeline
+
+    @property
+    def resolved_default_partition(self) -> int:
+        """``default_partition``, or 0 when not given."""
+        return 0 if self.default_partition is None else self.default_partition
+
+    @property
+    def resolved_checkpoint_attentions(self) -> bool:
+        """``checkpoint_attentions``, disabled when pipeline parallelism is on."""
+        return self.checkpoint_attentions and self.pipeline_parallel_degree == 1
+
+    @property
+    def precision(self) -> Literal["fp32", "fp16", "bf16"]:
+        """Training precision: "bf16", "fp16" or "fp32"."""
+        if self.bf16:
+            return "bf16"
+        return "fp16" if self.fp16 else "fp32"
+
+    # ------------------------------------------------------------------ dict conversion
+    @classmethod
+    def all_keys(cls) -> tuple[str, ...]:
+        """Every config key (smp's names, no aliases), in declaration order."""
+        return tuple(cls._specs)
+
+    @classmethod
+    def aliases(cls) -> dict[str, str]:
+        """Every other accepted name, mapped to its config key."""
+        return {alias: key for key, (_, spec) in cls._specs.items() for alias in _aliases(key, spec)}
+
+    def to_dict(self) -> dict[str, object]:
+        """The config as a JSON-serializable dict of smp keys (None for keys left to derive)."""
+        return {key: getattr(self, name) for key, (name, _) in self._specs.items()}
+
+    @classmethod
+    def from_dict(cls, params: Mapping[str, object]) -> ModelParallelConfig:
+        """Build a config from a flat dict of smp keys (aliases accepted), checking everything.
+
+        The SageMaker nesting ({"smdistributed": {"modelparallel": ...}}) is unwrapped by
+        ``mp.config.load_config``, not here. Raises :class:`ConfigError`.
+        """
+        if not isinstance(params, Mapping):
+            raise config_error(
+                None,
+                params,
+                " where a dict of config keys was expected",
+                "a dict (mapping) from config keys to values",
+                "pass a dict such as {'pipeline_parallel_degree': 2, 'microbatches': 4}",
+            )
+        for raw in sorted((k for k in params if not isinstance(k, str)), key=repr):
+            raise config_error(
+                None, raw, " as a config key", "string keys only", f"write the key {show(raw)} as a string"
+            )
+        names = {key: key for key in cls._specs} | cls.aliases()
+        for key in sorted(params):
+            if key not in names:
+                raise _unknown_key(key, params[key], names)
+        given: dict[str, list[tuple[str, object]]] = {}
+        for key in sorted(params):
+            canonical = names[key]
+            name, spec = cls._specs[canonical]
+            given.setdefault(name, []).append((key, check_value(key, spec, params[key])))
+        for entries in given.values():
+            (key_a, val_a), *rest = entries
+            for key_b, val_b in rest:
+                if val_a != val_b or type(val_a) is not type(val_b):
+                    raise _alias_conflict(key_a, val_a, key_b, val_b)
+        return cls(**{name: entries[0][1] for name, entries in given.items()})
+
+
+def _aliases(key: str, spec: KeySpec) -> tuple[str, ...]:
+    extra = tuple(a for a in (_field_name(key),) if a != key)
+    return spec.aliases + extra
+
+
+def _field_name(key: str) -> str:
+    return ModelParallelConfig._specs[key][0]
+
+
+ModelParallelConfig._specs = {
+    (f.metadata[_SPEC].key or f.name): (f.name, f.metadata[_SPEC]) for f in dataclasses.fields(ModelParallelConfig)
+}
+
+
+# --------------------------------------------------------------------------- error builders
+def _unknown_key(key: str, value: object, names: Mapping[str, str]) -> ConfigError:
+    allowed = f"the {len(ModelParallelConfig._specs)} config keys of ModelParallelConfig (docs/config.md)"
+    if key in MODEL_KWARGS:
+        problem = " is an argument of smp.DistributedModel, not a config key"
+        fix = f"remove it from the config and pass smp.DistributedModel(model, {key}={show(value)})"
+    elif key in UNSUPPORTED_KEYS:
+        problem = " is an internal smp key that mp does not support"
+        fix = f"remove it: {UNSUPPORTED_KEYS[key]}"
+    elif key in WRAPPER_KEYS:
+        problem = " belongs to the SageMaker 'distribution' nesting, not to the parameters"
+        fix = "pass the whole dict to smp.init / mp.config.load_config (which unwrap it), or only its 'parameters'"
+    else:
+        close = did_you_mean(key, names)
+        problem = " is not a config key"
+        if close is not None:
+            problem += f"; did you mean '{close}'?"
+            fix = f"rename '{key}' to '{close}'"
+        else:
+            fix = f"remove '{key}'; the keys are listed in docs/config.md"
+    message = f"unknown config key '{key}' (value {show(value)}):{problem}. Allowed: {allowed}. Fix: {fix}"
+    return ConfigError(message, key=key, value=value, allowed=allowed, fix=fix)
+
+
+def _alias_conflict(key_a: str, val_a: object, key_b: str, val_b: object) -> ConfigError:
+    allowed = f"only one of '{key_a}' and '{key_b}' (they are the same setting), or both with the same value"
+    fix = f"remove '{key_a}' or '{key_b}'"
+    message = (
+        f"config keys '{key_a}' and '{key_b}' name the same setting but got different values: "
+        f"'{key_a}' = {show(val_a)}, '{key_b}' = {show(val_b)}. Allowed: {allowed}. Fix: {fix}"
+    )
+    return ConfigError(message, key=key_a, value=val_a, allowed=allowed, fix=fix)
+
+
+def _rule_error(key: str, value: object, problem: str, allowed: str, fix: str) -> ConfigError:
+    return config_error(key, value, problem, allowed, fix)
+
+
+# ---------------------------------------------------------------------------- cross-key rules
+def _check_rules(c: ModelParallelConfig) -> None:
+    """The rules between keys, in sorted order of the key each is about."""
+    if c.active_microbatches is not None and c.active_microbatches > c.microbatches:
+        raise _rule_error(
+            "active_microbatches",
+            c.active_microbatches,
+            f", more than 'microbatches' ({c.microbatches})",
+            f"an int from 1 to microbatches ({c.microbatches}), or null for min(pp + 2, microbatches)",
+            f"lower 'active_microbatches' to at most {c.microbatches}, raise 'microbatches' to at least "
+            f"{c.active_microbatches}, or leave 'active_microbatches' out",
+        )
+    if not c.auto_partition and c.default_partition is None:
+        raise _rule_error(
+            "auto_partition",
+            False,
+            " without 'default_partition'",
+            "auto_partition false only together with 'default_partition' (the partition of modules "
+            "outside any smp.partition context)",
+            "add 'default_partition': 0 (or another index below pipeline_parallel_degree), or set "
+            "'auto_partition' to true",
+        )
+    if c.bf16 and (c.fp16 or c.fp16_params):
+        other = "fp16" if c.fp16 else "fp16_params"
+        raise _rule_error(
+            "bf16",
+            True,
+            f" together with '{other}': true",
+            "bf16 true only with fp16 false and fp16_params false (one half-precision type per run)",
+            f"choose one: set '{other}' to false (or remove it) to train in bf16, or set 'bf16' to false",
+        )
+    if c.ddp and c.horovod:
+        raise _rule_error(
+            "ddp",
+            True,
+            " together with 'horovod': true",
+            "at most one of ddp and horovod (two data-parallel frameworks)",
+            "remove 'horovod' (mp does data parallelism itself; horovod is smp's TensorFlow option)",
+        )
+    if c.default_partition is not None and c.default_partition >= c.pipeline_parallel_degree:
+        pp = c.pipeline_parallel_degree
+        raise _rule_error(
+            "default_partition",
+            c.default_partition,
+            f", not a partition index for pipeline_parallel_degree {pp}",
+            f"a partition index from 0 to {pp - 1} (below pipeline_parallel_degree)",
+            f"set 'default_partition' below {pp}, or raise 'pipeline_parallel_degree' to at least "
+            f"{c.default_partition + 1}",
+        )
+    if c.load_partition and c.partition_file is None:
+        raise _rule_error(
+            "load_partition",
+            True,
+            " without 'partition_file'",
+            "load_partition true only together with 'partition_file'",
+            "add 'partition_file': the path of the saved partition, or set 'load_partition' to false",
+        )
+    if c.prescaled_batch and c.optimize != "speed":
+        raise _rule_error(
+            "prescaled_batch",
+            True,
+            f" with 'optimize': {c.optimize!r}",
+            "prescaled_batch true only with optimize 'speed'",
+            "add 'optimize': 'speed' (smp's documented default is 'memory'), or set 'prescaled_batch' to false",
+        )
+    sdp = c.sharded_data_parallel_degree
+    if c.shard_optimizer_state and sdp > 1:
+        raise _rule_error(
+            "shard_optimizer_state",
+            True,
+            f" together with 'sharded_data_parallel_degree': {sdp}",
+            "shard_optimizer_state true only with sharded_data_parallel_degree 1",
+            "remove 'shard_optimizer_state' (sharded data parallelism shards optimizer state itself), or "
+            "set 'sharded_data_parallel_degree' to 1",
+        )
+    for other, degree in (
+        ("pipeline_parallel_degree", c.pipeline_parallel_degree),
+        ("tensor_parallel_degree", c.tensor_parallel_degree),
+    ):
+        if sdp > 1 and degree > 1:
+            raise _rule_error(
+                "sharded_data_parallel_degree",
+                sdp,
+                f" together with '{other}': {degree}",
+                "sharded_data_parallel_degree > 1 only with pipeline_parallel_degree 1 and "
+                "tensor_parallel_degree 1",
+                f"set '{other}' to 1 to use sharded data parallelism, or set "
+                "'sharded_data_parallel_degree' to 1",
+            )
+
+
+def _log_resolutions(c: ModelParallelConfig) -> None:
+    if c.fp16_params:
+        logger.warning("config key 'fp16_params' is deprecated in smp; use 'fp16': true instead")
+    if c.resolved_pipeline != c.pipeline:
+        logger.info(
+            "pipeline 'simple' needs every microbatch active, but active_microbatches=%d < microbatches=%d: "
+            "using the 'interleaved' pipeline",
+            c.resolved_active_microbatches,
+            c.microbatches,
+        )
+    if c.checkpoint_attentions and c.pipeline_parallel_degree > 1:
+        logger.info("checkpoint_attentions is disabled because pipeline_parallel_degree > 1")

@@ -1,0 +1,210 @@
+"""The smp exception hierarchy, under smp's names so that scripts written for smp can catch them.
+
+The tree follows smdistributed.modelparallel v1 (reference/smp_api.md §5):
+
+- ``SMPValidationError(ValueError)`` for bad input and misuse, ``SMPConfigError(ValueError)`` for
+  configuration problems;
+- ``SMPUnsupportedError(RuntimeError)`` for features or combinations that are not supported;
+- ``SMPRuntimeError(RuntimeError)`` for failures while running a step.
+
+mp adds :class:`ConfigError`, the error every configuration check raises. It derives from both
+``SMPInvalidArgumentError`` (what smp raised for a bad config) and ``SMPConfigError``, so a handler for
+either smp class, or for plain ``ValueError``, catches it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BwdExecutionNotInStepFnError",
+    "CheckpointingConfigError",
+    "CommGroupConfigError",
+    "ConfigError",
+    "DDPNotEnabledError",
+    "DelayedParamDeviceError",
+    "DistEmbeddingConfigError",
+    "DistTransformerConfigError",
+    "DistributedModelNotWrappedError",
+    "DistributedModelWrappedError",
+    "FwdExecutionNotInStepFnError",
+    "IncompatibleCheckpointFoundError",
+    "IncompatibleCheckpointRankFoundError",
+    "InvalidPartitionIDError",
+    "InvalidStepOutputError",
+    "MissingCheckpointFilesError",
+    "ModelNotPartitionedError",
+    "MultipleDistributedModelError",
+    "MultipleDtypeOptShardingError",
+    "NotInitializedError",
+    "NotSupportedByFastModeError",
+    "SMPCheckpointError",
+    "SMPConfigError",
+    "SMPInvalidArgumentError",
+    "SMPRuntimeError",
+    "SMPUnsupportedError",
+    "SMPValidationError",
+    "StepFunctionCalledError",
+    "TPModuleRegisterError",
+    "TensorSplitError",
+    "UnsupportedTPModuleError",
+    "WorkerSizeError",
+]
+
+
+# --------------------------------------------------------------------------------------------- roots
+class SMPValidationError(ValueError):
+    """Bad input or API misuse detected before anything runs."""
+
+
+class SMPConfigError(ValueError):
+    """A configuration problem (smp's second ValueError root)."""
+
+
+class SMPUnsupportedError(RuntimeError):
+    """A feature, module or combination of options that is not supported."""
+
+
+class SMPRuntimeError(RuntimeError):
+    """A failure while running a step."""
+
+
+# ------------------------------------------------------------------------------ validation errors
+class SMPInvalidArgumentError(SMPValidationError):
+    """An argument or config value is invalid."""
+
+
+class ConfigError(SMPInvalidArgumentError, SMPConfigError):
+    """A configuration key or value is invalid; ``key`` and ``value`` name what was received.
+
+    ``key`` is the config key as the user wrote it (None when the problem is the config source as a
+    whole, e.g. an unreadable file), ``value`` the value received; ``allowed`` and ``fix`` repeat the
+    parts of the message that say what is allowed and how to fix it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        key: str | None = None,
+        value: object = None,
+        allowed: str | None = None,
+        fix: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.value = value
+        self.allowed = allowed
+        self.fix = fix
+
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str | None, object, str | None, str | None]]:
+        return (type(self), (str(self), self.key, self.value, self.allowed, self.fix))
+
+
+_NOT_INITIALIZED = "smp is not initialized! Call smp.init(config) first."
+
+
+class NotInitializedError(SMPValidationError):
+    """An smp function that needs ``smp.init`` was called before it."""
+
+    def __init__(self, message: str = _NOT_INITIALIZED) -> None:
+        super().__init__(message)
+
+
+class WorkerSizeError(SMPValidationError):
+    """The number of processes does not fit the parallelism degrees or the local devices."""
+
+
+class CommGroupConfigError(SMPValidationError):
+    """A communication group argument is not a ``CommGroup``."""
+
+
+class InvalidStepOutputError(SMPValidationError):
+    """A ``StepOutput`` was built from something other than a list or tuple of microbatch outputs."""
+
+
+class MultipleDistributedModelError(SMPValidationError):
+    """More than one ``DistributedModel`` was created in one process."""
+
+
+class FwdExecutionNotInStepFnError(SMPValidationError):
+    """The distributed model's forward ran outside an ``@smp.step`` function."""
+
+
+class BwdExecutionNotInStepFnError(SMPValidationError):
+    """``model.backward`` ran outside an ``@smp.step`` function."""
+
+
+class ModelNotPartitionedError(SMPValidationError):
+    """An operation needs the model partitioned, which happens in the first step."""
+
+
+class DistributedModelNotWrappedError(SMPValidationError):
+    """An operation needs the model wrapped in ``DistributedModel`` first."""
+
+
+class DistributedModelWrappedError(SMPValidationError):
+    """An operation must happen before the model is wrapped in ``DistributedModel``."""
+
+
+class StepFunctionCalledError(SMPValidationError):
+    """An operation must happen before the first ``@smp.step`` call."""
+
+
+class InvalidPartitionIDError(SMPValidationError):
+    """A partition index outside ``[0, pipeline_parallel_degree)``."""
+
+
+class CheckpointingConfigError(SMPValidationError):
+    """Invalid activation checkpointing arguments."""
+
+
+class DistEmbeddingConfigError(SMPValidationError):
+    """Invalid ``DistributedEmbedding`` arguments."""
+
+
+class DistTransformerConfigError(SMPValidationError):
+    """Invalid distributed transformer arguments."""
+
+
+class SMPCheckpointError(SMPValidationError):
+    """A checkpoint cannot be saved or loaded as asked."""
+
+
+class MissingCheckpointFilesError(SMPCheckpointError):
+    """Some of the partial checkpoint files for this layout are missing."""
+
+
+class IncompatibleCheckpointRankFoundError(SMPCheckpointError):
+    """A partial checkpoint file belongs to a rank that does not exist in this layout."""
+
+
+class IncompatibleCheckpointFoundError(SMPCheckpointError):
+    """A checkpoint was written for a layout or format that cannot be loaded here."""
+
+
+# ----------------------------------------------------------------------------- unsupported errors
+class UnsupportedTPModuleError(SMPUnsupportedError):
+    """The module has no tensor-parallel implementation."""
+
+
+class TPModuleRegisterError(SMPUnsupportedError):
+    """A tensor-parallel registration names a class that is not a ``DistributedModule``."""
+
+
+class NotSupportedByFastModeError(SMPUnsupportedError):
+    """The graph changed between steps, which fast mode does not support; set 'fast_mode' to False."""
+
+
+class DelayedParamDeviceError(SMPUnsupportedError):
+    """Parameter must be on CPU for delayed initialization."""
+
+
+class MultipleDtypeOptShardingError(SMPUnsupportedError):
+    """Optimizer state sharding needs one dtype across all parameters."""
+
+
+class DDPNotEnabledError(SMPUnsupportedError):
+    """The operation needs data parallelism (the ``ddp`` config key) enabled."""
+
+
+# --------------------------------------------------------------------------------- runtime errors
+class TensorSplitError(SMPRuntimeError):
+    """Step inputs cannot be split into microbatches as asked."""

@@ -1,0 +1,176 @@
+"""Reused multi-process worlds for the tests.
+
+Starting a fresh MPI world costs seconds on these machines (importing torch, starting gloo), so each
+world size gets one pool, started on first use under mpiexec and kept for the whole session. A test
+sends a module-level function; every rank runs fn(world, *args, **kwargs) and the per-rank results
+come back in rank order. A failure on any rank, or a rank that does not answer within the timeout,
+fails the test with that rank's traceback; the pool is then killed and restarted for the next test,
+since its processes may be stuck in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection, Listener, wait
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT = 120.0
+FAILURE_GRACE = 3.0  # after one rank fails, how long to wait for the others' own errors
+
+
+class WorldFailure(AssertionError):
+    """A distributed test body failed or timed out on at least one rank."""
+
+
+def mpiexec() -> str:
+    found = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    if found is None:
+        raise RuntimeError("mpiexec not found; install it with `pip install mpich`")
+    return found
+
+
+class Pool:
+    """n ranks under one mpiexec, serving test functions until closed."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._task = 0
+        authkey = secrets.token_bytes(16)
+        self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        host, port = self._listener.address
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "tests._worker", host, str(port), authkey.hex()]
+        self._proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+        self._conns: list[Connection] = []
+        ready: queue.Queue[tuple[int, Connection] | BaseException] = queue.Queue()
+        threading.Thread(target=self._accept, args=(ready,), daemon=True).start()
+        by_rank: dict[int, Connection] = {}
+        deadline = time.monotonic() + START_TIMEOUT
+        while len(by_rank) < n:
+            try:
+                item = ready.get(timeout=0.2)
+            except queue.Empty:
+                if time.monotonic() > deadline or not self.alive():
+                    self.kill()
+                    raise WorldFailure(
+                        f"the {n}-rank test world did not start (mpiexec rc={self._proc.poll()})"
+                    ) from None
+                continue
+            if isinstance(item, BaseException):
+                self.kill()
+                raise WorldFailure(f"the {n}-rank test world did not start: {item!r}")
+            by_rank[item[0]] = item[1]
+        self._conns = [by_rank[r] for r in range(n)]
+
+    def _accept(self, ready: queue.Queue[tuple[int, Connection] | BaseException]) -> None:
+        try:
+            for _ in range(self.n):
+                conn = self._listener.accept()
+                tag, rank = conn.recv()
+                assert tag == "ready", tag
+                ready.put((rank, conn))
+        except BaseException as exc:  # the listener was closed because the start failed
+            ready.put(exc)
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+        self._task += 1
+        task = (self._task, fn.__module__, fn.__qualname__, args, kwargs)
+        for conn in self._conns:
+            conn.send(task)
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        by_conn = {id(c): r for r, c in enumerate(self._conns)}
+        deadline = time.monotonic() + timeout
+        pending = list(self._conns)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for conn in wait(pending, timeout=left):
+                rank = by_conn[id(conn)]  # type: ignore[arg-type]
+                pending.remove(conn)  # type: ignore[arg-type]
+                try:
+                    task_id, status, payload = conn.recv()  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    errors[rank] = "rank died (its process exited or was killed)"
+                    continue
+                assert task_id == self._task
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    errors[rank] = payload
+            if errors:
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
+            if not self.alive() and pending:
+                for conn in pending:
+                    errors.setdefault(by_conn[id(conn)], "rank died (mpiexec exited)")
+                break
+        if errors or pending:
+            self.kill()
+            parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
+            hung = sorted(by_conn[id(c)] for c in pending if by_conn[id(c)] not in errors)
+            if hung:
+                reason = "after another rank failed" if errors else f"within {timeout:.0f}s"
+                parts.append(f"--- ranks {hung} did not answer {reason} ---")
+            raise WorldFailure(f"{fn.__qualname__} failed on {self.n} ranks:\n" + "\n".join(parts))
+        return [results[r] for r in range(self.n)]
+
+    def close(self) -> None:
+        if not self.alive():
+            return
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        try:
+            self._proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self._listener.close()
+
+    def kill(self) -> None:
+        if self.alive():
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._proc.wait()
+        for conn in self._conns:
+            conn.close()
+        self._listener.close()
+
+
+class Worlds:
+    """One reused pool per world size."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, Pool] = {}
+
+    def run(self, n: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+        """Run fn(world, *args, **kwargs) on n ranks; returns the results in rank order."""
+        pool = self._pools.get(n)
+        if pool is None or not pool.alive():
+            pool = self._pools[n] = Pool(n)
+        return pool.run(fn, *args, timeout=timeout, **kwargs)
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()

@@ -1,0 +1,61 @@
+"""A rank of the reused test world: started once per world size under mpiexec by tests/_harness.py.
+
+It starts the mp_comm world once, then runs the functions the pytest process sends, one at a time,
+each called as fn(world, *args, **kwargs), and sends back the result or the formatted traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import traceback
+from multiprocessing.connection import Client
+from typing import Any
+
+
+def _resolve(module: str, qualname: str) -> Any:
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _reset_facade() -> None:
+    # Tests that go through `smp.init` leave the facade's state behind; clear it between tasks.
+    facade = sys.modules.get("mp")
+    reset = getattr(facade, "reset", None)
+    if callable(reset):
+        reset()
+
+
+def main() -> None:
+    host, port, authkey = sys.argv[1], int(sys.argv[2]), bytes.fromhex(sys.argv[3])
+    from mp_comm.world import init_world
+
+    world = init_world()
+    conn = Client((host, port), authkey=authkey)
+    conn.send(("ready", world.rank))
+    while True:
+        task = conn.recv()
+        if task is None:
+            break
+        task_id, module, qualname, args, kwargs = task
+        try:
+            result = _resolve(module, qualname)(world, *args, **kwargs)
+            reply = (task_id, "ok", result)
+        except BaseException:
+            reply = (task_id, "error", traceback.format_exc())
+        try:
+            _reset_facade()
+        except BaseException:
+            reply = (task_id, "error", "reset after the task failed:\n" + traceback.format_exc())
+        try:
+            conn.send(reply)
+        except Exception:
+            conn.send((task_id, "error", "the result could not be pickled:\n" + traceback.format_exc()))
+    conn.close()
+    world.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""The test harness itself: results come back in rank order, failures and hangs fail fast."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._harness import WorldFailure
+
+
+def _allreduce(world: Any, scale: float) -> list[float]:
+    x = torch.full((3,), float(world.rank + 1)) * scale
+    dist.all_reduce(x)
+    return x.tolist()
+
+
+def _rank_and_size(world: Any) -> tuple[int, int, int]:
+    return world.rank, world.size, world.info.local_size
+
+
+def _fail_on_rank_1(world: Any) -> None:
+    if world.rank == 1:
+        raise ValueError("boom on rank one")
+    dist.barrier()  # rank 0 would wait here forever without the harness
+
+
+def _hang(world: Any) -> None:
+    time.sleep(3600)
+
+
+def test_results_come_back_in_rank_order(worlds: Any) -> None:
+    assert worlds.run(2, _rank_and_size) == [(0, 2, 2), (1, 2, 2)]
+    assert worlds.run(2, _allreduce, 2.0) == [[6.0] * 3, [6.0] * 3]
+
+
+def test_four_ranks(worlds: Any) -> None:
+    assert worlds.run(4, _allreduce, scale=1.0) == [[10.0] * 3] * 4
+
+
+def test_failure_on_one_rank_names_it_and_does_not_hang(worlds: Any) -> None:
+    start = time.monotonic()
+    with pytest.raises(WorldFailure, match=r"(?s)rank 1.*boom on rank one"):
+        worlds.run(2, _fail_on_rank_1, timeout=60)
+    assert time.monotonic() - start < 30
+    assert worlds.run(2, _rank_and_size)[1] == (1, 2, 2)  # a fresh pool serves the next test
+
+
+def test_hang_times_out(worlds: Any) -> None:
+    with pytest.raises(WorldFailure, match="did not answer within 2s"):
+        worlds.run(2, _hang, timeout=2)
