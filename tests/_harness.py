@@ -11,6 +11,7 @@ since its processes may be stuck in a collective.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import secrets
 import shutil
@@ -91,8 +92,9 @@ class Pool:
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
         self._task += 1
         task = (self._task, fn.__module__, fn.__qualname__, args, kwargs)
+        data = pickle.dumps(task)  # plain pickle: see tests/_worker.py
         for conn in self._conns:
-            conn.send(task)
+            conn.send_bytes(data)
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         by_conn = {id(c): r for r, c in enumerate(self._conns)}
@@ -106,7 +108,7 @@ class Pool:
                 rank = by_conn[id(conn)]  # type: ignore[arg-type]
                 pending.remove(conn)  # type: ignore[arg-type]
                 try:
-                    task_id, status, payload = conn.recv()  # type: ignore[union-attr]
+                    task_id, status, payload = pickle.loads(conn.recv_bytes())  # type: ignore[union-attr]
                 except (EOFError, OSError):
                     errors[rank] = "rank died (its process exited or was killed)"
                     continue
@@ -136,7 +138,7 @@ class Pool:
             return
         for conn in self._conns:
             try:
-                conn.send(None)
+                conn.send_bytes(pickle.dumps(None))
             except OSError:
                 pass
         try:

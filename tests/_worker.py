@@ -7,6 +7,7 @@ each called as fn(world, *args, **kwargs), and sends back the result or the form
 from __future__ import annotations
 
 import importlib
+import pickle
 import sys
 import traceback
 from multiprocessing.connection import Client
@@ -36,7 +37,7 @@ def main() -> None:
     conn = Client((host, port), authkey=authkey)
     conn.send(("ready", world.rank))
     while True:
-        task = conn.recv()
+        task = pickle.loads(conn.recv_bytes())
         if task is None:
             break
         task_id, module, qualname, args, kwargs = task
@@ -49,10 +50,13 @@ def main() -> None:
             _reset_facade()
         except BaseException:
             reply = (task_id, "error", "reset after the task failed:\n" + traceback.format_exc())
+        # Plain pickle, not multiprocessing's: that one shares tensor storage through file
+        # descriptors, which cannot cross to a process that was not forked from this one.
         try:
-            conn.send(reply)
+            data = pickle.dumps(reply)
         except Exception:
-            conn.send((task_id, "error", "the result could not be pickled:\n" + traceback.format_exc()))
+            data = pickle.dumps((task_id, "error", "the result could not be pickled:\n" + traceback.format_exc()))
+        conn.send_bytes(data)
     conn.close()
     world.shutdown()
 

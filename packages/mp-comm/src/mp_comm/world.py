@@ -13,7 +13,7 @@ import enum
 import logging
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,8 +188,13 @@ def init_world(
     backend: str | None = None,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     environ: Mapping[str, str] | None = None,
+    validate: Callable[[WorldInfo], None] | None = None,
 ) -> World:
     """Start (or adopt) the process world. Collective: every rank of the job must call it.
+
+    `validate` sees every rank's WorldInfo once the ranks are known and before any torch process
+    group exists, so a configuration that does not fit the world fails identically on every rank
+    without leaving a half-built world behind.
 
     If torch.distributed is already initialized (a user script that called init_process_group, or
     a second call), the existing default group is adopted and not torn down by `shutdown`.
@@ -215,6 +220,13 @@ def init_world(
     else:
         info = WorldInfo(rank=0, size=1, local_rank=0, local_size=1, node=0, num_nodes=1, launcher=launcher)
 
+    if validate is not None:
+        try:
+            validate(info)
+        except BaseException:
+            if mpi_comm is not None:
+                mpi_comm.Free()
+            raise
     _set_thread_count(info.local_size, env)
     if torch.cuda.is_available():
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())

@@ -10,26 +10,14 @@ in sorted order of the key they are about), so every rank raises the identical e
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from mp.config_schema import (
-    MODEL_KWARGS,
-    UNSUPPORTED_KEYS,
-    WRAPPER_KEYS,
-    KeySpec,
-    check_value,
-    config_error,
-    did_you_mean,
-    show,
-)
-from mp.errors import ConfigError
+from mp.config_rules import alias_conflict, check_rules, log_resolutions, unknown_key
+from mp.config_schema import KeySpec, check_value, config_error, show
 
 __all__ = ["ModelParallelConfig"]
-
-logger = logging.getLogger("mp.config")
 
 _SPEC = "mp.spec"
 PLACEMENTS = ("cluster", "spread", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD")
@@ -40,7 +28,7 @@ def _key(default: object, spec: KeySpec) -> Any:
     return field(default=default, metadata={_SPEC: spec})
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, repr=False)
 class ModelParallelConfig:
     """The smp v1 configuration: pass it (or a dict of the same keys) to ``smp.init``.
 
@@ -49,7 +37,9 @@ class ModelParallelConfig:
     """
 
     # ------------------------------------------------------------------------------- pipeline
-    pipeline_parallel_degree: int = _key(1, KeySpec(kind="int", minimum=1, aliases=("partitions",), example="2"))
+    pipeline_parallel_degree: int = _key(
+        1, KeySpec(kind="int", minimum=1, aliases=("partitions",), example="2")
+    )
     """Number of pipeline stages (model partitions). Alias: ``partitions`` (its name before smp 1.6);
     giving both with different values is an error. smp's docs call it required, its source defaults
     to 1; mp defaults to 1 (no pipelining)."""
@@ -97,7 +87,9 @@ class ModelParallelConfig:
     parallelism. Accepted and informational in mp: mp always reduces gradients over its data-parallel
     groups, so neither ``world size > pp*tp`` nor ``tensor_parallel_degree > 1`` requires it (a
     deliberate relaxation of smp's rules)."""
-    ddp_port: int | None = _key(None, KeySpec(kind="int", minimum=0, maximum=65535, nullable=True, example="29500"))
+    ddp_port: int | None = _key(
+        None, KeySpec(kind="int", minimum=0, maximum=65535, nullable=True, example="29500")
+    )
     """TCP port for the torch.distributed rendezvous (smp source only). None or 0 leaves the choice to
     the launcher (MASTER_PORT). smp required ``ddp`` for it; mp does not (``ddp`` is informational)."""
     ddp_dist_backend: Literal["auto", "nccl", "gloo"] = _key(
@@ -188,7 +180,9 @@ class ModelParallelConfig:
     early. No rule ties it to other keys."""
 
     # ------------------------------------------------------------- other internal smp keys
-    fp32_grad_accumulation: bool = _key(False, KeySpec(kind="bool", key="_fp32_grad_accumulation", example="false"))
+    fp32_grad_accumulation: bool = _key(
+        False, KeySpec(kind="bool", key="_fp32_grad_accumulation", example="false")
+    )
     """Internal smp key ``_fp32_grad_accumulation``: accumulate half-precision gradients in fp32."""
     match_weights: bool = _key(False, KeySpec(kind="bool", key="_match_weights", example="false"))
     """Internal smp key ``_match_weights`` (seen in AWS example configs); accepted for compatibility."""
@@ -218,8 +212,17 @@ class ModelParallelConfig:
             normalized = check_value(key, spec, value)
             if normalized is not value:
                 object.__setattr__(self, name, normalized)
-        _check_rules(self)
-        _log_resolutions(self)
+        check_rules(self)
+        log_resolutions(self)
+
+    def __repr__(self) -> str:
+        """Only the fields that differ from their defaults, in declaration order."""
+        changed = (
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != f.default or type(getattr(self, f.name)) is not type(f.default)
+        )
+        return f"{type(self).__name__}({', '.join(changed)})"
 
     # -------------------------------------------------------------------- derived values
     @property
@@ -301,7 +304,11 @@ class ModelParallelConfig:
     @classmethod
     def aliases(cls) -> dict[str, str]:
         """Every other accepted name, mapped to its config key."""
-        return {alias: key for key, (_, spec) in cls._specs.items() for alias in _aliases(key, spec)}
+        return {
+            alias: key
+            for key, (name, spec) in cls._specs.items()
+            for alias in (*spec.aliases, *((name,) if name != key else ()))
+        }
 
     def to_dict(self) -> dict[str, object]:
         """The config as a JSON-serializable dict of smp keys (None for keys left to derive)."""
@@ -329,8 +336,8 @@ class ModelParallelConfig:
         names = {key: key for key in cls._specs} | cls.aliases()
         for key in sorted(params):
             if key not in names:
-                raise _unknown_key(key, params[key], names)
-        given: dict[str, list[tuple[str, object]]] = {}
+                raise unknown_key(key, params[key], names, len(cls._specs))
+        given: dict[str, list[tuple[str, Any]]] = {}
         for key in sorted(params):
             canonical = names[key]
             name, spec = cls._specs[canonical]
@@ -339,162 +346,12 @@ class ModelParallelConfig:
             (key_a, val_a), *rest = entries
             for key_b, val_b in rest:
                 if val_a != val_b or type(val_a) is not type(val_b):
-                    raise _alias_conflict(key_a, val_a, key_b, val_b)
+                    raise alias_conflict(key_a, val_a, key_b, val_b)
         return cls(**{name: entries[0][1] for name, entries in given.items()})
 
 
-def _aliases(key: str, spec: KeySpec) -> tuple[str, ...]:
-    extra = tuple(a for a in (_field_name(key),) if a != key)
-    return spec.aliases + extra
-
-
-def _field_name(key: str) -> str:
-    return ModelParallelConfig._specs[key][0]
-
-
 ModelParallelConfig._specs = {
-    (f.metadata[_SPEC].key or f.name): (f.name, f.metadata[_SPEC]) for f in dataclasses.fields(ModelParallelConfig)
+    (f.metadata[_SPEC].key or f.name): (f.name, f.metadata[_SPEC])
+    for f in dataclasses.fields(ModelParallelConfig)
 }
-
-
-# --------------------------------------------------------------------------- error builders
-def _unknown_key(key: str, value: object, names: Mapping[str, str]) -> ConfigError:
-    allowed = f"the {len(ModelParallelConfig._specs)} config keys of ModelParallelConfig (docs/config.md)"
-    if key in MODEL_KWARGS:
-        problem = " is an argument of smp.DistributedModel, not a config key"
-        fix = f"remove it from the config and pass smp.DistributedModel(model, {key}={show(value)})"
-    elif key in UNSUPPORTED_KEYS:
-        problem = " is an internal smp key that mp does not support"
-        fix = f"remove it: {UNSUPPORTED_KEYS[key]}"
-    elif key in WRAPPER_KEYS:
-        problem = " belongs to the SageMaker 'distribution' nesting, not to the parameters"
-        fix = "pass the whole dict to smp.init / mp.config.load_config (which unwrap it), or only its 'parameters'"
-    else:
-        close = did_you_mean(key, names)
-        problem = " is not a config key"
-        if close is not None:
-            problem += f"; did you mean '{close}'?"
-            fix = f"rename '{key}' to '{close}'"
-        else:
-            fix = f"remove '{key}'; the keys are listed in docs/config.md"
-    message = f"unknown config key '{key}' (value {show(value)}):{problem}. Allowed: {allowed}. Fix: {fix}"
-    return ConfigError(message, key=key, value=value, allowed=allowed, fix=fix)
-
-
-def _alias_conflict(key_a: str, val_a: object, key_b: str, val_b: object) -> ConfigError:
-    allowed = f"only one of '{key_a}' and '{key_b}' (they are the same setting), or both with the same value"
-    fix = f"remove '{key_a}' or '{key_b}'"
-    message = (
-        f"config keys '{key_a}' and '{key_b}' name the same setting but got different values: "
-        f"'{key_a}' = {show(val_a)}, '{key_b}' = {show(val_b)}. Allowed: {allowed}. Fix: {fix}"
-    )
-    return ConfigError(message, key=key_a, value=val_a, allowed=allowed, fix=fix)
-
-
-def _rule_error(key: str, value: object, problem: str, allowed: str, fix: str) -> ConfigError:
-    return config_error(key, value, problem, allowed, fix)
-
-
-# ---------------------------------------------------------------------------- cross-key rules
-def _check_rules(c: ModelParallelConfig) -> None:
-    """The rules between keys, in sorted order of the key each is about."""
-    if c.active_microbatches is not None and c.active_microbatches > c.microbatches:
-        raise _rule_error(
-            "active_microbatches",
-            c.active_microbatches,
-            f", more than 'microbatches' ({c.microbatches})",
-            f"an int from 1 to microbatches ({c.microbatches}), or null for min(pp + 2, microbatches)",
-            f"lower 'active_microbatches' to at most {c.microbatches}, raise 'microbatches' to at least "
-            f"{c.active_microbatches}, or leave 'active_microbatches' out",
-        )
-    if not c.auto_partition and c.default_partition is None:
-        raise _rule_error(
-            "auto_partition",
-            False,
-            " without 'default_partition'",
-            "auto_partition false only together with 'default_partition' (the partition of modules "
-            "outside any smp.partition context)",
-            "add 'default_partition': 0 (or another index below pipeline_parallel_degree), or set "
-            "'auto_partition' to true",
-        )
-    if c.bf16 and (c.fp16 or c.fp16_params):
-        other = "fp16" if c.fp16 else "fp16_params"
-        raise _rule_error(
-            "bf16",
-            True,
-            f" together with '{other}': true",
-            "bf16 true only with fp16 false and fp16_params false (one half-precision type per run)",
-            f"choose one: set '{other}' to false (or remove it) to train in bf16, or set 'bf16' to false",
-        )
-    if c.ddp and c.horovod:
-        raise _rule_error(
-            "ddp",
-            True,
-            " together with 'horovod': true",
-            "at most one of ddp and horovod (two data-parallel frameworks)",
-            "remove 'horovod' (mp does data parallelism itself; horovod is smp's TensorFlow option)",
-        )
-    if c.default_partition is not None and c.default_partition >= c.pipeline_parallel_degree:
-        pp = c.pipeline_parallel_degree
-        raise _rule_error(
-            "default_partition",
-            c.default_partition,
-            f", not a partition index for pipeline_parallel_degree {pp}",
-            f"a partition index from 0 to {pp - 1} (below pipeline_parallel_degree)",
-            f"set 'default_partition' below {pp}, or raise 'pipeline_parallel_degree' to at least "
-            f"{c.default_partition + 1}",
-        )
-    if c.load_partition and c.partition_file is None:
-        raise _rule_error(
-            "load_partition",
-            True,
-            " without 'partition_file'",
-            "load_partition true only together with 'partition_file'",
-            "add 'partition_file': the path of the saved partition, or set 'load_partition' to false",
-        )
-    if c.prescaled_batch and c.optimize != "speed":
-        raise _rule_error(
-            "prescaled_batch",
-            True,
-            f" with 'optimize': {c.optimize!r}",
-            "prescaled_batch true only with optimize 'speed'",
-            "add 'optimize': 'speed' (smp's documented default is 'memory'), or set 'prescaled_batch' to false",
-        )
-    sdp = c.sharded_data_parallel_degree
-    if c.shard_optimizer_state and sdp > 1:
-        raise _rule_error(
-            "shard_optimizer_state",
-            True,
-            f" together with 'sharded_data_parallel_degree': {sdp}",
-            "shard_optimizer_state true only with sharded_data_parallel_degree 1",
-            "remove 'shard_optimizer_state' (sharded data parallelism shards optimizer state itself), or "
-            "set 'sharded_data_parallel_degree' to 1",
-        )
-    for other, degree in (
-        ("pipeline_parallel_degree", c.pipeline_parallel_degree),
-        ("tensor_parallel_degree", c.tensor_parallel_degree),
-    ):
-        if sdp > 1 and degree > 1:
-            raise _rule_error(
-                "sharded_data_parallel_degree",
-                sdp,
-                f" together with '{other}': {degree}",
-                "sharded_data_parallel_degree > 1 only with pipeline_parallel_degree 1 and "
-                "tensor_parallel_degree 1",
-                f"set '{other}' to 1 to use sharded data parallelism, or set "
-                "'sharded_data_parallel_degree' to 1",
-            )
-
-
-def _log_resolutions(c: ModelParallelConfig) -> None:
-    if c.fp16_params:
-        logger.warning("config key 'fp16_params' is deprecated in smp; use 'fp16': true instead")
-    if c.resolved_pipeline != c.pipeline:
-        logger.info(
-            "pipeline 'simple' needs every microbatch active, but active_microbatches=%d < microbatches=%d: "
-            "using the 'interleaved' pipeline",
-            c.resolved_active_microbatches,
-            c.microbatches,
-        )
-    if c.checkpoint_attentions and c.pipeline_parallel_degree > 1:
-        logger.info("checkpoint_attentions is disabled because pipeline_parallel_degree > 1")
+"""Per smp key: the field name and the spec, in declaration order."""

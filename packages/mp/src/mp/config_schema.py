@@ -207,8 +207,8 @@ def _as_number(spec: KeySpec, value: object) -> int | float | None:
     if spec.kind == "float":
         try:
             return float(value)
-        except OverflowError:  # an int too large for a float
-            return math.inf if value > 0 else -math.inf
+        except OverflowError:  # an int too large for a float: out of range either way
+            return math.inf
     if isinstance(value, numbers.Integral):
         return int(value)
     if spec.integral_float and isinstance(value, float) and math.isfinite(value) and value.is_integer():
@@ -217,9 +217,13 @@ def _as_number(spec: KeySpec, value: object) -> int | float | None:
 
 
 def _check_bounds(key: str, spec: KeySpec, value: object, number: float, allowed: str) -> None:
-    if isinstance(number, float) and not math.isfinite(number):
+    if isinstance(value, float) and not math.isfinite(value):
         raise config_error(
-            key, value, " which is not finite", allowed, f"set '{key}' to a finite number, e.g. {spec.example}"
+            key,
+            value,
+            " which is not finite",
+            allowed,
+            f"set '{key}' to a finite number, e.g. {spec.example}",
         )
     low_ok = (spec.minimum is None or number >= spec.minimum) and (
         spec.exclusive_minimum is None or number > spec.exclusive_minimum

@@ -1,0 +1,491 @@
+"""Autograd-aware collectives over an explicit process group.
+
+These are the communication primitives of smp's distributed modules (its Appendix I.6) and of tensor
+parallelism in general; each is a ``torch.autograd.Function`` whose backward is the collective the
+chain rule asks for. The group is always an argument, never a global:
+
+============================  ====================================  =====================================
+function                      forward                               backward
+============================  ====================================  =====================================
+``all_reduce``                sum over the group (Megatron's *g*)   identity, or all-reduce (``grad=``)
+``all_reduce_backward``       identity (Megatron's *f*)             all-reduce
+``all_gather(dim)``           concatenate every rank's tensor       slice, or reduce-scatter (``grad=``)
+``reduce_scatter(dim)``       sum, keep this rank's slice           all-gather
+``split(dim)``                keep this rank's slice                all-gather
+``all_to_all(split, concat)`` chunk ``split`` out, concat received  the inverse all-to-all
+============================  ====================================  =====================================
+
+Which backward is right depends on who consumes the output. A *replicated* consumer (every rank runs
+the same computation on the same tensor and the loss counts it once) hands back the full gradient on
+every rank, so the all-reduce backward is the identity and the all-gather backward a slice. A *sharded*
+consumer (each rank computes something different from it) hands back a partial gradient per rank,
+so those backwards must sum: ``grad="all_reduce"`` and ``grad="reduce_scatter"``.
+
+The ``*_async`` variants launch the forward collective with ``async_op=True`` and return a
+:class:`CollectiveHandle`; ``handle.wait()`` gives the output (part of the autograd graph) once it has
+arrived, so computation issued in between overlaps the communication.
+
+Backends that lack an operation (older gloo lacks reduce-scatter and all-to-all) get it from the
+primitives they have: all-gather from the list form, reduce-scatter from an all-reduce and a slice,
+all-to-all from point-to-point sends. The first call that finds an operation unsupported records it
+for that backend, so all ranks of a group take the same path; :func:`use_fallback` forces a fallback
+(to test it against the native operation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from mp_comm.errors import CollectiveError
+
+__all__ = [
+    "FALLBACK_OPS",
+    "CollectiveHandle",
+    "all_gather",
+    "all_gather_async",
+    "all_reduce",
+    "all_reduce_async",
+    "all_reduce_backward",
+    "all_to_all",
+    "all_to_all_async",
+    "group_rank",
+    "group_size",
+    "reduce_scatter",
+    "reduce_scatter_async",
+    "split",
+    "use_fallback",
+]
+
+log = logging.getLogger(__name__)
+
+#: The operations that have a fallback built from other primitives.
+FALLBACK_OPS: Final = frozenset({"all_gather", "reduce_scatter", "all_to_all"})
+
+_unsupported: set[tuple[str, str]] = set()  # (backend, op) found unsupported at run time
+_forced: set[str] = set()
+
+
+def group_size(group: dist.ProcessGroup) -> int:
+    """Number of ranks in ``group``."""
+    return dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup) -> int:
+    """This process's rank inside ``group``."""
+    return dist.get_rank(group)
+
+
+@contextlib.contextmanager
+def use_fallback(*ops: str) -> Iterator[None]:
+    """Within the block, run ``ops`` (names from :data:`FALLBACK_OPS`) by their fallbacks on every backend."""
+    unknown = set(ops) - FALLBACK_OPS
+    if unknown:
+        raise CollectiveError(
+            f"use_fallback got {sorted(unknown)}: expected names from {sorted(FALLBACK_OPS)}; "
+            "pass only operations that have a fallback."
+        )
+    added = set(ops) - _forced
+    _forced.update(added)
+    try:
+        yield
+    finally:
+        _forced.difference_update(added)
+
+
+class CollectiveHandle:
+    """A collective in flight. :meth:`wait` blocks until it is done and returns its output."""
+
+    def __init__(
+        self, result: Tensor, works: Sequence[dist.Work] = (), finalize: Callable[[], object] | None = None
+    ) -> None:
+        self._result = result
+        self._works = list(works)
+        self._finalize = finalize
+
+    def wait(self) -> Tensor:
+        """Wait for the communication (idempotent) and return the output tensor."""
+        for work in self._works:
+            work.wait()
+        self._works.clear()
+        if self._finalize is not None:
+            finalize, self._finalize = self._finalize, None
+            with torch.no_grad():
+                finalize()
+        return self._result
+
+    def is_completed(self) -> bool:
+        """True once :meth:`wait` would not block."""
+        return all(work.is_completed() for work in self._works)
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def _dim(x: Tensor, dim: int, op: str) -> int:
+    if not -x.dim() <= dim < max(x.dim(), 1):
+        raise CollectiveError(
+            f"{op}: dim={dim} is out of range for a tensor of shape {tuple(x.shape)}; "
+            f"pass a dim in [{-x.dim()}, {x.dim() - 1}]."
+        )
+    return dim % x.dim()
+
+
+def _chunk(x: Tensor, dim: int, n: int, op: str) -> int:
+    size = x.shape[dim]
+    if size % n:
+        raise CollectiveError(
+            f"{op}: dim {dim} of the tensor of shape {tuple(x.shape)} has size {size}, which the group "
+            f"size {n} does not divide; pad dim {dim} to a multiple of {n} or use a group whose size "
+            "divides it."
+        )
+    return size // n
+
+
+def _native(op: str, group: dist.ProcessGroup, call: Callable[[], dist.Work | None]) -> tuple[bool, Any]:
+    """Run the native collective unless the backend lacks it; (ran, work)."""
+    backend = str(dist.get_backend(group))
+    if op in _forced or (backend, op) in _unsupported:
+        return False, None
+    try:
+        return True, call()
+    except (RuntimeError, NotImplementedError, AttributeError) as exc:
+        text = str(exc).lower()
+        if not isinstance(exc, NotImplementedError) and not any(
+            marker in text for marker in ("not support", "unsupported", "not implemented", "has no attribute")
+        ):
+            raise
+        _unsupported.add((backend, op))
+        log.info("backend %s lacks %s (%s); using the fallback from other collectives", backend, op, exc)
+        return False, None
+
+
+def _first_attr(*names: str) -> Callable[..., Any]:
+    for name in names:
+        found = getattr(dist, name, None)
+        if found is not None:
+            return found  # type: ignore[no-any-return]
+    raise AttributeError(f"torch.distributed has no attribute {' or '.join(names)}")
+
+
+# ------------------------------------------------------------------------- raw (no autograd) ops
+
+
+def _raw_all_reduce(x: Tensor, group: dist.ProcessGroup, async_op: bool) -> CollectiveHandle:
+    out = x.contiguous().clone()
+    work = dist.all_reduce(out, group=group, async_op=async_op)
+    return CollectiveHandle(out, [work] if work is not None else [])
+
+
+def _moved_back(buf: Tensor, dim: int, works: list[dist.Work], async_op: bool) -> CollectiveHandle:
+    """The handle whose result is ``buf`` with dim 0 moved to ``dim``, as a tensor of its own (not a view)."""
+    if dim == 0:
+        return CollectiveHandle(buf, works)
+    result = buf.new_empty(buf.movedim(0, dim).shape)
+    handle = CollectiveHandle(result, works, lambda: result.copy_(buf.movedim(0, dim)))
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def _raw_all_gather(x: Tensor, dim: int, group: dist.ProcessGroup, async_op: bool) -> CollectiveHandle:
+    n = group_size(group)
+    inp = x.movedim(dim, 0).contiguous()
+    buf = inp.new_empty((n * inp.shape[0], *inp.shape[1:]))
+    ran, work = _native(
+        "all_gather",
+        group,
+        lambda: _first_attr("all_gather_single", "all_gather_into_tensor")(
+            buf, inp, group=group, async_op=async_op
+        ),
+    )
+    if not ran:
+        work = dist.all_gather(list(buf.chunk(n)), inp, group=group, async_op=async_op)
+    return _moved_back(buf, dim, [work] if work is not None else [], async_op)
+
+
+def _raw_reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup, async_op: bool) -> CollectiveHandle:
+    n = group_size(group)
+    inp = x.movedim(dim, 0).contiguous()
+    out = inp.new_empty((inp.shape[0] // n, *inp.shape[1:]))
+    ran, work = _native(
+        "reduce_scatter",
+        group,
+        lambda: _first_attr("reduce_scatter_single", "reduce_scatter_tensor")(
+            out, inp, group=group, async_op=async_op
+        ),
+    )
+    if ran:
+        return _moved_back(out, dim, [work] if work is not None else [], async_op)
+    # Fallback: all-reduce everything, keep this rank's slice.
+    full = inp.clone()
+    work = dist.all_reduce(full, group=group, async_op=async_op)
+    start = group_rank(group) * out.shape[0]
+    result = out.new_empty(out.movedim(0, dim).shape)
+    handle = CollectiveHandle(
+        result,
+        [work] if work is not None else [],
+        lambda: result.copy_(full.narrow(0, start, out.shape[0]).movedim(0, dim)),
+    )
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def _raw_all_to_all(
+    x: Tensor, split_dim: int, concat_dim: int, group: dist.ProcessGroup, async_op: bool
+) -> CollectiveHandle:
+    n = group_size(group)
+    inp = x.movedim(split_dim, 0).contiguous()  # chunk k of dim 0 goes to rank k
+    buf = torch.empty_like(inp)  # chunk k of dim 0 comes from rank k
+    ran, work = _native(
+        "all_to_all", group, lambda: dist.all_to_all_single(buf, inp, group=group, async_op=async_op)
+    )
+    if ran:
+        works = [work] if work is not None else []
+    else:
+        me = group_rank(group)
+        recv, send = list(buf.chunk(n)), list(inp.chunk(n))
+        recv[me].copy_(send[me])
+        ops = []
+        for peer in range(n):
+            if peer != me:
+                peer_global = dist.get_global_rank(group, peer)
+                ops.append(dist.P2POp(dist.isend, send[peer], peer_global, group))
+                ops.append(dist.P2POp(dist.irecv, recv[peer], peer_global, group))
+        works = dist.batch_isend_irecv(ops) if ops else []
+    shape = list(x.shape)
+    shape[split_dim] //= n
+    shape[concat_dim] *= n
+    result = x.new_empty(shape)
+
+    def finalize() -> None:
+        pieces = [chunk.movedim(0, split_dim) for chunk in buf.chunk(n)]
+        torch.cat(pieces, dim=concat_dim, out=result)
+
+    handle = CollectiveHandle(result, works, finalize)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+# ----------------------------------------------------------------------------- autograd Functions
+
+
+@dataclass(eq=False)
+class _Call:
+    """The non-tensor arguments of one collective call; carries an async forward's handle back out."""
+
+    group: dist.ProcessGroup
+    dim: int = 0
+    dim2: int = 0  # all_to_all: the concat dim
+    grad: str = ""
+    size: int = 0  # split: the slice length
+    is_async: bool = False
+    handle: CollectiveHandle | None = None
+
+    def launch(self, handle: CollectiveHandle) -> Tensor:
+        if not self.is_async:
+            return handle.wait()
+        self.handle = handle
+        return handle._result
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, call: _Call) -> Tensor:
+        ctx.call = call
+        return call.launch(_raw_all_reduce(x, call.group, call.is_async))
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, None]:
+        if ctx.call.grad == "identity":
+            return g, None
+        return _raw_all_reduce(g, ctx.call.group, False).wait(), None
+
+
+class _AllReduceBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, call: _Call) -> Tensor:
+        ctx.call = call
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, None]:
+        return _raw_all_reduce(g, ctx.call.group, False).wait(), None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, call: _Call) -> Tensor:
+        ctx.call, ctx.size = call, x.shape[call.dim]
+        return call.launch(_raw_all_gather(x, call.dim, call.group, call.is_async))
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, None]:
+        call: _Call = ctx.call
+        if call.grad == "slice":
+            return g.narrow(call.dim, group_rank(call.group) * ctx.size, ctx.size).contiguous(), None
+        return _raw_reduce_scatter(g, call.dim, call.group, False).wait(), None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, call: _Call) -> Tensor:
+        ctx.call = call
+        return call.launch(_raw_reduce_scatter(x, call.dim, call.group, call.is_async))
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, None]:
+        return _raw_all_gather(g, ctx.call.dim, ctx.call.group, False).wait(), None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, call: _Call) -> Tensor:
+        ctx.call = call
+        start = group_rank(call.group) * call.size
+        return x.narrow(call.dim, start, call.size).clone(memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, None]:
+        return _raw_all_gather(g, ctx.call.dim, ctx.call.group, False).wait(), None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, call: _Call) -> Tensor:
+        ctx.call = call
+        return call.launch(_raw_all_to_all(x, call.dim, call.dim2, call.group, call.is_async))
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, None]:
+        call: _Call = ctx.call
+        return _raw_all_to_all(g, call.dim2, call.dim, call.group, False).wait(), None
+
+
+def _apply(function: type[torch.autograd.Function], x: Tensor, call: _Call) -> Tensor:
+    out: Tensor = function.apply(x, call)  # type: ignore[no-untyped-call]
+    return out
+
+
+# ------------------------------------------------------------------------------------- public API
+
+AllReduceGrad = Literal["identity", "all_reduce"]
+AllGatherGrad = Literal["slice", "reduce_scatter"]
+
+
+def _mode(value: str, allowed: tuple[str, ...], op: str) -> str:
+    if value not in allowed:
+        raise CollectiveError(f"{op}: grad={value!r} is not one of {allowed}; pass one of them.")
+    return value
+
+
+def _all_reduce(x: Tensor, call: _Call) -> Tensor:
+    _mode(call.grad, ("identity", "all_reduce"), "all_reduce")
+    return x if group_size(call.group) == 1 else _apply(_AllReduce, x, call)
+
+
+def all_reduce(x: Tensor, group: dist.ProcessGroup, *, grad: AllReduceGrad = "identity") -> Tensor:
+    """Sum ``x`` over ``group``. Backward: identity (replicated consumers) or all-reduce (sharded ones)."""
+    return _all_reduce(x, _Call(group, grad=grad))
+
+
+def all_reduce_backward(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Identity in forward; sums the gradient over ``group`` in backward (smp's ``bwd_allreduce_for_tp``).
+
+    The output is a view of ``x`` made inside a custom Function: clone it before modifying it in place.
+    """
+    return x if group_size(group) == 1 else _apply(_AllReduceBackward, x, _Call(group))
+
+
+def _all_gather(x: Tensor, call: _Call) -> Tensor:
+    call.dim = _dim(x, call.dim, "all_gather")
+    _mode(call.grad, ("slice", "reduce_scatter"), "all_gather")
+    return x if group_size(call.group) == 1 else _apply(_AllGather, x, call)
+
+
+def all_gather(x: Tensor, dim: int, group: dist.ProcessGroup, *, grad: AllGatherGrad = "slice") -> Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in group-rank order (smp's ``fused_allgather_for_tp``).
+
+    Backward: this rank's slice of the gradient (replicated consumers) or the reduce-scatter of it
+    (sharded consumers, as after a sequence-parallel gather).
+    """
+    return _all_gather(x, _Call(group, dim=dim, grad=grad))
+
+
+def _reduce_scatter(x: Tensor, call: _Call) -> Tensor:
+    call.dim = _dim(x, call.dim, "reduce_scatter")
+    n = group_size(call.group)
+    _chunk(x, call.dim, n, "reduce_scatter")
+    return x if n == 1 else _apply(_ReduceScatter, x, call)
+
+
+def reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    """Sum ``x`` over ``group`` and keep this rank's slice along ``dim``; backward all-gathers."""
+    return _reduce_scatter(x, _Call(group, dim=dim))
+
+
+def split(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    """Keep this rank's slice of ``x`` along ``dim`` (no communication); backward all-gathers."""
+    dim = _dim(x, dim, "split")
+    n = group_size(group)
+    size = _chunk(x, dim, n, "split")
+    return x if n == 1 else _apply(_Split, x, _Call(group, dim=dim, size=size))
+
+
+def _all_to_all(x: Tensor, call: _Call) -> Tensor:
+    call.dim = _dim(x, call.dim, "all_to_all")
+    call.dim2 = _dim(x, call.dim2, "all_to_all")
+    n = group_size(call.group)
+    _chunk(x, call.dim, n, "all_to_all")
+    return x if n == 1 else _apply(_AllToAll, x, call)
+
+
+def all_to_all(x: Tensor, split_dim: int, concat_dim: int, group: dist.ProcessGroup) -> Tensor:
+    """Send slice k of ``x`` along ``split_dim`` to rank k; concatenate what arrives along ``concat_dim``.
+
+    smp's ``scatter_and_merge_for_tp``. Backward is the inverse all-to-all (the dims swapped).
+    """
+    return _all_to_all(x, _Call(group, dim=split_dim, dim2=concat_dim))
+
+
+def _async(run: Callable[[Tensor, _Call], Tensor], x: Tensor, call: _Call) -> CollectiveHandle:
+    call.is_async = True
+    out = run(x, call)
+    if call.handle is None:  # a group of one: nothing to wait for
+        return CollectiveHandle(out)
+    return CollectiveHandle(out, call.handle._works, call.handle._finalize)
+
+
+def all_reduce_async(
+    x: Tensor, group: dist.ProcessGroup, *, grad: AllReduceGrad = "identity"
+) -> CollectiveHandle:
+    """:func:`all_reduce`, launched without waiting; ``handle.wait()`` returns its output."""
+    return _async(_all_reduce, x, _Call(group, grad=grad))
+
+
+def all_gather_async(
+    x: Tensor, dim: int, group: dist.ProcessGroup, *, grad: AllGatherGrad = "slice"
+) -> CollectiveHandle:
+    """:func:`all_gather`, launched without waiting; ``handle.wait()`` returns its output."""
+    return _async(_all_gather, x, _Call(group, dim=dim, grad=grad))
+
+
+def reduce_scatter_async(x: Tensor, dim: int, group: dist.ProcessGroup) -> CollectiveHandle:
+    """:func:`reduce_scatter`, launched without waiting; ``handle.wait()`` returns its output."""
+    return _async(_reduce_scatter, x, _Call(group, dim=dim))
+
+
+def all_to_all_async(
+    x: Tensor, split_dim: int, concat_dim: int, group: dist.ProcessGroup
+) -> CollectiveHandle:
+    """:func:`all_to_all`, launched without waiting; ``handle.wait()`` returns its output."""
+    return _async(_all_to_all, x, _Call(group, dim=split_dim, dim2=concat_dim))

@@ -1,0 +1,451 @@
+"""The message format of the point-to-point transports: tensor stubs, metadata first, payloads apart.
+
+An object to send (any picklable Python value: lists, tuples, dicts, dataclasses, HuggingFace
+``ModelOutput``, ``None``, numbers, with tensors nested anywhere) is pickled once with every strided
+``torch.Tensor`` in it replaced by a stub, the tensor's index in the message. The tensors themselves
+travel as raw bytes, each described by a :class:`TensorMeta` (shape, strides, dtype, device,
+requires_grad), which reaches the receiver in the :class:`Header` before any payload so that it can
+allocate the buffers the payloads land in. The receiver unpickles the object with the stubs resolved
+to the received tensors (:func:`decode_object`).
+
+Copies: a tensor whose memory is dense (contiguous, or a permutation of a contiguous layout such as
+a transpose) travels as its own memory, zero-copy for CPU tensors, and arrives with the same strides.
+A view with gaps or overlaps (a slice with a step, an ``expand``) is made contiguous first, and so
+arrives contiguous with the same values. Conjugate and negative views are resolved first.
+
+Static shapes: when a sender repeats a (destination, tag) with identical metadata and static mode is
+on, the header names a slot of the receiver's metadata cache instead of carrying the metadata
+(:class:`MetaCacheSender`, :class:`MetaCacheReceiver`). The sender owns the slot numbers, so the two
+caches agree as long as one sender's headers are processed in order, which every transport ensures.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import logging
+import pickle
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, TypeAlias
+
+import numpy as np
+import torch
+
+from mp_comm.errors import MessageDecodeError, MessageEncodeError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "DeviceMap",
+    "Header",
+    "MetaCacheReceiver",
+    "MetaCacheSender",
+    "Tag",
+    "TensorMeta",
+    "allocate",
+    "byte_view",
+    "decode_header",
+    "decode_object",
+    "default_device_map",
+    "encode_header",
+    "encode_object",
+    "inline_payloads",
+    "is_dense",
+    "land_inline",
+    "numpy_bytes",
+    "wire_tensors",
+]
+
+log = logging.getLogger(__name__)
+
+#: Bumped whenever the header layout changes; a header of another version is refused by name.
+PROTOCOL_VERSION: Final = 1
+
+#: A message tag: an int, a str, or a tuple of those (anything hashable and picklable).
+Tag: TypeAlias = Hashable
+
+_PICKLE_PROTOCOL: Final = pickle.HIGHEST_PROTOCOL
+_DTYPES: Final[dict[str, torch.dtype]] = {
+    str(dt).removeprefix("torch."): dt for dt in vars(torch).values() if isinstance(dt, torch.dtype)
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """What the receiver needs to allocate one tensor before its bytes arrive."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    """Strides of the tensor as it travels (its own for dense tensors, contiguous otherwise)."""
+    dtype: torch.dtype
+    device: str
+    """Device type on the sender: ``"cpu"``, ``"cuda"``, ``"meta"``; the receiver maps it to its own."""
+    requires_grad: bool
+    parameter: bool
+    """The sender's tensor was an ``nn.Parameter``; the receiver rebuilds one."""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of payload on the wire (0 for empty and meta tensors)."""
+        if self.device == "meta":
+            return 0
+        return self.numel * _itemsize(self.dtype)
+
+    def to_wire(self) -> tuple[Any, ...]:
+        return (self.shape, self.stride, str(self.dtype).removeprefix("torch."), self.device, self.flags)
+
+    @property
+    def flags(self) -> int:
+        return int(self.requires_grad) | (int(self.parameter) << 1)
+
+    @classmethod
+    def from_wire(cls, raw: Sequence[Any]) -> TensorMeta:
+        shape, stride, dtype_name, device, flags = raw
+        dtype = _DTYPES.get(dtype_name)
+        if dtype is None:
+            raise ValueError(f"unknown dtype {dtype_name!r} (the sender's torch has it, this one does not)")
+        return cls(tuple(shape), tuple(stride), dtype, device, bool(flags & 1), bool(flags & 2))
+
+
+@functools.cache
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides: list[int] = []
+    acc = 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """True when the tensor's elements fill one gap-free, non-overlapping block of memory."""
+    if t.is_contiguous():
+        return True
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+def _stubbed(obj: object) -> bool:
+    # Strided plain tensors and Parameters travel as payloads; other layouts (sparse, quantized) and
+    # tensor subclasses keep their own pickling.
+    if type(obj) is not torch.Tensor and type(obj) is not torch.nn.Parameter:
+        return False
+    assert isinstance(obj, torch.Tensor)
+    return obj.layout == torch.strided
+
+
+def _wire_tensor(t: torch.Tensor) -> torch.Tensor:
+    w = t.detach()
+    if w.is_conj():
+        w = w.resolve_conj()
+    if w.is_neg():
+        w = w.resolve_neg()
+    if w.numel() == 0:
+        return torch.empty(w.shape, dtype=w.dtype, device=w.device)
+    if not is_dense(w):
+        w = w.contiguous()
+    return w
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The dense memory of `t` as a flat uint8 tensor, without a copy (`t` must be dense)."""
+    assert is_dense(t), "byte_view needs a dense tensor"
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
+
+
+def numpy_bytes(t: torch.Tensor) -> Any:
+    """A writable numpy uint8 array over a dense CPU tensor's memory (no copy), for buffer APIs."""
+    return byte_view(t).numpy()
+
+
+class _StubPickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=_PICKLE_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+        self._index: dict[int, int] = {}
+
+    def persistent_id(self, obj: object) -> int | None:
+        if not _stubbed(obj):
+            return None
+        assert isinstance(obj, torch.Tensor)
+        key = id(obj)
+        index = self._index.get(key)
+        if index is None:  # the same tensor twice travels once and arrives as one object
+            index = self._index[key] = len(self.tensors)
+            self.tensors.append(obj)
+        return index
+
+
+class _StubUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, tensors: Sequence[torch.Tensor]) -> None:
+        super().__init__(file)
+        self._tensors = tensors
+
+    def persistent_load(self, pid: object) -> torch.Tensor:
+        if not isinstance(pid, int) or not 0 <= pid < len(self._tensors):
+            raise pickle.UnpicklingError(
+                f"tensor stub {pid!r} does not name one of {len(self._tensors)} tensors"
+            )
+        return self._tensors[pid]
+
+
+def encode_object(obj: object) -> tuple[bytes, list[torch.Tensor]]:
+    """Pickle `obj` with its tensors replaced by stubs; returns the bytes and the tensors in stub order.
+
+    Raises MessageEncodeError (at once, in the caller's thread) when something in `obj` cannot be
+    pickled; the message names the type of the object and pickle's reason.
+    """
+    buf = io.BytesIO()
+    pickler = _StubPickler(buf)
+    try:
+        pickler.dump(obj)
+    except Exception as exc:
+        raise MessageEncodeError(
+            f"cannot send an object of type {type(obj).__name__}: {type(exc).__name__}: {exc}. Messages "
+            "must be picklable apart from their tensors; replace the offending value (a lambda, a "
+            "lock, an open file, a generator) by plain data."
+        ) from exc
+    return buf.getvalue(), pickler.tensors
+
+
+def wire_tensors(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[TensorMeta]]:
+    """The tensors as they travel (detached and dense: views when already dense), and their metadata."""
+    wires: list[torch.Tensor] = []
+    metas: list[TensorMeta] = []
+    for t in tensors:
+        w = _wire_tensor(t)
+        wires.append(w)
+        stride = tuple(w.stride()) if w.numel() else _contiguous_strides(w.shape)
+        metas.append(
+            TensorMeta(
+                tuple(w.shape),
+                stride,
+                w.dtype,
+                w.device.type,
+                t.requires_grad,
+                isinstance(t, torch.nn.Parameter),
+            )
+        )
+    return wires, metas
+
+
+def decode_object(body: bytes, tensors: Sequence[torch.Tensor]) -> object:
+    """Unpickle a message body, resolving the stubs to the received tensors (may raise anything)."""
+    return _StubUnpickler(io.BytesIO(body), tensors).load()
+
+
+#: Maps a tensor's metadata to the device it is allocated on at the receiver.
+DeviceMap: TypeAlias = Callable[[TensorMeta], torch.device]
+
+
+def default_device_map(meta: TensorMeta) -> torch.device:
+    """CPU stays CPU, meta stays meta; a CUDA tensor lands on this rank's current CUDA device.
+
+    On a rank without CUDA, CUDA tensors arrive on the CPU.
+    """
+    if meta.device == "cuda":
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    if meta.device == "meta":
+        return torch.device("meta")
+    return torch.device("cpu")
+
+
+def allocate(metas: Sequence[TensorMeta], device_map: DeviceMap = default_device_map) -> list[torch.Tensor]:
+    """Empty destination tensors for the metadata, with the sender's shapes, strides and dtypes."""
+    out: list[torch.Tensor] = []
+    for m in metas:
+        device = device_map(m)
+        out.append(torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=device))
+    return out
+
+
+def finish_tensors(tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta]) -> list[torch.Tensor]:
+    """Apply requires_grad and Parameter-ness after the payloads have landed."""
+    out: list[torch.Tensor] = []
+    for t, m in zip(tensors, metas, strict=True):
+        if m.parameter:
+            out.append(torch.nn.Parameter(t, requires_grad=m.requires_grad))
+        else:
+            out.append(t.requires_grad_(m.requires_grad) if m.requires_grad else t)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """The first part of every message: the object with stubs and the tensors' metadata.
+
+    `tag` is the user's tag, `order` the sender's per-destination sequence number that the receiving
+    mailbox delivers in (one sender's messages arrive in the order they were sent), `wire` the
+    transport's own per-destination counter (it names the payloads on the wire), `channel` 0 for user
+    messages and another value for a transport's internal traffic. `metas` is None when the metadata
+    comes from the receiver's cache slot `slot` (static mode); a full header with `slot` >= 0 also
+    stores its metadata there. `extra` carries transport-specific fields (UCX's transfer modes).
+    """
+
+    tag: Tag
+    order: int
+    wire: int
+    body: bytes
+    metas: tuple[TensorMeta, ...] | None
+    slot: int = -1
+    channel: int = 0
+    extra: tuple[Any, ...] = ()
+    inline: tuple[int, ...] = ()
+    """Indices of the tensors whose bytes travel inside the header, concatenated in `blob` (small
+    payloads: one message instead of two is cheaper than the copy)."""
+    blob: bytes = b""
+
+
+def encode_header(h: Header) -> bytes:
+    metas = None if h.metas is None else tuple(m.to_wire() for m in h.metas)
+    raw = (
+        PROTOCOL_VERSION,
+        h.tag,
+        h.order,
+        h.wire,
+        h.body,
+        metas,
+        h.slot,
+        h.channel,
+        h.extra,
+        h.inline,
+        h.blob,
+    )
+    return pickle.dumps(raw, protocol=_PICKLE_PROTOCOL)
+
+
+def inline_payloads(
+    tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta], limit: int
+) -> tuple[tuple[int, ...], bytes]:
+    """Which host tensors of at most `limit` bytes travel inside the header, and their bytes."""
+    if limit <= 0:
+        return (), b""
+    index: list[int] = []
+    parts: list[bytes] = []
+    for i, (t, m) in enumerate(zip(tensors, metas, strict=True)):
+        if 0 < m.nbytes <= limit and t.device.type == "cpu":
+            index.append(i)
+            parts.append(numpy_bytes(t).tobytes())
+    return tuple(index), b"".join(parts)
+
+
+def land_inline(header: Header, metas: Sequence[TensorMeta], tensors: Sequence[torch.Tensor]) -> None:
+    """Copy the header's inline payloads into their destination tensors."""
+    offset = 0
+    for i in header.inline:
+        n = metas[i].nbytes
+        src = np.frombuffer(header.blob, dtype=np.uint8, count=n, offset=offset)
+        offset += n
+        dst = tensors[i]
+        if dst.device.type == "cpu":
+            numpy_bytes(dst)[:] = src
+        else:
+            byte_view(dst).copy_(torch.from_numpy(src.copy()).to(dst.device))
+
+
+def decode_header(data: bytes | bytearray | memoryview, *, source: int) -> Header:
+    """Parse a header; a header that cannot be parsed raises MessageDecodeError naming the source."""
+    try:
+        raw = pickle.loads(data)
+        version = raw[0]
+        if version != PROTOCOL_VERSION:
+            raise ValueError(
+                f"protocol version {version!r}, this rank speaks {PROTOCOL_VERSION}; run the same mp-comm "
+                "version on every rank"
+            )
+        _, tag, order, wire, body, metas, slot, channel, extra, inline, blob = raw
+        parsed = None if metas is None else tuple(TensorMeta.from_wire(m) for m in metas)
+        return Header(
+            tag,
+            int(order),
+            int(wire),
+            body,
+            parsed,
+            int(slot),
+            int(channel),
+            tuple(extra),
+            tuple(inline),
+            blob,
+        )
+    except Exception as exc:
+        raise MessageDecodeError(
+            f"a message header from rank {source} cannot be parsed ({len(data)} bytes): "
+            f"{type(exc).__name__}: {exc}",
+            peer=source,
+        ) from exc
+
+
+class MetaCacheSender:
+    """The sender's half of static mode: which cache slot of each receiver holds which metadata.
+
+    `slots` bounds the receiver's cache per sender; the least recently used (destination, tag) gives
+    its slot up when a new one needs room.
+    """
+
+    def __init__(self, slots: int) -> None:
+        if slots < 1:
+            raise ValueError(f"slots={slots}; the static metadata cache needs at least one slot")
+        self._slots = slots
+        self._by_dest: dict[int, OrderedDict[Tag, tuple[int, tuple[TensorMeta, ...]]]] = {}
+
+    def lookup(self, dest: int, tag: Tag, metas: tuple[TensorMeta, ...]) -> tuple[int, bool]:
+        """(slot, hit): on a hit the header omits the metadata; on a miss it stores it in `slot`."""
+        table = self._by_dest.setdefault(dest, OrderedDict())
+        entry = table.get(tag)
+        if entry is not None:
+            slot, cached = entry
+            table.move_to_end(tag)
+            if cached == metas:
+                return slot, True
+            table[tag] = (slot, metas)
+            return slot, False
+        if len(table) < self._slots:
+            slot = len(table)
+        else:
+            _, (slot, _) = table.popitem(last=False)
+        table[tag] = (slot, metas)
+        return slot, False
+
+
+class MetaCacheReceiver:
+    """The receiver's half of static mode: per sender, the metadata stored in each slot."""
+
+    def __init__(self) -> None:
+        self._by_source: dict[int, dict[int, tuple[TensorMeta, ...]]] = {}
+
+    def resolve(self, source: int, header: Header) -> tuple[TensorMeta, ...]:
+        """The header's metadata: stored into the slot if it carries it, else read from the slot."""
+        if header.metas is not None:
+            if header.slot >= 0:
+                self._by_source.setdefault(source, {})[header.slot] = header.metas
+            return header.metas
+        cached = self._by_source.get(source, {}).get(header.slot)
+        if cached is None:
+            raise MessageDecodeError(
+                f"rank {source} sent a static-mode header naming metadata slot {header.slot} for tag "
+                f"{header.tag!r}, but no metadata was stored there; the two ranks' caches disagree "
+                "(were headers processed out of order?)",
+                peer=source,
+            )
+        return cached

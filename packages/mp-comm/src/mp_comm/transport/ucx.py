@@ -1,0 +1,860 @@
+"""The UCX transport (ucxx): one listener per rank, endpoints opened lazily, tag matching.
+
+Install with ``pip install 'mp-comm[ucx]'`` (the ``ucxx-cu12`` wheels). On CPU, UCX moves host memory
+over shared memory (cma, posix, sysv) or tcp; with GPUs it is the device-to-device path of Appendix
+G.2: CUDA IPC between GPUs of one node, GPUDirect RDMA across nodes, chosen by UCX itself.
+
+Every rank listens on one port; the addresses are exchanged once through a :class:`Bootstrap`. An
+endpoint to a peer is opened the first time this rank sends to it, and announces this rank on a
+stream, so that the peer can name whoever goes away. UCX calls are made by the transport's progress
+thread only; it sleeps on the worker's event descriptor (and a pipe that `send` writes to) when idle.
+
+Tags are 64 bits: kind (2) | source rank (22) | wire counter (24) | tensor index (16). A message is
+a header (kind HEADER, matched from any source by a tag probe that removes it: UCX's matched probe)
+followed by one DATA message per tensor payload that is not inline.
+
+Device payloads (by default the device types in `UCXConfig.buffered_devices`, i.e. CUDA) go through
+persistent buffers with a handshake (D2DAllocatorThread's role): the header asks, the receiver
+reserves room in its persistent receive buffer and answers with a CTRL message naming the outcome,
+and only then does the sender send those payloads. The outcomes, agreed by both sides because the
+receiver decides and the sender obeys:
+
+* ``B`` buffered: the payload lands in the receiver's persistent buffer, then is copied to the tensor;
+* ``F`` fallback: no room, and both ranks have a fallback transport (MPI): the payloads go over it;
+* ``D`` direct: no room and no fallback: UCX receives straight into the tensor (registering it).
+
+Across nodes (or always, per `UCXConfig.stage_sends`) the sender also copies a device payload into
+its persistent send buffer before sending, when there is room.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import pickle
+import select
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+import numpy as np
+import torch
+
+from mp_comm.buffers import BufferManager, Region
+from mp_comm.errors import (
+    MessageDecodeError,
+    MessageEncodeError,
+    PeerTimeoutError,
+    TransportClosedError,
+    TransportError,
+    TransportUnavailableError,
+)
+from mp_comm.message import (
+    DeviceMap,
+    Header,
+    TensorMeta,
+    allocate,
+    byte_view,
+    decode_header,
+    decode_object,
+    default_device_map,
+    land_inline,
+    numpy_bytes,
+)
+from mp_comm.transport.base import Mailbox, MessageTransport, OrderCounter, Outgoing, TransportConfig
+from mp_comm.transport.bootstrap import Bootstrap, bootstrap_for_world
+
+__all__ = [
+    "FALLBACK_CHANNEL",
+    "MAX_RANKS",
+    "MAX_TENSORS",
+    "UCXConfig",
+    "UCXTransport",
+    "import_ucxx",
+    "ucx_available",
+]
+
+log = logging.getLogger(__name__)
+
+_HEADER, _DATA, _CTRL = 0, 1, 2
+_KIND_MASK: Final = 3 << 62
+MAX_RANKS: Final = 1 << 22
+MAX_TENSORS: Final = (1 << 16) - 1
+FALLBACK_CHANNEL: Final = 1
+"""The fallback transport's internal channel that carries the payloads the D2D path could not take."""
+
+
+def _tag(kind: int, source: int, wire: int, index: int = 0) -> int:
+    return (kind << 62) | (source << 40) | ((wire & 0xFFFFFF) << 16) | index
+
+
+def _tag_source(tag: int) -> int:
+    return (tag >> 40) & (MAX_RANKS - 1)
+
+
+def _tag_wire(tag: int) -> int:
+    return (tag >> 16) & 0xFFFFFF
+
+
+def import_ucxx() -> tuple[Any, Any]:
+    """(libucxx, Array) from ucxx, or TransportUnavailableError naming the extra to install."""
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    try:
+        from ucxx._lib import libucxx
+        from ucxx._lib.arr import Array
+    except Exception as exc:  # ImportError, or a shared library that fails to load
+        raise TransportUnavailableError(
+            f"the UCX transport needs ucxx, which cannot be imported here ({type(exc).__name__}: {exc}); "
+            "install it with `pip install 'mp-comm[ucx]'` (the ucxx-cu12 wheels), or use the MPI transport."
+        ) from exc
+    return libucxx, Array
+
+
+def ucx_available() -> bool:
+    """Whether ucxx imports here (it may still fail to start; UCXTransport raises then)."""
+    try:
+        import_ucxx()
+    except TransportUnavailableError:
+        return False
+    return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class UCXConfig:
+    """Settings of the UCX transport (the shared ones are in TransportConfig)."""
+
+    host: str | None = None
+    """Address at which the other ranks reach this rank's listener. None: 127.0.0.1 when all ranks share
+    one node, else the address this host's name resolves to."""
+    port: int = 0
+    """Listener port; 0 picks a free one."""
+    buffered_devices: tuple[str, ...] = ("cuda",)
+    """Device types whose payloads take the D2D path with persistent buffers and the handshake. Adding
+    "cpu" runs that path on host memory (the tests do, on machines without GPUs)."""
+    recv_buffer_bytes: int = 256 << 20
+    """Size of the persistent receive buffer per device type (allocated on first use; 0: no buffer)."""
+    send_buffer_bytes: int = 256 << 20
+    """Size of the persistent send buffer per device type (allocated on first use; 0: no buffer)."""
+    stage_sends: Literal["cross-node", "always", "never"] = "cross-node"
+    """When a buffered payload is first copied into the persistent send buffer (RDMA needs registered
+    source memory; within a node CUDA IPC reads the tensor where it is)."""
+    buffer_alignment: int = 256
+    error_handling: bool = True
+    """Ask UCX to detect failed peers (endpoint error handling); a failed peer raises PeerLostError."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port={self.port}; expected 0 (any free port) or a TCP port number")
+        if self.recv_buffer_bytes < 0 or self.send_buffer_bytes < 0:
+            raise ValueError(
+                f"recv_buffer_bytes={self.recv_buffer_bytes}, send_buffer_bytes={self.send_buffer_bytes}; "
+                "expected sizes >= 0 (0 disables a buffer)"
+            )
+        if self.stage_sends not in ("cross-node", "always", "never"):
+            raise ValueError(f"stage_sends={self.stage_sends!r}; expected 'cross-node', 'always' or 'never'")
+
+
+@dataclass(slots=True)
+class _SendOp:
+    out: Outgoing
+    modes: bytes
+    reqs: list[Any] = field(default_factory=list)
+    keep: list[Any] = field(default_factory=list)
+    regions: list[tuple[BufferManager, Region]] = field(default_factory=list)
+    awaiting: bool = False
+    fallback: Any = None  # the fallback transport's SendHandle
+    ready: Any = None  # CUDA event the payloads must wait for
+
+
+@dataclass(slots=True)
+class _RecvOp:
+    source: int
+    header: Header
+    metas: tuple[TensorMeta, ...]
+    tensors: list[torch.Tensor]
+    reqs: list[Any] = field(default_factory=list)
+    keep: list[Any] = field(default_factory=list)
+    landing: list[tuple[int, BufferManager, Region]] = field(default_factory=list)
+    fallback_index: tuple[int, ...] = ()
+    waiting_fallback: bool = False
+
+
+@dataclass(slots=True)
+class _Incoming:
+    ep: Any
+    hello: Any
+    hello_buf: Any
+    rank: int = -1
+
+
+class UCXTransport(MessageTransport):
+    """Point-to-point messages over UCX. Collective to create and to close, through `bootstrap`."""
+
+    name = "ucx"
+
+    def __init__(
+        self,
+        bootstrap: Bootstrap,
+        *,
+        config: TransportConfig | None = None,
+        ucx: UCXConfig | None = None,
+        node_key: str | None = None,
+        fallback: MessageTransport | None = None,
+        mailbox: Mailbox | None = None,
+        orders: OrderCounter | None = None,
+        device_map: DeviceMap = default_device_map,
+    ) -> None:
+        self._ucx, self._array = import_ucxx()
+        if bootstrap.size > MAX_RANKS:
+            raise TransportUnavailableError(
+                f"the UCX transport supports up to {MAX_RANKS} ranks, not {bootstrap.size}"
+            )
+        super().__init__(
+            bootstrap.rank,
+            bootstrap.size,
+            config=config or TransportConfig(),
+            mailbox=mailbox,
+            orders=orders,
+            device_map=device_map,
+        )
+        self.ucx_config = ucx or UCXConfig()
+        self._bootstrap = bootstrap
+        self._fallback = fallback
+        self._outq: collections.deque[_SendOp] = collections.deque()
+        self._deferred: list[_SendOp] = []
+        self._sends: list[_SendOp] = []
+        self._awaiting: dict[tuple[int, int], _SendOp] = {}
+        self._headers: dict[int, collections.deque[tuple[Any, Any]]] = {}
+        self._recvs: list[_RecvOp] = []
+        self._fallback_wait: dict[tuple[int, int], _RecvOp] = {}
+        self._fallback_in: collections.deque[tuple[int, int, list[torch.Tensor]]] = collections.deque()
+        self._ctrl_reqs: list[tuple[Any, Any]] = []
+        self._eps: dict[int, Any] = {}
+        self._ep_keep: list[Any] = []
+        self._incoming: list[_Incoming] = []
+        self._ep_errors: collections.deque[tuple[int, str]] = collections.deque()
+        self._recv_buffers: dict[str, BufferManager] = {}
+        self._send_buffers: dict[str, BufferManager] = {}
+        self._stream: Any = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._woken = False
+        self._stopping = False
+        self._closing = False
+        self._aborting = False
+        self._ready = False  # set once every rank's address is known
+        self._peers: list[tuple[str, int]] = []
+        self._same_node: list[bool] = []
+        self._error: BaseException | None = None
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._listen_port = 0
+        self._thread = threading.Thread(target=self._run, name=f"mp-comm-ucx-r{self.rank}", daemon=True)
+        self._thread.start()
+        self._started.wait(60.0)
+        if self._start_error is not None or not self._started.is_set():
+            self._closed = True
+            error = self._start_error or TransportError("UCX did not start within 60 s")
+            # Peers are in the allgather below: take part so that they fail too instead of hanging.
+            with contextlib.suppress(Exception):
+                bootstrap.allgather(None)
+            raise TransportUnavailableError(
+                f"the UCX transport cannot start on rank {self.rank}: {error}"
+            ) from error
+        host = self.ucx_config.host or "127.0.0.1"
+        key = node_key if node_key is not None else socket.gethostname()
+        peers = bootstrap.allgather((host, self._listen_port, key))
+        if any(p is None for p in peers):
+            self.abort()
+            raise TransportUnavailableError(
+                f"the UCX transport could not start on ranks {[r for r, p in enumerate(peers) if p is None]}"
+            )
+        keys = [p[2] for p in peers]
+        if self.ucx_config.host is None and len(set(keys)) > 1:
+            # Several nodes: advertise a routable address instead of the loopback one.
+            mine = socket.gethostbyname(socket.gethostname())
+            peers = bootstrap.allgather((mine, self._listen_port, key))
+        self._peers = [(p[0], int(p[1])) for p in peers]
+        self._same_node = [k == key for k in keys]
+        self._ready = True
+        self._wake()
+        if fallback is not None:
+            fallback.register_channel(FALLBACK_CHANNEL, self._on_fallback)
+        log.debug("UCX transport up on rank %d, listening on %s", self.rank, self._peers[self.rank])
+
+    @classmethod
+    def from_world(cls, world: Any, **kwargs: Any) -> UCXTransport:
+        """The transport for a World (collective): addresses go through MPI, or torch.distributed."""
+        kwargs.setdefault("node_key", str(world.info.node))
+        return cls(bootstrap_for_world(world), **kwargs)
+
+    @property
+    def same_node(self) -> list[bool]:
+        """For every rank, whether it shares this rank's node."""
+        return list(self._same_node)
+
+    def recv_buffer(self, device_type: str) -> BufferManager | None:
+        """The persistent receive buffer manager for a device type (None until first used)."""
+        return self._recv_buffers.get(device_type)
+
+    # -- caller side ---------------------------------------------------------------------------------
+
+    def _submit(self, out: Outgoing) -> None:
+        if self._error is not None:
+            raise TransportError(
+                f"the UCX transport of rank {self.rank} has failed: {self._error}"
+            ) from self._error
+        if len(out.tensors) > MAX_TENSORS:
+            raise MessageEncodeError(
+                f"a message to rank {out.dest} with tag {out.tag!r} holds {len(out.tensors)} tensors; "
+                f"the UCX transport carries at most {MAX_TENSORS} per message (use MPI, or split it)",
+                peer=out.dest,
+            )
+        buffered = set(self.ucx_config.buffered_devices)
+        limit = self.config.inline_bytes
+        modes = bytes(
+            (
+                ord("-")
+                if not m.nbytes or (m.nbytes <= limit and t.device.type == "cpu")
+                else ord("H")
+                if t.device.type in buffered
+                else ord("E")
+            )
+            for t, m in zip(out.tensors, out.metas, strict=True)
+        )
+        op = _SendOp(out, modes)
+        if any(t.device.type == "cuda" for t in out.tensors):
+            # The payloads are read by UCX outside any stream: wait for the kernels that produce them.
+            op.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            op.ready.record(torch.cuda.current_stream())
+        self._outq.append(op)
+        self._wake()
+
+    def _wake(self) -> None:
+        if not self._woken:
+            self._woken = True
+            with contextlib.suppress(BlockingIOError):
+                os.write(self._wake_w, b"x")
+
+    def _on_fallback(self, source: int, header: Header, tensors: list[torch.Tensor]) -> None:
+        # Runs on the fallback transport's progress thread: hand over to ours.
+        wire = int(header.tag[1]) if isinstance(header.tag, tuple) else -1
+        payloads = decode_object(header.body, tensors)  # a list of tensors, duplicates kept
+        assert isinstance(payloads, list)
+        self._fallback_in.append((source, wire, payloads))
+        self._wake()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Collective: finish this rank's sends, meet the other ranks, then close every endpoint."""
+        if self._closed:
+            return
+        self._closed = True
+        self._closing = True  # from here on, peers closing their endpoints is expected
+        limit = self.config.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while (self._outq or self._sends or self._deferred) and self._error is None:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(1e-3)
+        pending = len(self._outq) + len(self._sends) + len(self._deferred)
+        met = self._bootstrap.barrier(max(0.0, deadline - time.monotonic())) if self._error is None else False
+        self._stop()
+        if met:
+            self._bootstrap.close()
+        self._fail_all(
+            self._error or TransportClosedError(f"the UCX transport of rank {self.rank} was closed")
+        )
+        if pending:
+            raise PeerTimeoutError(
+                f"close() of the UCX transport on rank {self.rank}: {pending} sends did not complete within "
+                f"{limit:g} s",
+                waited=limit,
+            )
+        if not met and self._error is None:
+            raise PeerTimeoutError(
+                f"close() of the UCX transport on rank {self.rank} waited {limit:g} s for the other ranks "
+                "to close (close is collective: every rank must call it)",
+                waited=limit,
+            )
+
+    def abort(self) -> None:
+        """Close at once, without meeting the other ranks: they see this rank's endpoints fail."""
+        if self._thread.is_alive():
+            self._aborting = True
+            self._stop()
+        self._closed = True
+        self._fail_all(TransportClosedError(f"the UCX transport of rank {self.rank} was aborted"))
+
+    def _stop(self) -> None:
+        self._stopping = True
+        self._wake()
+        self._thread.join(30.0)
+        if self._thread.is_alive():
+            log.error("the UCX progress thread of rank %d did not stop", self.rank)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    # -- progress thread -----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        ucx = self._ucx
+        try:
+            self._context = ucx.UCXContext(
+                feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP, ucx.Feature.STREAM)
+            )
+            self._worker = ucx.UCXWorker(self._context)
+            self._worker.init_blocking_progress_mode()
+            self._listener = ucx.UCXListener.create(
+                worker=self._worker, port=self.ucx_config.port, cb_func=self._on_connect
+            )
+            self._listen_port = int(self._listener.port)
+            self._epoll_fd = self._worker.epoll_file_descriptor
+        except BaseException as exc:
+            self._start_error = exc
+            self._started.set()
+            return
+        self._started.set()
+        try:
+            while not self._stopping:
+                if not self._round():
+                    self._idle()
+            if not self._aborting:
+                self._drain()
+        except BaseException as exc:
+            log.exception("UCX progress thread of rank %d failed", self.rank)
+            self._fail(exc)
+        finally:
+            self._teardown()
+
+    def _fail(self, exc: BaseException) -> None:
+        error = exc if isinstance(exc, TransportError) else self._wrap_error("progress", exc, None)
+        self._error = error
+        for op in [*self._sends, *self._deferred, *self._outq]:
+            op.out.handle._fail(error)
+        self._fail_all(error)
+
+    def _idle(self) -> None:
+        busy = bool(self._sends or self._recvs or self._headers or self._deferred) or self.mailbox.waiters > 0
+        timeout = self.config.poll_min if busy else self.config.poll_max
+        if self._worker.arm():
+            with contextlib.suppress(InterruptedError, OSError):
+                select.select([self._epoll_fd, self._wake_r], [], [], timeout)
+        self._woken = False
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.read(self._wake_r, 4096)
+
+    def _round(self) -> bool:
+        self._worker.progress()
+        if not self._ready:  # messages wait in UCX's queue until the peers' addresses are known
+            return self._check_hellos()
+        worked = self._handle_ep_errors()
+        worked |= self._post_sends()
+        worked |= self._probe(_HEADER)
+        worked |= self._probe(_CTRL)
+        worked |= self._finish_headers()
+        worked |= self._take_fallbacks()
+        worked |= self._finish_recvs()
+        worked |= self._finish_sends()
+        worked |= self._check_hellos()
+        return worked
+
+    # endpoints
+
+    def _on_connect(self, conn_request: Any) -> None:
+        ep = self._listener.create_endpoint_from_conn_request(conn_request, self.ucx_config.error_handling)
+        buf = np.zeros(1, dtype=np.int64)
+        entry = _Incoming(ep, None, buf)
+        ep.set_close_callback(self._on_incoming_closed, cb_args=(entry,))
+        entry.hello = ep.stream_recv(self._array(buf))
+        self._incoming.append(entry)
+
+    def _on_incoming_closed(self, entry: _Incoming, *_: Any) -> None:
+        if not self._closing:
+            self._ep_errors.append((entry.rank, "its connection to this rank closed"))
+
+    def _on_outgoing_closed(self, rank: int, *_: Any) -> None:
+        if not self._closing:
+            self._ep_errors.append((rank, "this rank's connection to it closed"))
+
+    def _endpoint(self, rank: int) -> Any:
+        ep = self._eps.get(rank)
+        if ep is None:
+            host, port = self._peers[rank]
+            ep = self._ucx.UCXEndpoint.create(self._worker, host, port, self.ucx_config.error_handling)
+            ep.set_close_callback(self._on_outgoing_closed, cb_args=(rank,))
+            hello = np.array([self.rank], dtype=np.int64)
+            self._ep_keep.append((ep.stream_send(self._array(hello)), hello))
+            self._eps[rank] = ep
+        return ep
+
+    def _check_hellos(self) -> bool:
+        worked = False
+        for entry in self._incoming:
+            if entry.rank < 0 and entry.hello is not None and entry.hello.completed:
+                entry.hello.check_error()
+                entry.rank = int(entry.hello_buf[0])
+                entry.hello = None
+                worked = True
+        return worked
+
+    def _handle_ep_errors(self) -> bool:
+        if not self._ep_errors:
+            return False
+        while self._ep_errors:
+            rank, why = self._ep_errors.popleft()
+            if rank < 0:
+                log.warning(
+                    "rank %d: a connection from a rank that had not introduced itself closed", self.rank
+                )
+                continue
+            error = self._lost(rank, why)
+            log.error("%s", error)
+            self.mailbox.fail_peer(rank, error)
+            for op in [*self._sends, *self._deferred]:
+                if op.out.dest == rank:
+                    op.out.handle._fail(error)
+            for op in self._sends:
+                if op.out.dest == rank:
+                    for manager, region in op.regions:
+                        manager.release(region)
+            self._sends = [op for op in self._sends if op.out.dest != rank]
+            self._deferred = [op for op in self._deferred if op.out.dest != rank]
+            self._awaiting = {k: v for k, v in self._awaiting.items() if k[0] != rank}
+            self._eps.pop(rank, None)
+        return True
+
+    # sending
+
+    def _post_sends(self) -> bool:
+        worked = False
+        if self._deferred:
+            still: list[_SendOp] = []
+            for op in self._deferred:
+                (self._start_send(op) if op.ready.query() else still.append(op))
+            worked = len(still) != len(self._deferred)
+            self._deferred = still
+        while self._outq:
+            op = self._outq.popleft()
+            worked = True
+            if op.ready is not None and not op.ready.query():
+                self._deferred.append(op)
+                continue
+            self._start_send(op)
+        return worked
+
+    def _start_send(self, op: _SendOp) -> None:
+        out = op.out
+        try:
+            ep = self._endpoint(out.dest)
+            can_fallback = self._fallback is not None
+            header, _ = out.header(extra=(op.modes, can_fallback), inline_limit=self.config.inline_bytes)
+            hbuf = np.frombuffer(bytearray(header), dtype=np.uint8)
+            op.keep.append(hbuf)
+            op.reqs.append(
+                ep.tag_send(self._array(hbuf), self._ucx.UCXXTag(_tag(_HEADER, self.rank, out.wire)))
+            )
+            for i, mode in enumerate(op.modes):
+                if mode == ord("E"):
+                    self._send_payload(op, ep, i, staged=False)
+            if ord("H") in op.modes:
+                op.awaiting = True
+                self._awaiting[(out.dest, out.wire & 0xFFFFFF)] = op
+        except Exception as exc:
+            out.handle._fail(self._wrap_error(f"sending tag {out.tag!r}", exc, out.dest))
+            return
+        self._sends.append(op)
+
+    def _payload_array(self, t: torch.Tensor) -> Any:
+        return self._array(numpy_bytes(t) if t.device.type == "cpu" else byte_view(t))
+
+    def _send_payload(self, op: _SendOp, ep: Any, i: int, *, staged: bool) -> None:
+        t = op.out.tensors[i]
+        src = byte_view(t)
+        if staged:
+            manager = self._buffer(self._send_buffers, t.device, self.ucx_config.send_buffer_bytes)
+            region = manager.reserve(src.numel()) if manager is not None else None
+            if region is not None:
+                view = manager.view(region)  # type: ignore[union-attr]
+                self._copy(view, src)
+                op.regions.append((manager, region))  # type: ignore[arg-type]
+                src = view
+        payload = numpy_bytes(src) if src.device.type == "cpu" else src
+        op.keep.append(payload)
+        op.reqs.append(
+            ep.tag_send(self._array(payload), self._ucx.UCXXTag(_tag(_DATA, self.rank, op.out.wire, i)))
+        )
+
+    def _staging(self, dest: int) -> bool:
+        policy = self.ucx_config.stage_sends
+        return policy == "always" or (policy == "cross-node" and not self._same_node[dest])
+
+    def _on_ctrl(self, source: int, wire: int, decision: str) -> None:
+        op = self._awaiting.pop((source, wire), None)
+        if op is None:
+            log.error(
+                "rank %d: a D2D answer from rank %d for a message it does not wait for", self.rank, source
+            )
+            return
+        op.awaiting = False
+        held = [i for i, m in enumerate(op.modes) if m == ord("H")]
+        if decision == "F":
+            assert self._fallback is not None
+            self.stats["d2d_fallback"] += 1
+            payload = [op.out.tensors[i] for i in held]
+            op.fallback = self._fallback.send_channel(payload, source, FALLBACK_CHANNEL, tag=("d2d", wire))
+            return
+        self.stats["d2d_buffered" if decision == "B" else "d2d_direct"] += 1
+        ep = self._endpoint(source)
+        stage = self._staging(source)
+        for i in held:
+            self._send_payload(op, ep, i, staged=stage)
+
+    def _finish_sends(self) -> bool:
+        done: list[_SendOp] = []
+        for op in self._sends:
+            if op.awaiting:
+                continue
+            try:
+                if not all(r.completed for r in op.reqs):
+                    continue
+                for r in op.reqs:
+                    r.check_error()
+                if op.fallback is not None:
+                    if not op.fallback.done():
+                        continue
+                    error = op.fallback.exception()
+                    if error is not None:
+                        raise error
+            except Exception as exc:
+                op.out.handle._fail(self._wrap_error(f"sending tag {op.out.tag!r}", exc, op.out.dest))
+            else:
+                op.out.handle._complete()
+            for manager, region in op.regions:
+                manager.release(region)
+            done.append(op)
+        for op in done:
+            self._sends.remove(op)
+        self._ctrl_reqs = [(r, b) for r, b in self._ctrl_reqs if not r.completed]
+        self._ep_keep = [(r, b) for r, b in self._ep_keep if not r.completed]
+        return bool(done)
+
+    # receiving
+
+    def _probe(self, kind: int) -> bool:
+        ucx = self._ucx
+        worked = False
+        for _ in range(64):
+            probe = self._worker.tag_probe(ucx.UCXXTag(kind << 62), ucx.UCXXTagMask(_KIND_MASK), True)
+            if not probe.matched:
+                break
+            worked = True
+            tag = int(probe.sender_tag.value)
+            buf = np.empty(int(probe.length), dtype=np.uint8)
+            req = self._worker.tag_recv_with_handle(self._array(buf), probe)
+            source = _tag_source(tag)
+            if kind == _HEADER:
+                self._headers.setdefault(source, collections.deque()).append((req, buf))
+            else:
+                while not req.completed:  # control messages are a few bytes, already here
+                    self._worker.progress()
+                req.check_error()
+                wire, decision = pickle.loads(buf.tobytes())
+                self._on_ctrl(source, int(wire), str(decision))
+        return worked
+
+    def _finish_headers(self) -> bool:
+        worked = False
+        for source in list(self._headers):
+            queue = self._headers[source]
+            while queue and queue[0][0].completed:
+                req, buf = queue.popleft()
+                worked = True
+                try:
+                    req.check_error()
+                    self._start_recv(source, decode_header(buf.tobytes(), source=source))
+                except MessageDecodeError as exc:
+                    log.error("rank %d: %s", self.rank, exc)
+                    self.mailbox.fail_peer(source, exc)
+                except Exception as exc:
+                    error = self._wrap_error("receiving a header", exc, source)
+                    self.mailbox.fail_peer(source, error)
+            if not queue:
+                del self._headers[source]
+        return worked
+
+    def _start_recv(self, source: int, header: Header) -> None:
+        try:
+            metas = self.meta_in.resolve(source, header)
+            tensors = allocate(metas, self.device_map)
+            land_inline(header, metas, tensors)
+        except Exception as exc:
+            error = (
+                exc
+                if isinstance(exc, MessageDecodeError)
+                else MessageDecodeError(
+                    f"the message from rank {source} with tag {header.tag!r} cannot be received on rank "
+                    f"{self.rank}: {type(exc).__name__}: {exc}",
+                    peer=source,
+                )
+            )
+            self.mailbox.fail_peer(source, error)
+            self._arrival_failed(source, header, error)
+            return
+        modes: bytes = header.extra[0] if header.extra else b""
+        peer_can_fallback = bool(header.extra[1]) if len(header.extra) > 1 else False
+        op = _RecvOp(source, header, metas, tensors)
+        held = [i for i, m in enumerate(modes) if m == ord("H")]
+        for i, m in enumerate(modes):
+            if m == ord("E"):
+                self._post_recv(op, i, self._payload_array(tensors[i]))
+        if held:
+            decision = self._land_or_fallback(op, held, peer_can_fallback)
+            self._send_ctrl(source, header.wire & 0xFFFFFF, decision)
+        self._recvs.append(op)
+
+    def _land_or_fallback(self, op: _RecvOp, held: list[int], peer_can_fallback: bool) -> str:
+        """Reserve persistent-buffer room for the held payloads: the outcome both sides then follow."""
+        by_device: dict[torch.device, list[int]] = {}
+        for i in held:
+            by_device.setdefault(op.tensors[i].device, []).append(i)
+        reserved: list[tuple[int, BufferManager, Region]] = []
+        ok = True
+        for device, index in by_device.items():
+            manager = self._buffer(self._recv_buffers, device, self.ucx_config.recv_buffer_bytes)
+            regions = None if manager is None else manager.reserve_all([op.metas[i].nbytes for i in index])
+            if regions is None:
+                ok = False
+                break
+            reserved += [(i, manager, r) for i, r in zip(index, regions, strict=True)]  # type: ignore[misc]
+        if ok:
+            for i, manager, region in reserved:
+                op.landing.append((i, manager, region))
+                view = manager.view(region)
+                self._post_recv(op, i, self._array(numpy_bytes(view) if view.device.type == "cpu" else view))
+            return "B"
+        for _, manager, region in reserved:
+            manager.release(region)
+        if peer_can_fallback and self._fallback is not None:
+            op.fallback_index = tuple(held)
+            op.waiting_fallback = True
+            self._fallback_wait[(op.source, op.header.wire & 0xFFFFFF)] = op
+            return "F"
+        for i in held:
+            self._post_recv(op, i, self._payload_array(op.tensors[i]))
+        return "D"
+
+    def _post_recv(self, op: _RecvOp, i: int, array: Any) -> None:
+        op.keep.append(array)
+        tag = self._ucx.UCXXTag(_tag(_DATA, op.source, op.header.wire, i))
+        op.reqs.append(self._worker.tag_recv(array, tag))
+
+    def _send_ctrl(self, dest: int, wire: int, decision: str) -> None:
+        raw = pickle.dumps((wire, decision))
+        buf = np.frombuffer(bytearray(raw), dtype=np.uint8)
+        req = self._endpoint(dest).tag_send(self._array(buf), self._ucx.UCXXTag(_tag(_CTRL, self.rank, wire)))
+        self._ctrl_reqs.append((req, buf))
+
+    def _take_fallbacks(self) -> bool:
+        worked = False
+        while self._fallback_in:
+            source, wire, tensors = self._fallback_in.popleft()
+            worked = True
+            op = self._fallback_wait.pop((source, wire), None)
+            if op is None:
+                log.error("rank %d: fallback payloads from rank %d for an unknown message", self.rank, source)
+                continue
+            for i, t in zip(op.fallback_index, tensors, strict=True):
+                op.tensors[i] = t.to(op.tensors[i].device) if t.device != op.tensors[i].device else t.detach()
+            op.waiting_fallback = False
+        return worked
+
+    def _finish_recvs(self) -> bool:
+        done: list[_RecvOp] = []
+        for op in self._recvs:
+            if op.waiting_fallback or not all(r.completed for r in op.reqs):
+                continue
+            done.append(op)
+            try:
+                for r in op.reqs:
+                    r.check_error()
+                for i, manager, region in op.landing:
+                    self._copy(byte_view(op.tensors[i]), manager.view(region))
+                self._synchronize(op.tensors)
+            except Exception as exc:
+                error = self._wrap_error(f"receiving tag {op.header.tag!r}", exc, op.source)
+                self.mailbox.fail_peer(op.source, error)
+                self._arrival_failed(op.source, op.header, error)
+            else:
+                self._arrived(op.source, op.header, op.tensors, op.metas)
+            finally:
+                for _, manager, region in op.landing:
+                    manager.release(region)
+        for op in done:
+            self._recvs.remove(op)
+        return bool(done)
+
+    # buffers and copies
+
+    def _buffer(
+        self, table: dict[str, BufferManager], device: torch.device, capacity: int
+    ) -> BufferManager | None:
+        if capacity <= 0:
+            return None
+        key = str(device)
+        manager = table.get(key)
+        if manager is None:
+            manager = table[key] = BufferManager(capacity, device, alignment=self.ucx_config.buffer_alignment)
+        return manager
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.device.type == "cuda" or src.device.type == "cuda":
+            device = dst.device if dst.device.type == "cuda" else src.device
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            with torch.cuda.stream(self._stream):
+                dst.copy_(src, non_blocking=True)
+            self._stream.synchronize()
+        else:
+            dst.copy_(src)
+
+    def _synchronize(self, tensors: list[torch.Tensor]) -> None:
+        if any(t.device.type == "cuda" for t in tensors):
+            torch.cuda.synchronize()
+
+    # shutdown
+
+    def _drain(self) -> None:
+        """After the closing barrier: finish receives still under way (briefly)."""
+        deadline = time.monotonic() + 5.0
+        while (self._recvs or self._headers) and time.monotonic() < deadline:
+            if not self._round():
+                self._idle()
+
+    def _teardown(self) -> None:
+        self._stopping = True
+        for ep in [*self._eps.values(), *(e.ep for e in self._incoming)]:
+            with contextlib.suppress(Exception):
+                if self._aborting:
+                    ep.close()
+                else:
+                    ep.close_blocking()
+        with contextlib.suppress(Exception):
+            for _ in range(10):
+                self._worker.progress()
+        self._eps.clear()
+        self._incoming.clear()
+        self._ep_keep.clear()
+        self._ctrl_reqs.clear()
+        self._sends.clear()
+        self._recvs.clear()
+        self._headers.clear()
+        for name in ("_listener", "_worker", "_context"):
+            if hasattr(self, name):
+                delattr(self, name)
+        log.debug("UCX transport of rank %d closed", self.rank)

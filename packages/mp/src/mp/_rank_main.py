@@ -1,0 +1,79 @@
+"""What each rank runs under `mp-launch`: the user's script, with failure reporting and job abort.
+
+An uncaught exception (or `sys.exit` with a non-zero code) on one rank prints that rank's traceback,
+leaves a report for mp-launch, and calls MPI_Abort so that every other rank stops at once rather than
+waiting for it in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import traceback
+from pathlib import Path
+
+
+def _rank() -> int:
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def _user_traceback(exc: BaseException) -> str:
+    # Drop the frames of this runner and runpy: the user's traceback starts at their script.
+    tb = exc.__traceback__
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename == __file__ or "runpy" in tb.tb_frame.f_code.co_filename
+    ):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _fail(rank: int, code: int, text: str) -> None:
+    sys.stdout.flush()
+    failure_dir = os.environ.get("MP_LAUNCH_FAILURE_DIR")
+    if not failure_dir:  # under mp-launch, the launcher prints the report once for the whole job
+        print(f"[rank {rank}] {text}", file=sys.stderr, end="" if text.endswith("\n") else "\n", flush=True)
+    else:
+        report = {"rank": rank, "code": code, "traceback": text}
+        tmp = Path(failure_dir) / f".rank-{rank}.tmp"
+        tmp.write_text(json.dumps(report))
+        tmp.replace(Path(failure_dir) / f"rank-{rank}.json")
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(code)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if not argv:
+        raise SystemExit("usage: python -m mp._rank_main (script | -m module) [args...]")
+    rank = _rank()
+    from mpi4py import MPI  # initialize MPI before user code, so Abort is always available
+
+    del MPI
+    try:
+        if argv[0] == "-m":
+            sys.argv = argv[1:]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = argv
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        if code is None or code == 0:
+            return
+        if isinstance(code, int):
+            _fail(rank, code, f"exited with sys.exit({code})\n")
+        else:
+            _fail(rank, 1, f"exited with sys.exit({code!r})\n")
+    except BaseException as exc:
+        _fail(rank, 1, _user_traceback(exc))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""`smp.init`: read and check the config, start the world, build the topology and its groups."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from mp_comm import GroupKind, WorldInfo, build_topology, init_world
+
+from mp.config import ConfigSource, load_config, validate_world
+from mp.state import State, state
+
+log = logging.getLogger(__name__)
+
+_GROUP_KINDS = (GroupKind.PP, GroupKind.TP, GroupKind.RDP, GroupKind.DP, GroupKind.MP)
+
+
+def init(config: ConfigSource = None) -> None:
+    """Initialize mp; must come before any other smp call. Collective over all ranks.
+
+    `config` is a dict, a path to a JSON file, or None (then the JSON in MP_CONFIG, else in
+    SM_HP_MP_PARAMETERS as SageMaker and the HuggingFace Trainer set it, else the defaults). Any
+    problem with the config, or a world size that does not fit it, raises the same ValueError on
+    every rank before a process group is created. A second call logs a warning and is ignored, as in
+    smp; call `smp.reset()` first to re-initialize with another config.
+    """
+    if state.initialized:
+        log.warning("smp.init was called again; ignoring it (call smp.reset() first to re-initialize)")
+        return
+    cfg = load_config(config)
+
+    def check(info: WorldInfo) -> None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else None
+        validate_world(cfg, info.size, info.local_size, gpus)
+
+    world = init_world(validate=check)
+    topology = build_topology(
+        world.size,
+        cfg.pipeline_parallel_degree,
+        cfg.tensor_parallel_degree,
+        cfg.placement_strategy,
+        ranks_per_node=world.info.local_size
+        if world.info.num_nodes * world.info.local_size == world.size
+        else None,
+    )
+    groups = {GroupKind.WORLD: dist.group.WORLD}
+    created: list[dist.ProcessGroup] = []
+    for kind in _GROUP_KINDS:
+        # Collective: every rank creates every group, in the same order.
+        for ranks, pg in zip(topology.groups(kind), world.new_groups(topology.groups(kind)), strict=True):
+            if pg is None:
+                continue
+            created.append(pg)
+            if world.rank in ranks:
+                groups[kind] = pg
+    state.cfg, state.world, state.topology = cfg, world, topology
+    state.process_groups, state.created_groups = groups, created
+    log.info("mp initialized: %s", topology.describe(with_groups=False).splitlines()[0])
+
+
+def is_initialized() -> bool:
+    """True once `smp.init` has run (and until `smp.reset`/`smp.shutdown`)."""
+    return state.initialized
+
+
+def reset() -> None:
+    """Forget the current initialization: destroy mp's groups and release the world it started."""
+    world = state.world
+    for pg in state.created_groups:
+        dist.destroy_process_group(pg)
+    if world is not None:
+        world.shutdown()
+    fresh = State()
+    for name in State.__dataclass_fields__:
+        setattr(state, name, getattr(fresh, name))
+
+
+def shutdown() -> None:
+    """Tear mp down at the end of a job (same as `reset`)."""
+    reset()

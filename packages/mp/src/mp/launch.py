@@ -1,0 +1,163 @@
+"""`mp-launch`: run a training script on N ranks under mpiexec, and stop them all when one fails.
+
+    mp-launch -n 4 [--hosts a:4,b:4] [--config cfg.json] train.py args...
+    mp-launch -n 4 -m package.module args...
+
+Every rank runs the script through `mp._rank_main`, which reports an uncaught exception (or a
+non-zero `sys.exit`) with the rank's traceback and then aborts the MPI job, so the other ranks stop
+within seconds instead of waiting forever in a collective. A rank killed by a signal is noticed by
+mpiexec itself, which tears the job down. mp-launch exits with the failing rank's code and prints
+which rank failed first and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+FAILURE_DIR_ENV = "MP_LAUNCH_FAILURE_DIR"
+
+
+class LaunchError(SystemExit):
+    """A launcher argument is wrong; the message says which and how to fix it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"mp-launch: error: {message}")
+
+
+def find_mpiexec(explicit: str | None = None) -> str:
+    """The mpiexec beside this Python (the MPICH wheel installs one there), else the one on PATH."""
+    if explicit:
+        if shutil.which(explicit) is None:
+            raise LaunchError(f"--mpiexec {explicit!r} is not an executable; give the path of an mpiexec.")
+        return explicit
+    found = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    if found is None:
+        raise LaunchError("no mpiexec found; install one with `pip install mpich` (a dependency of mp).")
+    return found
+
+
+def _parse_hosts(spec: str, nprocs: int) -> str:
+    total = 0
+    for item in spec.split(","):
+        host, _, count = item.partition(":")
+        if not host or (count and not count.isdigit()):
+            raise LaunchError(f"--hosts {spec!r}: expected 'host:slots,host:slots', e.g. 'a:4,b:4'.")
+        total += int(count) if count else 1
+    if total < nprocs:
+        raise LaunchError(f"--hosts {spec!r} has {total} slots for -n {nprocs}; add hosts or slots.")
+    return spec
+
+
+def _config_env(config: str | None) -> dict[str, str]:
+    if config is None:
+        return {}
+    text = config.strip()
+    if text.startswith("{"):
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise LaunchError(
+                f"--config is not valid JSON ({exc}); pass a JSON object or a file path."
+            ) from None
+        return {"MP_CONFIG": text}
+    path = Path(config)
+    if not path.is_file():
+        raise LaunchError(f"--config {config!r} is neither a JSON object nor an existing file.")
+    return {"MP_CONFIG": str(path.resolve())}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mp-launch",
+        description="Run a training script on N ranks under mpiexec; any rank failing stops all of them.",
+    )
+    parser.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
+    parser.add_argument("--hosts", help="hosts and slots, e.g. 'a:4,b:4' (default: this host)")
+    parser.add_argument("--config", help="the smp config: a JSON file or an inline JSON object")
+    parser.add_argument("--mpiexec", help="the mpiexec to use (default: the one beside this Python)")
+    parser.add_argument("--tag-output", action="store_true", help="prefix every output line with its rank")
+    parser.add_argument("-m", dest="module", help="run a module (like python -m) instead of a script")
+    parser.add_argument("script_and_args", nargs=argparse.REMAINDER, help="script path and its arguments")
+    return parser
+
+
+def build_command(args: argparse.Namespace, mpiexec: str) -> list[str]:
+    if args.nprocs < 1:
+        raise LaunchError(f"-n {args.nprocs}: the number of ranks must be at least 1.")
+    cmd = [mpiexec, "-n", str(args.nprocs)]
+    if args.hosts:
+        cmd += ["-hosts", _parse_hosts(args.hosts, args.nprocs)]
+    if args.tag_output:
+        cmd.append("-prepend-rank")
+    cmd += [sys.executable, "-m", "mp._rank_main"]
+    rest = list(args.script_and_args)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    if args.module:
+        cmd += ["-m", args.module, *rest]
+    else:
+        if not rest:
+            raise LaunchError("no script given; usage: mp-launch -n 4 train.py [args...]")
+        if not Path(rest[0]).is_file():
+            raise LaunchError(f"script {rest[0]!r} does not exist.")
+        cmd += rest
+    return cmd
+
+
+def _report_failures(failure_dir: Path) -> int | None:
+    reports = sorted(failure_dir.glob("rank-*.json"), key=lambda p: p.stat().st_mtime)
+    if not reports:
+        return None
+    first = json.loads(reports[0].read_text())
+    others = [json.loads(p.read_text())["rank"] for p in reports[1:]]
+    print(
+        f"\nmp-launch: rank {first['rank']} failed first (exit code {first['code']}); all ranks were stopped."
+        + (f" Ranks {others} failed too." if others else ""),
+        file=sys.stderr,
+    )
+    print(f"--- rank {first['rank']} ---\n{first['traceback']}", file=sys.stderr, end="")
+    return int(first["code"]) or 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cmd = build_command(args, find_mpiexec(args.mpiexec))
+    env = dict(os.environ)
+    env.update(_config_env(args.config))
+    with tempfile.TemporaryDirectory(prefix="mp-launch-") as tmp:
+        env[FAILURE_DIR_ENV] = tmp
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+        def forward(signum: int, _frame: object) -> None:
+            try:
+                os.killpg(proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            rc = proc.wait()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        reported = _report_failures(Path(tmp))
+    if rc != 0:
+        if reported is None:
+            how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
+            if rc == 9:
+                how = "a rank was killed by signal 9 (SIGKILL), e.g. by the out-of-memory killer"
+            print(f"\nmp-launch: the job failed ({how}); all ranks were stopped.", file=sys.stderr)
+        return rc if rc > 0 else (reported or 1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,41 @@
+"""The one piece of global state the smp API needs: the config, the world and its groups.
+
+smp's functions (`smp.rank()`, `smp.get_dp_process_group()`, ...) take no handle, so the facade
+keeps what `smp.init` built here. Everything below the facade receives groups explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+from mp_comm import GroupKind, Topology, World
+
+from mp.config import ModelParallelConfig
+from mp.errors import NotInitializedError
+
+
+@dataclass
+class State:
+    """What `smp.init` built. `cfg` is public because smp scripts read `smp.state.cfg.fp16`."""
+
+    cfg: ModelParallelConfig | None = None
+    world: World | None = None
+    topology: Topology | None = None
+    process_groups: dict[GroupKind, dist.ProcessGroup] = field(default_factory=dict)
+    created_groups: list[dist.ProcessGroup] = field(default_factory=list)
+    model: Any = None
+    optimizer: Any = None
+
+    @property
+    def initialized(self) -> bool:
+        return self.world is not None
+
+    def require(self) -> tuple[ModelParallelConfig, World, Topology]:
+        if self.cfg is None or self.world is None or self.topology is None:
+            raise NotInitializedError("smp is not initialized! Call smp.init(config) first.")
+        return self.cfg, self.world, self.topology
+
+
+state = State()
