@@ -23,7 +23,11 @@ PACKAGES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "mp-pipeline": ("mp_pipeline", ("mp-comm", "mp-partition"), ()),
     "mp-tensor": ("mp_tensor", ("mp-comm",), ("transformers>=4.40",)),
     "mp-memory": ("mp_memory", ("mp-comm",), ()),
-    "mp": ("mp", ("mp-comm", "mp-partition", "mp-pipeline", "mp-tensor", "mp-memory"), ("transformers>=4.40",)),
+    "mp": (
+        "mp",
+        ("mp-comm", "mp-partition", "mp-pipeline", "mp-tensor", "mp-memory"),
+        ("transformers>=4.40",),
+    ),
 }
 ALL_TEST_EXTRAS = ("transformers>=4.40", "matplotlib>=3.7", "tqdm>=4.66")
 
@@ -59,14 +63,14 @@ def _make_package_session(dist: str) -> None:
         session.install(*CONSTRAINTS, *_editable(*local_deps, dist), *TEST_TOOLS, *test_extra)
         if dist == "mp-partition":
             session.run(
-                "python", "-c",
+                "python",
+                "-c",
                 "import importlib.util, sys; import mp_partition; "
                 "sys.exit('mpi4py was installed with mp-partition alone' "
                 "if importlib.util.find_spec('mpi4py') else 0)",
             )
         session.run("python", "-c", f"import {import_name}")
-        session.run("python", "-m", "pytest", f"tests/{import_name}", *session.posargs,
-                    success_codes=[0, 5])
+        session.run("python", "-m", "pytest", f"tests/{import_name}", *session.posargs, success_codes=[0, 5])
 
     package_tests.__doc__ = f"Install only {dist} (and what it declares) and run tests/{import_name}."
 

@@ -33,6 +33,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
 from mp_comm.world import init_world
 from mp_tensor.atp import (
     ATPTransformerLayer,
@@ -44,9 +48,6 @@ from mp_tensor.atp import (
 )
 from mp_tensor.atp.layer import ACTIVATION_SPEC, attention_core
 from mp_tensor.atp.spec import distribute
-from torch import Tensor, nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -10,6 +10,7 @@ since its processes may be stuck in a collective.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
@@ -137,10 +138,8 @@ class Pool:
         if not self.alive():
             return
         for conn in self._conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send_bytes(pickle.dumps(None))
-            except OSError:
-                pass
         try:
             self._proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
@@ -149,10 +148,8 @@ class Pool:
 
     def kill(self) -> None:
         if self.alive():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             self._proc.wait()
         for conn in self._conns:
             conn.close()
@@ -165,7 +162,9 @@ class Worlds:
     def __init__(self) -> None:
         self._pools: dict[int, Pool] = {}
 
-    def run(self, n: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+    def run(
+        self, n: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any
+    ) -> list[Any]:
         """Run fn(world, *args, **kwargs) on n ranks; returns the results in rank order."""
         pool = self._pools.get(n)
         if pool is None or not pool.alive():

@@ -55,7 +55,9 @@ def main() -> None:
         try:
             data = pickle.dumps(reply)
         except Exception:
-            data = pickle.dumps((task_id, "error", "the result could not be pickled:\n" + traceback.format_exc()))
+            data = pickle.dumps(
+                (task_id, "error", "the result could not be pickled:\n" + traceback.format_exc())
+            )
         conn.send_bytes(data)
     conn.close()
     world.shutdown()

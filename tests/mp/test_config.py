@@ -13,11 +13,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import mp.config_model
-import mp.errors
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+import mp.config_model
+import mp.errors
 from mp.config import ModelParallelConfig, load_config, validate_world
 from mp.errors import (
     ConfigError,

@@ -17,8 +17,20 @@ def _ranks_after_init(world: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     out = {
         name: getattr(smp, name)()
         for name in (
-            "rank", "size", "local_rank", "local_size", "pp_rank", "pp_size", "tp_rank", "tp_size",
-            "rdp_rank", "rdp_size", "dp_rank", "dp_size", "mp_rank", "mp_size",
+            "rank",
+            "size",
+            "local_rank",
+            "local_size",
+            "pp_rank",
+            "pp_size",
+            "tp_rank",
+            "tp_size",
+            "rdp_rank",
+            "rdp_size",
+            "dp_rank",
+            "dp_size",
+            "mp_rank",
+            "mp_size",
         )
     }
     for kind in ("pp", "tp", "rdp", "dp", "mp"):
@@ -59,8 +71,13 @@ def test_ranks_and_groups_match_the_topology(worlds: Any, n: int, cfg: dict[str,
         assert res["mp_size"] * res["rdp_size"] == n and res["pp_size"] * res["dp_size"] == n
         assert set(res["tp_group"]) <= set(res["dp_group"])
         assert res["world_group"] == list(range(n))
-        for kind, gk in (("pp", GroupKind.PP), ("tp", GroupKind.TP), ("rdp", GroupKind.RDP),
-                         ("dp", GroupKind.DP), ("mp", GroupKind.MP)):
+        for kind, gk in (
+            ("pp", GroupKind.PP),
+            ("tp", GroupKind.TP),
+            ("rdp", GroupKind.RDP),
+            ("dp", GroupKind.DP),
+            ("mp", GroupKind.MP),
+        ):
             assert res[f"{kind}_group"] == list(topo.group(gk, r))
             assert res[f"{kind}_pg_rank"] == topo.rank_in_group(gk, r)
             assert res[f"{kind}_sum"] == sum(topo.group(gk, r))
@@ -84,8 +101,15 @@ def _comm_api(world: Any) -> dict[str, Any]:
         out["reply"] = smp.recv_from(1, smp.RankType.DP_RANK)
     else:
         got = smp.recv_from(0, smp.RankType.DP_RANK)
-        smp.send(got + [smp.rank()], 0, smp.RankType.DP_RANK)
-    for barrier in (smp.barrier, smp.dp_barrier, smp.mp_barrier, smp.pp_barrier, smp.tp_barrier, smp.rdp_barrier):
+        smp.send([*got, smp.rank()], 0, smp.RankType.DP_RANK)
+    for barrier in (
+        smp.barrier,
+        smp.dp_barrier,
+        smp.mp_barrier,
+        smp.pp_barrier,
+        smp.tp_barrier,
+        smp.rdp_barrier,
+    ):
         barrier()
     with pytest.raises(smp.CommGroupConfigError, match="is not a CommGroup"):
         smp.allgather(1, "dp")  # type: ignore[arg-type]
@@ -137,8 +161,16 @@ def test_second_init_is_ignored(worlds: Any) -> None:
 
 @pytest.mark.parametrize(
     "call",
-    [smp.rank, smp.size, smp.pp_rank, smp.tp_size, smp.get_dp_group, smp.get_tp_process_group,
-     smp.barrier, lambda: smp.allgather(1, smp.WORLD)],
+    [
+        smp.rank,
+        smp.size,
+        smp.pp_rank,
+        smp.tp_size,
+        smp.get_dp_group,
+        smp.get_tp_process_group,
+        smp.barrier,
+        lambda: smp.allgather(1, smp.WORLD),
+    ],
 )
 def test_everything_before_init_raises_not_initialized(call: Any) -> None:
     assert not smp.is_initialized()

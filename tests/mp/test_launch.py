@@ -71,8 +71,10 @@ def test_sigkill_of_rank_1_stops_all_ranks(tmp_path: Path) -> None:
 
 def test_nonzero_sys_exit_is_a_failure(tmp_path: Path) -> None:
     script = tmp_path / "exit.py"
-    script.write_text("import sys, time\nfrom mpi4py import MPI\n"
-                      "if MPI.COMM_WORLD.Get_rank() == 0:\n    sys.exit(3)\ntime.sleep(600)\n")
+    script.write_text(
+        "import sys, time\nfrom mpi4py import MPI\n"
+        "if MPI.COMM_WORLD.Get_rank() == 0:\n    sys.exit(3)\ntime.sleep(600)\n"
+    )
     proc, took = _run(["-n", "2", str(script)])
     assert proc.returncode == 3 and took < 30
     assert "sys.exit(3)" in proc.stderr
@@ -80,8 +82,14 @@ def test_nonzero_sys_exit_is_a_failure(tmp_path: Path) -> None:
 
 def test_module_mode(tmp_path: Path) -> None:
     (tmp_path / "jobmod.py").write_text("from mpi4py import MPI\nprint('ranks', MPI.COMM_WORLD.Get_size())\n")
-    proc = subprocess.run(LAUNCH + ["-n", "2", "-m", "jobmod"], capture_output=True, text=True,
-                          timeout=90, cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    proc = subprocess.run(
+        [*LAUNCH, "-n", "2", "-m", "jobmod"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=tmp_path,
+        env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("ranks") == 2 and proc.stdout.count("2") == 2
 
@@ -97,8 +105,9 @@ def test_module_mode(tmp_path: Path) -> None:
         (["-n", "4", "--hosts", "a:1,b:1", "x.py"], "2 slots for -n 4"),
     ],
 )
-def test_bad_arguments_are_explained(argv: list[str], message: str, tmp_path: Path,
-                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_arguments_are_explained(
+    argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "x.py").write_text("")
     with pytest.raises(SystemExit, match=message):

@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch import Tensor
+
 from mp_comm import collectives as C
 from mp_comm.errors import CollectiveError
-from torch import Tensor
 
 Op = Callable[[Tensor, Any], Tensor]
 Ref = Callable[[list[Tensor]], list[Tensor]]

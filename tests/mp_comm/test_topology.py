@@ -11,6 +11,7 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from mp_comm.errors import MPCommError, TopologyError
 from mp_comm.topology import (
     PLACEMENT_ALIASES,

@@ -8,9 +8,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
+
 from mp_partition import ModelTooSmallError, PartitionError, PlanNode, allocate_devices, auto_partition
 from mp_partition.algorithm import hand_out_devices
-from torch import nn
 
 from .models import HugeEmbedding, HugeTrunk, Stack, TiedLM
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from mp_partition import PartitionPlan
 from mp_partition.cli import main
 

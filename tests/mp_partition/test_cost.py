@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mp_partition import PartitionError, assign_costs, build_module_tree, trace_model
 from torch import nn
+
+from mp_partition import PartitionError, assign_costs, build_module_tree, trace_model
 
 from .models import Stack, TiedLM
 

@@ -9,9 +9,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from transformers import GPT2Config, T5Config
+
 from mp_partition import ModelTooSmallError, PartitionError, auto_partition, build_hf_model, partition_hf
 from mp_partition.hf import load_hf_config
-from transformers import GPT2Config, T5Config
 
 from .test_algorithm import walk_consistent
 

@@ -6,6 +6,8 @@ import threading
 
 import pytest
 import torch
+from torch import nn
+
 from mp_partition import (
     InvalidPartitionIDError,
     SharedParameterPartitionError,
@@ -16,7 +18,6 @@ from mp_partition import (
     partition_marks,
     set_partition,
 )
-from torch import nn
 
 from .models import Block, TiedLM
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from mp_partition import build_module_tree, trace_model
 from mp_partition._walk import walk_modules
-from torch import nn
 
 from .models import Stack, TiedLM
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
+
 from mp_partition import (
     PartitionError,
     PartitionPlan,
@@ -15,7 +17,6 @@ from mp_partition import (
     UnknownModulePathError,
     auto_partition,
 )
-from torch import nn
 
 from .models import Stack, TiedLM
 

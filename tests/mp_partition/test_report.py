@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from mp_partition import PartitionError, auto_partition, render_plan
 from mp_partition.report import display_tree, format_devices
 

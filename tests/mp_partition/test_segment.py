@@ -9,6 +9,7 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from mp_partition import max_segment_cost, optimal_segments
 from mp_partition.segment import segment_costs
 

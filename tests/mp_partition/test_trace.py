@@ -6,8 +6,9 @@ import threading
 
 import pytest
 import torch
-from mp_partition import Tracer, TraceResult, TracingError, is_tracing, trace_model
 from torch import nn
+
+from mp_partition import Tracer, TraceResult, TracingError, is_tracing, trace_model
 
 from .models import Stack
 

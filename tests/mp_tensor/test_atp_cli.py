@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from mp_tensor.atp import CommMatrix
 from mp_tensor.atp.cli import PRESETS, main
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import torch
+
 from mp_tensor.atp import ATPTransformerLayer, ShardingError, TransformerLayer, create_mesh, distribute
 from mp_tensor.atp.layer import ACTIVATION_SPEC
-
 from tests.mp_tensor._atp_util import assert_all_same, assert_same
 
 MESHES = [(1, 4), (2, 2), (4, 1)]

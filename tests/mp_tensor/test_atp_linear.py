@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from mp_comm.collectives import all_reduce, all_reduce_backward
 from mp_tensor import atp
 from mp_tensor.atp import COLUMN_FIRST, ROW_FIRST, ATPLinear, ShardingError, create_mesh, distribute
-from torch import nn
-
 from tests.mp_tensor._atp_util import assert_all_same, assert_same
 
 MESHES = [(1, 4), (2, 2), (4, 1)]
@@ -91,16 +91,21 @@ def _megatron(world: Any) -> None:
         assert_same("column output", y_atp, y_meg, exact=True)
         y_atp.backward(g)
         y_meg.backward(g)
-        assert_same("column grad input", x1.grad, x2.grad)
+        assert_same("column grad input", x1.grad, x2.grad, exact=True)
         # Megatron row-parallel: x split by features, W split by input columns, g = all-reduce / identity.
         row = ATPLinear.from_linear(nn.Linear(32, 16, dtype=torch.float64), ROW_FIRST, mesh=mesh)
         w_full = row.global_weight().detach()
         assert_same("row weight = Megatron's split", row.weight, w_full.chunk(4, 1)[r], exact=True)
         xs = torch.randn(2, 5, 8, dtype=torch.float64)
-        y_row = row(xs)
+        xs1, xs2 = xs.clone().requires_grad_(), xs.clone().requires_grad_()
+        y_row = row(xs1)
         assert row.bias is not None
-        y_meg_row = all_reduce(F.linear(xs, w_full.chunk(4, 1)[r]), group) + row.bias
-        assert_same("row output", y_row, y_meg_row)
+        y_meg_row = all_reduce(F.linear(xs2, w_full.chunk(4, 1)[r]), group) + row.bias
+        assert_same("row output", y_row, y_meg_row, exact=True)
+        g_row = torch.randn(2, 5, 16, dtype=torch.float64)
+        y_row.backward(g_row)
+        y_meg_row.backward(g_row)
+        assert_same("row grad input", xs1.grad, xs2.grad, exact=True)
     finally:
         mesh.destroy()
 

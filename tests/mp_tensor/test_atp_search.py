@@ -11,6 +11,7 @@ import json
 import math
 
 import pytest
+
 from mp_tensor.atp import (
     CommLayer,
     CommMatrix,

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from mp_tensor.atp import MeshError, Partial, Replicate, Shard, ShardingError, create_mesh
 from mp_tensor.atp.mesh import axis_groups, mesh_coords, normalize_shape
 from mp_tensor.atp.spec import distribute, local_shape, shard_tensor, to_global, unshard_tensors

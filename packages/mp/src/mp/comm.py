@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from mp_comm import GroupKind
 
 from mp.errors import CommGroupConfigError
 from mp.ranks import process_group
 from mp.state import state
+from mp_comm import GroupKind
 
 
 class CommGroup(enum.Enum):

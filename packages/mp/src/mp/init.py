@@ -6,10 +6,10 @@ import logging
 
 import torch
 import torch.distributed as dist
-from mp_comm import GroupKind, WorldInfo, build_topology, init_world
 
 from mp.config import ConfigSource, load_config, validate_world
 from mp.state import State, state
+from mp_comm import GroupKind, WorldInfo, build_topology, init_world
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,9 @@ def init(config: ConfigSource = None) -> None:
         if world.info.num_nodes * world.info.local_size == world.size
         else None,
     )
-    groups = {GroupKind.WORLD: dist.group.WORLD}
+    world_pg = dist.group.WORLD
+    assert world_pg is not None
+    groups: dict[GroupKind, dist.ProcessGroup] = {GroupKind.WORLD: world_pg}
     created: list[dist.ProcessGroup] = []
     for kind in _GROUP_KINDS:
         # Collective: every rank creates every group, in the same order.

@@ -13,6 +13,7 @@ which rank failed first and why.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -137,10 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
 
         def forward(signum: int, _frame: object) -> None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signum)
-            except ProcessLookupError:
-                pass
 
         previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:

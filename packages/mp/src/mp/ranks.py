@@ -6,9 +6,9 @@ All of them raise NotInitializedError before `smp.init`.
 from __future__ import annotations
 
 import torch.distributed as dist
-from mp_comm import GroupKind
 
 from mp.state import state
+from mp_comm import GroupKind
 
 
 def _coords_rank(kind: GroupKind) -> int:

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
-from mp_comm import GroupKind, Topology, World
 
 from mp.config import ModelParallelConfig
 from mp.errors import NotInitializedError
+from mp_comm import GroupKind, Topology, World
 
 
 @dataclass

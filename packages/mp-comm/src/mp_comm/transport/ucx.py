@@ -840,10 +840,7 @@ class UCXTransport(MessageTransport):
         self._stopping = True
         for ep in [*self._eps.values(), *(e.ep for e in self._incoming)]:
             with contextlib.suppress(Exception):
-                if self._aborting:
-                    ep.close()
-                else:
-                    ep.close_blocking()
+                ep.close_blocking()
         with contextlib.suppress(Exception):
             for _ in range(10):
                 self._worker.progress()

@@ -88,7 +88,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from mp_comm.world import init_world
-
     from mp_tensor.atp.calibrate import calibrate
 
     world = init_world()

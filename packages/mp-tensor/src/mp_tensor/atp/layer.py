@@ -22,9 +22,9 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
-from mp_comm.collectives import all_gather, all_reduce, split
 from torch import Tensor, nn
 
+from mp_comm.collectives import all_gather, all_reduce, split
 from mp_tensor.atp.distributed import get_mesh
 from mp_tensor.atp.errors import ShardingError
 from mp_tensor.atp.linear import COLUMN_FIRST, ROW_FIRST, ATPLinear
@@ -129,7 +129,8 @@ class ATPTransformerLayer(nn.Module):
 
     Takes and returns ``[b, s, hidden/d2]`` pieces (``[Replicate, Shard(-1)]``). Needs ``heads`` divisible
     by ``d1 * d2`` and ``hidden``, ``ffn_hidden`` divisible by ``d1`` and ``d2``. Build it from a reference
-    layer with :meth:`from_reference` to hold that layer's weights.
+    layer with :meth:`from_reference` to hold that layer's weights. ``chunks`` and ``deterministic`` go to
+    every linear (:class:`ATPLinear`).
     """
 
     def __init__(

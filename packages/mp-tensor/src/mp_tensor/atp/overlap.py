@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from mp_comm.collectives import CollectiveHandle, all_gather_async, all_to_all_async
 from torch import Tensor
+
+from mp_comm.collectives import CollectiveHandle, all_gather_async, all_to_all_async
 
 __all__ = ["AllReduceStream", "check_chunks", "chunked_linear_reduce", "linear_backward_overlapped"]
 

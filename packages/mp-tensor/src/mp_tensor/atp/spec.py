@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from mp_comm.collectives import all_gather, all_reduce
 from torch import Tensor
 
+from mp_comm.collectives import all_gather, all_reduce
 from mp_tensor.atp.errors import ShardingError
 from mp_tensor.atp.mesh import DeviceMesh, mesh_coords
 

@@ -1,0 +1,255 @@
+"""The MPI transport between real processes (the reused mpiexec worlds of tests/_harness.py)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from mp_comm.errors import MessageDecodeError, PeerTimeoutError, TransportUnavailableError
+from mp_comm.transport import ANY_SOURCE, ANY_TAG, MPITransport, TransportConfig
+from mp_comm.transport.mpi import check_thread_level
+from tests.mp_comm.test_message import ALL_DTYPES, _bitwise_equal, _BoomOnLoad, _Pair, _sample
+
+
+def _open(world: Any, **config: Any) -> MPITransport:
+    return MPITransport(world.mpi_comm, config=TransportConfig(timeout=20.0, **config))
+
+
+def _payload(rank: int) -> dict[str, Any]:
+    base = torch.arange(24, dtype=torch.float64).reshape(2, 3, 4) + rank
+    return {
+        "dtypes": [_sample(dt, (3, 5), seed=rank) for dt in ALL_DTYPES],
+        "views": (base.transpose(0, 2), base[:, ::2], base.expand(2, 2, 3, 4)),
+        "empty": torch.empty(0, 4),
+        "scalar": torch.tensor(3.5 + rank),
+        "big": torch.randn(1 << 20, generator=torch.Generator().manual_seed(rank)),  # 4 MB
+        "pair": _Pair(torch.eye(3), [None, 1, "two"]),
+        "param": torch.nn.Parameter(torch.ones(2)),
+    }
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and _bitwise_equal(a.detach(), b.detach())
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, _Pair):
+        return _same(a.left, b.left) and a.right == b.right
+    return bool(a == b)
+
+
+def _exchange_both_ways(world: Any) -> bool:
+    t = _open(world)
+    peer = 1 - world.rank
+    handle = t.send(_payload(world.rank), peer, tag="payload")
+    source, tag, got = t.recv(peer, "payload")
+    handle.wait()
+    t.close()
+    assert (source, tag) == (peer, "payload")
+    assert isinstance(got["param"], torch.nn.Parameter)
+    assert got["views"][0].stride() == _payload(peer)["views"][0].stride()
+    return _same(got, _payload(peer))
+
+
+def test_objects_round_trip_both_ways_at_once(worlds: Any) -> None:
+    assert worlds.run(2, _exchange_both_ways, timeout=60) == [True, True]
+
+
+def _order_and_tags(world: Any) -> list[Any]:
+    t = _open(world)
+    rng = random.Random(1)
+    sizes = [rng.choice([0, 3, 2000, 300_000]) for _ in range(40)]
+    if world.rank == 0:
+        handles = [t.send((i, torch.ones(n)), 1, tag=f"t{i % 4}") for i, n in enumerate(sizes)]
+        for tag in [3, 1, 0, 2]:
+            t.send(tag, 1, tag=("late", tag))
+        for h in handles:
+            h.wait()
+        result: list[Any] = []
+    else:
+        # One sender's messages come in send order, whatever their sizes (large payloads finish later).
+        got = [t.recv(0, ANY_TAG) for _ in range(40)]
+        assert [obj[0] for _, _, obj in got] == list(range(40))
+        assert [obj[1].numel() for _, _, obj in got] == sizes
+        # Taken by tag, in an order the sender did not use.
+        result = [t.recv(0, ("late", tag)).obj for tag in range(4)]
+    t.close()
+    return result
+
+
+def test_send_order_is_kept_and_tags_are_taken_in_any_order(worlds: Any) -> None:
+    assert worlds.run(2, _order_and_tags, timeout=60)[1] == [0, 1, 2, 3]
+
+
+def _many_to_one(world: Any, per_sender: int) -> Any:
+    t = _open(world)
+    if world.rank != 0:
+        rng = random.Random(world.rank)
+        handles = []
+        for i in range(per_sender):
+            n = rng.choice([1, 10, 50_000])
+            handles.append(t.send((world.rank, i, torch.full((n,), float(i))), 0, tag=rng.randrange(3)))
+        for h in handles:
+            h.wait()
+        t.close()
+        return None
+    seen: list[tuple[int, int]] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    total = (world.size - 1) * per_sender
+
+    def take(count: int) -> None:
+        try:
+            for _ in range(count):
+                source, _, (rank, i, x) = t.recv(ANY_SOURCE, ANY_TAG)
+                assert source == rank and bool((x == float(i)).all())
+                with lock:
+                    seen.append((rank, i))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=take, args=(total // 3,)) for _ in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    t.close()
+    if errors:
+        raise errors[0]
+    return sorted(seen)
+
+
+def test_many_senders_to_one_receiver_with_several_threads(worlds: Any) -> None:
+    per_sender = 30
+    result = worlds.run(4, _many_to_one, per_sender, timeout=90)[0]
+    assert result == [(r, i) for r in range(1, 4) for i in range(per_sender)]
+
+
+def _progress_while_computing(world: Any) -> float:
+    t = _open(world)
+    big = torch.ones(8 << 20, dtype=torch.uint8)
+    world.mpi_comm.Barrier()
+    if world.rank == 0:
+        start = time.monotonic()
+        t.send(big, 1, tag="big").wait(timeout=10.0)  # rank 1 is "computing" all this while
+        waited = time.monotonic() - start
+        world.mpi_comm.Barrier()
+    else:
+        time.sleep(1.0)  # no transport call here: only the progress thread can take the payload
+        world.mpi_comm.Barrier()
+        assert t.recv(0, "big").obj.numel() == big.numel()
+        waited = 0.0
+    t.close()
+    return waited
+
+
+def test_progress_thread_moves_data_while_the_receiver_computes(worlds: Any) -> None:
+    waited = worlds.run(2, _progress_while_computing, timeout=60)[0]
+    assert waited < 0.9  # the send completed before the receiver returned from its computation
+
+
+def _timeout_and_decode_errors(world: Any) -> list[str]:
+    t = _open(world)
+    messages: list[str] = []
+    if world.rank == 1:
+        start = time.monotonic()
+        try:
+            t.recv(0, "never", timeout=0.3)
+        except PeerTimeoutError as exc:
+            messages.append(str(exc))
+            assert time.monotonic() - start < 3.0
+        t.send([torch.ones(3), _BoomOnLoad()], 0, tag=("req", 9))
+        t.send("fine", 0, tag="after")
+    else:
+        try:
+            t.recv(1, ("req", 9))
+        except MessageDecodeError as exc:
+            messages.append(str(exc))
+            assert exc.peer == 1
+        assert t.recv(1, "after").obj == "fine"
+    t.close()
+    return messages
+
+
+def test_timeouts_and_unpicklable_messages_name_the_peer_and_tag(worlds: Any) -> None:
+    rank0, rank1 = worlds.run(2, _timeout_and_decode_errors, timeout=60)
+    assert "rank 0 with tag 'never' within 0.3 s" in rank1[0]
+    assert "rank 1 with tag ('req', 9)" in rank0[0] and "cannot rebuild" in rank0[0]
+
+
+def _static_mode(world: Any) -> tuple[int, int]:
+    t = _open(world, static_shapes=True)
+    peer = 1 - world.rank
+    for step in range(6):
+        shape = (4, 8) if step < 4 else (5, 8)
+        x = torch.full(shape, float(step + world.rank))
+        t.send({"act": x, "mb": step}, peer, tag="fwd")
+        got = t.recv(peer, "fwd").obj
+        assert got["mb"] == step and torch.equal(got["act"], torch.full(shape, float(step + peer)))
+    hits = t.stats["static_hits"]
+    t.close()
+    return hits, t.stats["received"]
+
+
+def test_static_mode_skips_metadata_for_repeated_shapes(worlds: Any) -> None:
+    assert worlds.run(2, _static_mode, timeout=60) == [(4, 6), (4, 6)]
+
+
+def _self_send_and_reopen(world: Any) -> list[str]:
+    for _ in range(3):
+        t = _open(world)
+        t.send({"me": world.rank}, world.rank, tag=0)
+        assert t.recv(world.rank, 0).obj == {"me": world.rank}
+        t.close()
+        t.close()
+    return [th.name for th in threading.enumerate() if th.name.startswith("mp-comm-mpi")]
+
+
+def test_self_sends_and_close_leaves_no_threads(worlds: Any) -> None:
+    assert worlds.run(2, _self_send_and_reopen, timeout=60) == [[], []]
+
+
+def _cuda_round_trip(world: Any) -> bool:
+    t = _open(world)
+    peer = 1 - world.rank
+    x = torch.randn(1000, device="cuda") + world.rank
+    t.send({"x": x}, peer, tag="cuda")
+    got = t.recv(peer, "cuda").obj["x"]
+    t.close()
+    return got.device.type == "cuda" and bool(torch.equal(got.cpu(), (x - world.rank + peer).cpu()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_travel_through_host_staging(worlds: Any) -> None:
+    assert worlds.run(2, _cuda_round_trip, timeout=60) == [True, True]
+
+
+def test_thread_level_below_multiple_is_refused_with_the_fix() -> None:
+    check_thread_level(3, 3)
+    expected = r"MPI_THREAD_SERIALIZED.*MPI_THREAD_MULTIPLE.*thread_level"
+    with pytest.raises(TransportUnavailableError, match=expected):
+        check_thread_level(2, 3)
+
+
+class _FakeInfo:
+    class launcher:
+        value = "torchrun"
+
+
+class _FakeWorld:
+    mpi_comm = None
+    size = 2
+    info = _FakeInfo()
+
+
+def test_a_world_without_mpi_is_refused_by_name() -> None:
+    with pytest.raises(TransportUnavailableError, match=r"torchrun.*mpiexec"):
+        MPITransport.from_world(_FakeWorld())
