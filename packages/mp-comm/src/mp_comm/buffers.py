@@ -36,8 +36,8 @@ class Region:
 class BufferManager:
     """First-fit allocator over one persistent buffer of `capacity` bytes on `device`.
 
-    The buffer is allocated on the first `reserve`, not at construction, so a rank that never moves
-    device tensors never pays for it. Every region starts at a multiple of `alignment` bytes (256 by
+    The buffer's memory is allocated the first time it is used (`buffer`, `view`), not at
+    construction, so a rank that never moves device tensors never pays for it. Every region starts at a multiple of `alignment` bytes (256 by
     default: enough for any dtype and for coalesced device access). Thread-safe.
     """
 
