@@ -382,12 +382,10 @@ def test_describe() -> None:
     assert len(short.splitlines()) == 4
 
 
-def test_import_does_not_import_mpi4py_or_torch() -> None:
-    code = (
-        "import sys, mp_comm.topology, mp_comm.errors; "
-        "bad = [m for m in ('mpi4py', 'torch') if m in sys.modules]; "
-        "assert not bad, bad"
-    )
+def test_import_does_not_start_mpi() -> None:
+    # Importing mp_comm must not import mpi4py (which initializes MPI): that happens only when a
+    # world is started under an MPI launcher.
+    code = "import sys, mp_comm, mp_comm.topology; assert 'mpi4py' not in sys.modules, 'mpi4py imported'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
 

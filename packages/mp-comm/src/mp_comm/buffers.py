@@ -37,8 +37,9 @@ class BufferManager:
     """First-fit allocator over one persistent buffer of `capacity` bytes on `device`.
 
     The buffer's memory is allocated the first time it is used (`buffer`, `view`), not at
-    construction, so a rank that never moves device tensors never pays for it. Every region starts at a multiple of `alignment` bytes (256 by
-    default: enough for any dtype and for coalesced device access). Thread-safe.
+    construction, so a rank that never moves device tensors never pays for it. Every region starts
+    at a multiple of `alignment` bytes (256 by default: enough for any dtype and for coalesced
+    device access). Thread-safe.
     """
 
     def __init__(self, capacity: int, device: torch.device | str, *, alignment: int = 256) -> None:

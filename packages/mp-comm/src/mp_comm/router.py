@@ -242,11 +242,17 @@ class Router(Transport):
             num_tensors=num_tensors,
         )
 
-    def send(self, obj: object, dest: int, tag: Tag = 0, *, static: bool | None = None) -> SendHandle:
+    def send(
+        self, obj: object, dest: int, tag: Tag = 0, *, static: bool | None = None, route: Route | None = None
+    ) -> SendHandle:
+        """Send over the route the rules choose, or over `route` when given (it must exist)."""
         transport = next(iter(self.transports.values()))
         transport._check_send(dest, tag)
+        if route is not None and route not in self.transports:
+            raise ValueError(f"route={route}; this router has {sorted(r.value for r in self.transports)}")
         body, tensors = encode_object(obj)
-        route = self.route({t.device.type for t in tensors}, dest, len(tensors))
+        if route is None:
+            route = self.route({t.device.type for t in tensors}, dest, len(tensors))
         self.stats[route.value] += 1
         return self.transports[route]._send_encoded(body, tensors, dest, tag, static=static)
 

@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib.util
 import logging
 import os
 import pickle
 import select
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -74,7 +76,9 @@ __all__ = [
     "MAX_TENSORS",
     "UCXConfig",
     "UCXTransport",
+    "foreign_ucx",
     "import_ucxx",
+    "preload_before_mpi",
     "ucx_available",
 ]
 
@@ -100,6 +104,42 @@ def _tag_wire(tag: int) -> int:
     return (tag >> 16) & 0xFFFFFF
 
 
+def preload_before_mpi() -> bool:
+    """Load the UCX libraries of the ucxx wheels before MPI loads its own; whether they were loaded.
+
+    The `mpich` wheel bundles an older UCX under the same library names (libucs.so.0, ...). Whichever
+    is loaded first serves the whole process, and ucxx cannot run on MPICH's older copy, while MPICH
+    runs on the newer one. Call this before the first `from mpi4py import MPI` (the MPI transport's
+    `import_mpi` does, and so should whatever initializes MPI earlier). Does nothing when ucxx is not
+    installed or MPI is already loaded.
+    """
+    if "mpi4py.MPI" in sys.modules or importlib.util.find_spec("libucx") is None:
+        return False
+    try:
+        importlib.import_module("libucx").load_library()
+    except Exception as exc:  # a broken install: the UCX transport will say so when it is used
+        log.debug("preloading UCX failed: %s", exc)
+        return False
+    return True
+
+
+def foreign_ucx() -> str | None:
+    """The path of a UCX library loaded in this process from outside the ucxx wheels, if any (Linux)."""
+    spec = importlib.util.find_spec("libucx")
+    if spec is None or spec.origin is None:
+        return None
+    ours = os.path.dirname(spec.origin)
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if os.path.basename(path).startswith("libucs.so") and not path.startswith(ours):
+                    return path
+    except OSError:
+        return None
+    return None
+
+
 def import_ucxx() -> tuple[Any, Any]:
     """(libucxx, Array) from ucxx, or TransportUnavailableError naming the extra to install."""
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -107,6 +147,13 @@ def import_ucxx() -> tuple[Any, Any]:
         from ucxx._lib import libucxx
         from ucxx._lib.arr import Array
     except Exception as exc:  # ImportError, or a shared library that fails to load
+        other = foreign_ucx() if isinstance(exc, OSError) else None
+        if other is not None:
+            raise TransportUnavailableError(
+                f"ucxx cannot load ({exc}): this process already runs another UCX, {other}, loaded by MPI "
+                "(the mpich wheel bundles one). Load ucxx's first: call "
+                "mp_comm.transport.ucx.preload_before_mpi() before MPI is initialized."
+            ) from exc
         raise TransportUnavailableError(
             f"the UCX transport needs ucxx, which cannot be imported here ({type(exc).__name__}: {exc}); "
             "install it with `pip install 'mp-comm[ucx]'` (the ucxx-cu12 wheels), or use the MPI transport."

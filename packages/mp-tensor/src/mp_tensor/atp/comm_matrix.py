@@ -238,9 +238,10 @@ class CommMatrix:
         lines = [f"{self.name}: {self.num_devices} devices, {len(self.layers)} layer(s)"]
         for k, layer in enumerate(self.layers, 1):
             p2p = sorted({v for i, row in enumerate(layer.p2p) for j, v in enumerate(row) if i != j})
+            group = sorted(set(layer.group_bw))
             lines.append(
-                f"  layer {k} ({layer.name}): {layer.size} units, P2P {p2p} GB/s, "
-                f"group {sorted(set(layer.group_bw))} GB/s"
+                f"  layer {k} ({layer.name}): {layer.size} units, P2P {', '.join(f'{v:.4g}' for v in p2p)} "
+                f"GB/s, group {', '.join(f'{v:.4g}' for v in group)} GB/s"
             )
         for mesh, (b1, b2) in sorted(self.calibration.items()):
             lines.append(f"  calibrated {mesh[0]}x{mesh[1]}: B1 {b1:.3g} GB/s, B2 {b2:.3g} GB/s")

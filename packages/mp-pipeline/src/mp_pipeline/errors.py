@@ -1,0 +1,72 @@
+"""The errors of mp-pipeline. Each message names what was received, what was expected and the fix.
+
+The umbrella (`mp`) re-raises :class:`SplitError` as smp's ``TensorSplitError``; the others reach the
+user as they are (they derive from ``RuntimeError``/``ValueError`` as smp's did).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "InvalidStepOutputError",
+    "NotInStepError",
+    "PipelineAbortedError",
+    "PipelineError",
+    "PipelineTimeoutError",
+    "RemoteExecutionError",
+    "SplitError",
+]
+
+
+class PipelineError(RuntimeError):
+    """Base class of the pipeline runtime's failures."""
+
+
+class RemoteExecutionError(PipelineError):
+    """A module executed for this rank on another rank raised; the message carries that rank's
+    traceback. ``rank`` is the global rank where it raised, ``module`` the module path ("" is the
+    model itself, "<step>" the step function), ``microbatch`` and ``phase`` where it happened."""
+
+    def __init__(
+        self, message: str, *, rank: int, module: str, microbatch: int, phase: str, remote_traceback: str
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.module = module
+        self.microbatch = microbatch
+        self.phase = phase
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (
+            _rebuild_remote,
+            (str(self), self.rank, self.module, self.microbatch, self.phase, self.remote_traceback),
+        )
+
+
+def _rebuild_remote(
+    message: str, rank: int, module: str, microbatch: int, phase: str, remote_traceback: str
+) -> RemoteExecutionError:
+    return RemoteExecutionError(
+        message, rank=rank, module=module, microbatch=microbatch, phase=phase, remote_traceback=remote_traceback
+    )
+
+
+class PipelineAbortedError(PipelineError):
+    """The step was aborted because another rank of the pipeline (or a data-parallel replica) failed;
+    the message carries that rank's error and traceback."""
+
+
+class PipelineTimeoutError(PipelineError):
+    """A rank waited longer than the pipeline timeout for a message (a peer is stuck or dead)."""
+
+
+class SplitError(ValueError):
+    """Step inputs cannot be split into microbatches as asked (smp's TensorSplitError)."""
+
+
+class InvalidStepOutputError(ValueError):
+    """A StepOutput was built from something other than a list or tuple of microbatch outputs."""
+
+
+class NotInStepError(RuntimeError):
+    """A pipeline operation (a remote module call, a pipelined backward) ran outside a step."""
