@@ -83,6 +83,12 @@ VALID: dict[str, list[tuple[object, dict[str, object]]]] = {
     "tensor_parallel_degree": [(1, {}), (2, {}), (8, {})],
     "prescaled_batch": [(False, {}), (True, {"optimize": "speed"})],
     "tensor_parallel_seed": [(0, {}), (1234, {}), (2**64 - 1, {})],
+    "atp_mesh": [(None, {}), ("auto", {"tensor_parallel_degree": 2}), ("2x2", {"tensor_parallel_degree": 4})],
+    "atp_topology": [
+        (None, {}),
+        ("calibrate", {"tensor_parallel_degree": 2, "atp_mesh": "auto"}),
+        ("nvswitch", {"tensor_parallel_degree": 2, "atp_mesh": "auto"}),
+    ],
     "fp16": [(True, {}), (False, {})],
     "fp16_params": [(True, {}), (False, {})],
     "bf16": [(True, {}), (False, {})],
@@ -111,7 +117,7 @@ VALID_CASES = [(key, value, extra) for key, values in VALID.items() for value, e
 
 def test_valid_table_covers_every_key() -> None:
     assert set(VALID) == set(KEYS)
-    assert len(KEYS) == len(set(KEYS)) == 42
+    assert len(KEYS) == len(set(KEYS)) == 44
 
 
 @pytest.mark.parametrize(

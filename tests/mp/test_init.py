@@ -191,3 +191,38 @@ def test_single_process_world_works_without_a_launcher(monkeypatch: pytest.Monke
     finally:
         smp.shutdown()
     assert not smp.is_initialized() and not dist.is_initialized()
+
+
+def _atp_mesh_from_config(world: Any, atp_mesh: str, atp_topology: str | None) -> tuple[int, int]:
+    from mp_tensor import atp
+
+    cfg: dict[str, Any] = {"tensor_parallel_degree": 4, "atp_mesh": atp_mesh}
+    if atp_topology is not None:
+        cfg["atp_topology"] = atp_topology
+    smp.init(cfg)
+    mesh = atp.get_mesh()
+    assert mesh is smp.state.atp_mesh
+    # the mesh is usable: an ATPLinear on it matches the global layer
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(8, 16)
+    layer = atp.ATPLinear(8, 16, atp.COLUMN_FIRST, mesh=mesh)
+    layer.load_global(ref.weight.detach(), ref.bias.detach())
+    x = torch.randn(4, 8)
+    out = atp.to_global(layer(atp.distribute(x, layer.input_spec, mesh)), layer.output_spec, mesh)
+    torch.testing.assert_close(out, ref(x))
+    return tuple(mesh.shape)  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    ("atp_mesh", "atp_topology", "expected"),
+    [("2x2", None, (2, 2)), ("4x1", None, (4, 1)), ("auto", "nvswitch", None), ("auto", None, None)],
+)
+def test_atp_mesh_from_the_config(
+    worlds: Any, atp_mesh: str, atp_topology: str | None, expected: Any
+) -> None:
+    shapes = worlds.run(4, _atp_mesh_from_config, atp_mesh, atp_topology, timeout=180)
+    assert len(set(shapes)) == 1
+    d1, d2 = shapes[0]
+    assert d1 * d2 == 4
+    if expected is not None:
+        assert shapes[0] == expected

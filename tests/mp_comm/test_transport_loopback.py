@@ -146,7 +146,7 @@ def test_bad_arguments_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"dest=5.*\[0, 2\)"):
         t.send(1, 5)
     with pytest.raises(ValueError, match="not hashable"):
-        t.send(1, 1, tag=["list"])
+        t.send(1, 1, tag=["list"])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="source=-3"):
         t.recv(-3)
     with pytest.raises(ValueError, match="timeout"):

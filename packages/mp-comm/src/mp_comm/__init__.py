@@ -1,6 +1,8 @@
 """mp-comm: the process world, rank topology and process groups, transports and collectives of mp."""
 
-from mp_comm.errors import MPCommError, TopologyError, WorldError
+from mp_comm import collectives
+from mp_comm.collectives import CollectiveHandle
+from mp_comm.errors import CollectiveError, MPCommError, TopologyError, WorldError
 from mp_comm.topology import (
     PLACEMENT_ALIASES,
     GroupKind,
@@ -15,6 +17,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PLACEMENT_ALIASES",
+    "CollectiveError",
+    "CollectiveHandle",
     "GroupKind",
     "Launcher",
     "MPCommError",
@@ -25,6 +29,7 @@ __all__ = [
     "WorldError",
     "WorldInfo",
     "build_topology",
+    "collectives",
     "detect_launcher",
     "init_world",
     "normalize_placement",

@@ -122,6 +122,17 @@ class ModelParallelConfig:
     ``optimize`` "speed" (smp's rule; with the documented default "memory" that must now be explicit)."""
     tensor_parallel_seed: int = _key(0, KeySpec(kind="int", minimum=0, maximum=2**64 - 1, example="0"))
     """RNG seed for tensor-parallel modules (smp source only)."""
+    atp_mesh: str | None = _key(None, KeySpec(kind="str", nullable=True, example='"auto"'))
+    """mp extension (ATP, seed 002): arrange each tensor-parallel group as a 2-D ``DeviceMesh(d1, d2)``
+    for the ``mp_tensor.atp`` modules. None (default): no mesh. ``"auto"``: the mesh with the least
+    predicted communication time on the topology of ``atp_topology`` (equations 2-4 of the ATP paper).
+    ``"D1xD2"`` (e.g. ``"2x2"``; ``"4x1"`` is Megatron-style 1-D TP): that mesh, with D1*D2 equal to
+    ``tensor_parallel_degree``. Needs ``tensor_parallel_degree`` > 1."""
+    atp_topology: str | None = _key(None, KeySpec(kind="str", nullable=True, example='"calibrate"'))
+    """mp extension: the interconnect that ``atp_mesh: "auto"`` searches on. None or ``"calibrate"``:
+    measure it at ``smp.init`` (all-reduces timed on every mesh's axis groups of this machine); a preset
+    (``"nvswitch"``, ``"dual-nvlink"``, ``"pcie"``); or the path of a JSON file written by
+    ``mp_tensor.atp.CommMatrix.save``. Only with ``atp_mesh: "auto"``."""
 
     # ---------------------------------------------------------------------- precision
     fp16: bool = _key(False, KeySpec(kind="bool", example="true"))

@@ -78,6 +78,16 @@ def check_rules(c: ModelParallelConfig) -> None:
             f"lower 'active_microbatches' to at most {c.microbatches}, raise 'microbatches' to at least "
             f"{c.active_microbatches}, or leave 'active_microbatches' out",
         )
+    if c.atp_mesh is not None:
+        _check_atp_mesh(c)
+    if c.atp_topology is not None and c.atp_mesh != "auto":
+        raise _rule_error(
+            "atp_topology",
+            c.atp_topology,
+            f" with 'atp_mesh': {show(c.atp_mesh)}",
+            "atp_topology only together with atp_mesh 'auto' (the topology is what the search runs on)",
+            "set 'atp_mesh' to 'auto', or remove 'atp_topology'",
+        )
     if not c.auto_partition and c.default_partition is None:
         raise _rule_error(
             "auto_partition",
@@ -156,6 +166,45 @@ def check_rules(c: ModelParallelConfig) -> None:
                 f"set '{other}' to 1 to use sharded data parallelism, or set "
                 "'sharded_data_parallel_degree' to 1",
             )
+
+
+ATP_PRESETS = ("nvswitch", "dual-nvlink", "pcie")
+
+
+def parse_atp_mesh(text: str) -> tuple[int, int] | None:
+    """``"2x4"`` -> (2, 4); None when the text is not of that form."""
+    left, sep, right = text.lower().partition("x")
+    if not sep or not left.isdigit() or not right.isdigit():
+        return None
+    return int(left), int(right)
+
+
+def _check_atp_mesh(c: ModelParallelConfig) -> None:
+    tp = c.tensor_parallel_degree
+    shapes = [f"'{d}x{tp // d}'" for d in range(1, tp + 1) if tp % d == 0]
+    allowed = "'auto' or 'D1xD2' with D1*D2 = tensor_parallel_degree" + (
+        f" ({', '.join(shapes)})" if tp > 1 else ""
+    )
+    assert c.atp_mesh is not None
+    if tp < 2:
+        raise _rule_error(
+            "atp_mesh",
+            c.atp_mesh,
+            " with 'tensor_parallel_degree': 1",
+            "atp_mesh only with tensor_parallel_degree > 1 (the mesh arranges each TP group)",
+            "set 'tensor_parallel_degree' to the number of ranks of one mesh, or remove 'atp_mesh'",
+        )
+    if c.atp_mesh == "auto":
+        return
+    shape = parse_atp_mesh(c.atp_mesh)
+    if shape is None or shape[0] < 1 or shape[1] < 1 or shape[0] * shape[1] != tp:
+        raise _rule_error(
+            "atp_mesh",
+            c.atp_mesh,
+            f", not a mesh of tensor_parallel_degree {tp} ranks",
+            allowed,
+            f"use one of {', '.join(shapes)}, or 'auto' to let the search choose",
+        )
 
 
 def log_resolutions(c: ModelParallelConfig) -> None:

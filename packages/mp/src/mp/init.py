@@ -7,6 +7,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from mp.atp_setup import setup_atp_mesh
 from mp.config import ConfigSource, load_config, validate_world
 from mp.state import State, state
 from mp_comm import GroupKind, WorldInfo, build_topology, init_world
@@ -58,6 +59,7 @@ def init(config: ConfigSource = None) -> None:
                 groups[kind] = pg
     state.cfg, state.world, state.topology = cfg, world, topology
     state.process_groups, state.created_groups = groups, created
+    state.atp_mesh = setup_atp_mesh(cfg, world, topology)
     log.info("mp initialized: %s", topology.describe(with_groups=False).splitlines()[0])
 
 
@@ -69,6 +71,10 @@ def is_initialized() -> bool:
 def reset() -> None:
     """Forget the current initialization: destroy mp's groups and release the world it started."""
     world = state.world
+    if state.atp_mesh is not None:
+        from mp_tensor import atp
+
+        atp.destroy_mesh()
     for pg in state.created_groups:
         dist.destroy_process_group(pg)
     if world is not None:

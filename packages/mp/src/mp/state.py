@@ -25,6 +25,8 @@ class State:
     topology: Topology | None = None
     process_groups: dict[GroupKind, dist.ProcessGroup] = field(default_factory=dict)
     created_groups: list[dist.ProcessGroup] = field(default_factory=list)
+    atp_mesh: Any = None
+    """The mp_tensor.atp DeviceMesh built from the config's atp_mesh, if any."""
     model: Any = None
     optimizer: Any = None
 

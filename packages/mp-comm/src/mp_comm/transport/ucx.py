@@ -29,6 +29,7 @@ its persistent send buffer before sending, when there is room.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import importlib.util
@@ -40,6 +41,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -238,6 +240,22 @@ class _Incoming:
     rank: int = -1
 
 
+_OPEN: weakref.WeakSet[UCXTransport] = weakref.WeakSet()
+
+
+@atexit.register
+def _abort_at_exit() -> None:
+    # A transport left open at exit: close its endpoints so that UCX does not report them leaked.
+    left = list(_OPEN)
+    for transport in left:
+        transport._closing = True  # the others going away now is expected
+    for transport in left:
+        try:
+            transport.abort()
+        except Exception as exc:
+            log.warning("closing the UCX transport of rank %d at exit: %s", transport.rank, exc)
+
+
 class UCXTransport(MessageTransport):
     """Point-to-point messages over UCX. Collective to create and to close, through `bootstrap`."""
 
@@ -332,6 +350,7 @@ class UCXTransport(MessageTransport):
         self._wake()
         if fallback is not None:
             fallback.register_channel(FALLBACK_CHANNEL, self._on_fallback)
+        _OPEN.add(self)
         log.debug("UCX transport up on rank %d, listening on %s", self.rank, self._peers[self.rank])
 
     @classmethod
@@ -401,6 +420,7 @@ class UCXTransport(MessageTransport):
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         self._closing = True  # from here on, peers closing their endpoints is expected
         limit = self.config.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
@@ -431,6 +451,8 @@ class UCXTransport(MessageTransport):
 
     def abort(self) -> None:
         """Close at once, without meeting the other ranks: they see this rank's endpoints fail."""
+        _OPEN.discard(self)
+        self._closing = True
         if self._thread.is_alive():
             self._aborting = True
             self._stop()

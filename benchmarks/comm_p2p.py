@@ -1,0 +1,242 @@
+"""Point-to-point benchmark: mp's transports against raw MPI (the bound) and gloo (the peer).
+
+Ping-pong of one CPU tensor between two ranks, for sizes from 1 KB to 64 MB. Variants:
+
+* ``mpi4py``  - blocking ``Send``/``Recv`` of the tensor's buffer into a preallocated buffer: the bound
+  (what MPI itself moves, with no message format, no allocation, no threads);
+* ``mp-mpi``  - mp's MPI transport: any object, receiver allocates, progress thread, mailbox;
+* ``mp-ucx``  - mp's UCX transport (when ucxx is installed);
+* ``gloo``    - ``torch.distributed.send``/``recv`` into a preallocated tensor: the peer.
+
+The variants are interleaved (each repetition runs every variant at every size, in a rotating order),
+because this host is noisy; each cell is the median over repetitions of the mean one-way time of a
+batch of round trips. Results go to benchmarks/results/comm_p2p.json and .md.
+
+Run: ``python benchmarks/comm_p2p.py`` (starts itself under ``mpiexec -n 2``), or
+``mpiexec -n 2 python benchmarks/comm_p2p.py``. Options: ``--quick`` (fewer sizes and repetitions),
+``--reps N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results"
+KB = 1024
+SIZES = [KB, 4 * KB, 16 * KB, 64 * KB, 256 * KB, KB * KB, 4 * KB * KB, 16 * KB * KB, 64 * KB * KB]
+QUICK_SIZES = [KB, 64 * KB, KB * KB, 16 * KB * KB]
+
+
+def _under_mpi() -> bool:
+    return any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+
+
+def _relaunch() -> int:
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    if mpiexec is None:
+        print("mpiexec not found; install it with `pip install mpich`", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [mpiexec, "-n", "2", sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
+    return subprocess.call(cmd, env=env)
+
+
+def _iterations(nbytes: int) -> int:
+    if nbytes <= 64 * KB:
+        return 100
+    if nbytes <= KB * KB:
+        return 30
+    if nbytes <= 16 * KB * KB:
+        return 6
+    return 3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions of the interleaved sweep")
+    parser.add_argument("--no-ucx", action="store_true", help="skip the UCX transport")
+    args = parser.parse_args()
+    if not _under_mpi():
+        sys.exit(_relaunch())
+
+    # ucxx's UCX libraries must be loaded before MPI loads the mpich wheel's own copy.
+    from mp_comm.transport.ucx import preload_before_mpi, ucx_available
+
+    preload_before_mpi()
+    import torch
+    import torch.distributed as dist
+
+    from mp_comm.message import numpy_bytes
+    from mp_comm.transport import MPITransport, TransportConfig
+    from mp_comm.world import init_world
+
+    world = init_world()
+    rank, peer = world.rank, 1 - world.rank
+    comm = world.mpi_comm.Dup()
+    config = TransportConfig(timeout=120.0)
+    ours_mpi = MPITransport(world.mpi_comm, config=config)
+    ours_ucx = None
+    if not args.no_ucx and ucx_available():
+        from mp_comm.transport import UCXTransport
+
+        try:
+            ours_ucx = UCXTransport.from_world(world, config=config)
+        except Exception as exc:
+            if rank == 0:
+                print(f"UCX transport unavailable: {exc}", file=sys.stderr)
+
+    sizes = QUICK_SIZES if args.quick else SIZES
+    reps = args.reps or (2 if args.quick else 3)
+    tensors = {n: torch.ones(n, dtype=torch.uint8) for n in sizes}
+    inbox = {n: torch.empty(n, dtype=torch.uint8) for n in sizes}
+
+    def raw_mpi(n: int, iters: int) -> None:
+        out, into = numpy_bytes(tensors[n]), numpy_bytes(inbox[n])
+        for _ in range(iters):
+            if rank == 0:
+                comm.Send(out, peer, 5)
+                comm.Recv(into, peer, 5)
+            else:
+                comm.Recv(into, peer, 5)
+                comm.Send(out, peer, 5)
+
+    def transport(t: Any) -> Callable[[int, int], None]:
+        def run(n: int, iters: int) -> None:
+            x = tensors[n]
+            for _ in range(iters):
+                if rank == 0:
+                    t.send(x, peer, 5)
+                    t.recv(peer, 5)
+                else:
+                    got = t.recv(peer, 5).obj
+                    t.send(got, peer, 5)
+
+        return run
+
+    def gloo(n: int, iters: int) -> None:
+        x, into = tensors[n], inbox[n]
+        for _ in range(iters):
+            if rank == 0:
+                dist.send(x, peer)
+                dist.recv(into, peer)
+            else:
+                dist.recv(into, peer)
+                dist.send(x, peer)
+
+    variants: dict[str, Callable[[int, int], None]] = {
+        "mpi4py": raw_mpi,
+        "mp-mpi": transport(ours_mpi),
+        "gloo": gloo,
+    }
+    if ours_ucx is not None:
+        variants["mp-ucx"] = transport(ours_ucx)
+
+    # Warm-up: every path once at every size.
+    for fn in variants.values():
+        for n in sizes:
+            fn(n, 2)
+    samples: dict[str, dict[int, list[float]]] = {v: {n: [] for n in sizes} for v in variants}
+    names = list(variants)
+    started = time.monotonic()
+    for rep in range(reps):
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        for n in sizes:
+            for name in order:
+                iters = _iterations(n)
+                comm.Barrier()
+                t0 = time.perf_counter()
+                variants[name](n, iters)
+                one_way = (time.perf_counter() - t0) / (2 * iters)
+                samples[name][n].append(comm.bcast(one_way, root=0))
+    elapsed = time.monotonic() - started
+
+    if ours_ucx is not None:
+        ours_ucx.close()
+    ours_mpi.close()
+    comm.Free()
+    if rank == 0:
+        _report(samples, sizes, reps, elapsed)
+    world.shutdown()
+
+
+def _report(samples: dict[str, dict[int, list[float]]], sizes: list[int], reps: int, elapsed: float) -> None:
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    for name, by_size in samples.items():
+        results[name] = {}
+        for n in sizes:
+            t = statistics.median(by_size[n])
+            results[name][str(n)] = {"one_way_us": t * 1e6, "gb_per_s": n / t / 1e9}
+    bound = results["mpi4py"]
+
+    def ratio(name: str, n: int) -> float:
+        return results[name][str(n)]["gb_per_s"] / bound[str(n)]["gb_per_s"]
+
+    ratios = {name: {str(n): ratio(name, n) for n in sizes} for name in results if name != "mpi4py"}
+    decision = "mpi"
+    reason = "UCX transport not measured (ucxx missing or not startable)"
+    if "mp-ucx" in results:
+        rel = [results["mp-ucx"][str(n)]["gb_per_s"] / results["mp-mpi"][str(n)]["gb_per_s"] for n in sizes]
+        geo = statistics.geometric_mean(rel)
+        wins = sum(r > 1 for r in rel)
+        decision = "ucx" if geo > 1.0 and wins > len(sizes) // 2 else "mpi"
+        reason = (
+            f"mp-ucx/mp-mpi bandwidth: geometric mean {geo:.2f} over {len(sizes)} sizes, UCX faster at "
+            f"{wins} of them"
+        )
+    payload = {
+        "benchmark": "comm_p2p",
+        "method": "ping-pong of one CPU uint8 tensor between 2 ranks on one host; one-way time = round "
+        "trip / 2; median over interleaved repetitions",
+        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "repetitions": reps,
+        "elapsed_s": elapsed,
+        "sizes": sizes,
+        "results": results,
+        "ratio_to_mpi4py": ratios,
+        "cpu_default_route": decision,
+        "cpu_default_reason": reason,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "comm_p2p.json").write_text(json.dumps(payload, indent=2) + "\n")
+    names = [n for n in ("mpi4py", "mp-mpi", "mp-ucx", "gloo") if n in results]
+    lines = [
+        "# comm_p2p: point-to-point ping-pong, 2 ranks, one host (CPU tensors)",
+        "",
+        f"Median of {reps} interleaved repetitions; GB/s = size / one-way time; (x) = ratio to mpi4py, "
+        "the bound. `python benchmarks/comm_p2p.py` regenerates this file.",
+        "",
+        "| size | " + " | ".join(f"{n} GB/s" for n in names) + " | " + " | ".join(f"{n} µs" for n in names) + " |",
+        "|---:|" + "---:|" * (2 * len(names)),
+    ]
+    for n in sizes:
+        cells = []
+        for name in names:
+            gbps = results[name][str(n)]["gb_per_s"]
+            cells.append(f"{gbps:.2f}" if name == "mpi4py" else f"{gbps:.2f} ({ratio(name, n):.2f}x)")
+        cells += [f"{results[name][str(n)]['one_way_us']:.0f}" for name in names]
+        lines.append(f"| {_human(n)} | " + " | ".join(cells) + " |")
+    lines += ["", f"CPU default route: **{decision}** ({reason}).", ""]
+    (RESULTS / "comm_p2p.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+def _human(n: int) -> str:
+    return f"{n // (KB * KB)} MB" if n >= KB * KB else f"{n // KB} KB"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The messages module servers exchange (seed 001, Appendix B).
+
+Every message carries the :class:`StepId` it belongs to, so that a message left over from an aborted
+step is recognized and dropped, and one that arrives early (from the next step) is kept for it.
+Tensors travel detached inside the messages (the transport moves them as raw buffers); which of them
+require grad is sent beside them.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mp_pipeline.context import ExecState
+from mp_pipeline.schedule import Phase
+
+__all__ = ["TAG", "Failure", "Request", "Response", "StepAbort", "StepEnd", "StepId"]
+
+TAG = "mp_pipeline"
+"""Transport tag of every pipeline message."""
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class StepId:
+    """Which step of which DistributedModel (a per-process counter, equal on all ranks)."""
+
+    model: int
+    step: int
+
+
+@dataclass(slots=True)
+class Request:
+    """Execute a module (forward) or run its backward, for the requesting rank (Appendix B)."""
+
+    step: StepId
+    request_id: int
+    """Unique per requester within a step; responses name it."""
+    requester: int
+    """Global rank of the requester (the pp_rank is its index in the pipeline group)."""
+    phase: Phase
+    module: str
+    """Module path in the model ("" is the model itself)."""
+    microbatch: int
+    position: tuple[str, ...]
+    """Where the call sits in the module graph: module paths from the step function to this module."""
+    payload: Any
+    """FWD: the skeleton of (args, kwargs) (see mp_pipeline.structure); BWD: None."""
+    tensors: list[torch.Tensor | None]
+    """FWD: the input tensors; BWD: the gradients of the forward's outputs that require grad (None
+    where no gradient flowed)."""
+    requires_grad: tuple[bool, ...]
+    """FWD: which input tensors require grad on the requester."""
+    state: ExecState
+    """The requester's grad mode and autocast state."""
+    checkpoint: bool = False
+    """Whether activation checkpointing is enabled for this module (the owner then recomputes it)."""
+    forward_id: int | None = None
+    """BWD: the request_id of the forward call whose backward this is."""
+
+
+@dataclass(slots=True)
+class Failure:
+    """An exception on some rank, as text (exception objects need not be picklable)."""
+
+    rank: int
+    module: str
+    microbatch: int
+    phase: str
+    exc_type: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, *, rank: int, module: str, microbatch: int, phase: str) -> Failure:
+        remote_tb = getattr(exc, "remote_traceback", None)
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        if remote_tb:
+            tb = f"{remote_tb}\n(then, on rank {rank}):\n{tb}"
+        origin = getattr(exc, "rank", None)
+        if isinstance(origin, int) and getattr(exc, "remote_traceback", None) is not None:
+            # an error forwarded from a deeper rank: keep naming where it started
+            return cls(
+                origin,
+                getattr(exc, "module", module),
+                getattr(exc, "microbatch", microbatch),
+                getattr(exc, "phase", phase),
+                type(exc).__name__,
+                str(exc),
+                tb,
+            )
+        return cls(rank, module, microbatch, phase, type(exc).__name__, str(exc), tb)
+
+    def describe(self) -> str:
+        where = "the step function" if self.module == "<step>" else f"module {self.module or '<model>'!r}"
+        return (
+            f"{self.exc_type} on rank {self.rank} in {where} ({self.phase}, microbatch {self.microbatch}): "
+            f"{self.message}"
+        )
+
+
+@dataclass(slots=True)
+class Response:
+    """The answer to a Request: outputs (FWD) or input gradients (BWD), or the failure."""
+
+    step: StepId
+    request_id: int
+    responder: int
+    payload: Any = None
+    """FWD: the skeleton of the module's output."""
+    tensors: list[torch.Tensor | None] = field(default_factory=list)
+    """FWD: the output tensors; BWD: the gradients of the inputs that required grad (None if unused)."""
+    requires_grad: tuple[bool, ...] = ()
+    """FWD: which output tensors require grad on the owner (they get an autograd link)."""
+    failure: Failure | None = None
+
+
+@dataclass(slots=True)
+class StepEnd:
+    """pp_rank 0 to the other ranks of its pipeline: the step is over; here are its outputs."""
+
+    step: StepId
+    results: Any = None
+
+
+@dataclass(slots=True)
+class StepAbort:
+    """The step failed on the sender (or a rank it heard from): stop serving and raise."""
+
+    step: StepId
+    failure: Failure

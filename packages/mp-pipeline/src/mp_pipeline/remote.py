@@ -1,0 +1,290 @@
+"""Remote module execution with autograd across ranks.
+
+Requester side: every module of a partitioned model gets a forward that runs the module where it is
+(its owner is this rank) or sends a forward request to its owner and waits (:meth:`Remote.call`). The
+outputs that require grad on the owner are wired into the requester's autograd graph through
+:class:`_RemoteFunction`, whose backward sends the output gradients to the owner in a backward request
+and returns the input gradients it gets back. A zero-size "anchor" tensor that requires grad is passed
+to the function so that it joins the graph even when no input requires grad (the gradient then flows
+only into the owner's parameters).
+
+Owner side (:meth:`Remote.handle`): a forward request runs the module's own forward on the received
+inputs (those that required grad made leaves that require grad), under the requester's grad mode and
+autocast, and keeps inputs and outputs until the backward request, which runs ``torch.autograd.backward``
+on the kept outputs; parameter gradients accumulate on the owner and the leaves' gradients go back.
+Hooks registered on a module run once, on the rank that calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from mp_pipeline.context import TaskContext, applied, capture, current, task_context
+from mp_pipeline.errors import NotInStepError, PipelineError, RemoteExecutionError
+from mp_pipeline.messages import Failure, Request, Response, StepId
+from mp_pipeline.schedule import Phase
+from mp_pipeline.structure import flatten, unflatten
+
+__all__ = ["Remote", "remote_error"]
+
+log = logging.getLogger(__name__)
+
+_ORIGINAL = "_mp_pipeline_original_forward"
+
+
+def remote_error(failure: Failure) -> RemoteExecutionError:
+    """The exception a requester raises for a failed request."""
+    return RemoteExecutionError(
+        f"{failure.describe()}\n--- traceback on rank {failure.rank} ---\n{failure.traceback}",
+        rank=failure.rank,
+        module=failure.module,
+        microbatch=failure.microbatch,
+        phase=failure.phase,
+        remote_traceback=failure.traceback,
+    )
+
+
+@dataclass
+class _Saved:
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+
+
+class _Link:
+    """One remote forward call, as its backward needs it."""
+
+    __slots__ = ("dest", "microbatch", "module", "n_inputs", "outputs", "position", "remote", "request_id", "step")
+
+    def __init__(
+        self,
+        remote: Remote,
+        dest: int,
+        step: StepId,
+        request_id: int,
+        module: str,
+        microbatch: int,
+        position: tuple[str, ...],
+        n_inputs: int,
+        outputs: list[torch.Tensor],
+    ) -> None:
+        self.remote = remote
+        self.dest = dest
+        self.step = step
+        self.request_id = request_id
+        self.module = module
+        self.microbatch = microbatch
+        self.position = position
+        self.n_inputs = n_inputs
+        self.outputs = outputs
+
+    def backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+        if all(g is None for g in grads):
+            return [None] * self.n_inputs
+        server = self.remote.server
+        if server is None or server.step != self.step:
+            raise NotInStepError(
+                f"the backward of module {self.module!r} (called in a pipelined step) ran after that step "
+                "ended; call model.backward(loss) inside the @smp.step function"
+            )
+        request = Request(
+            step=self.step,
+            request_id=server.next_request_id(),
+            requester=self.remote.rank,
+            phase=Phase.BACKWARD,
+            module=self.module,
+            microbatch=self.microbatch,
+            position=self.position,
+            payload=None,
+            tensors=[g.detach() if g is not None else None for g in grads],
+            requires_grad=(),
+            state=capture(),
+            forward_id=self.request_id,
+        )
+        response = server.call(self.dest, request)
+        if response.failure is not None:
+            raise remote_error(response.failure)
+        if len(response.tensors) != self.n_inputs:
+            raise PipelineError(
+                f"rank {response.responder} returned {len(response.tensors)} input gradients for module "
+                f"{self.module!r}; expected {self.n_inputs}"
+            )
+        return list(response.tensors)
+
+
+class _RemoteFunction(torch.autograd.Function):
+    """Joins a remote call's outputs to the requester's graph; backward asks the owner."""
+
+    @staticmethod
+    def forward(ctx: Any, link: _Link, anchor: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.link = link
+        ctx.set_materialize_grads(False)
+        return tuple(link.outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        link: _Link = ctx.link
+        return (None, None, *link.backward(grads))
+
+
+class Remote:
+    """Remote calls of one partitioned model on one rank (see the module docstring).
+
+    ``server`` is the current step's server (set by the runtime while a step runs); ``peers`` the
+    global ranks of this rank's pipeline group in pp_rank order.
+    """
+
+    def __init__(self, rank: int, peers: tuple[int, ...]) -> None:
+        self.rank = rank
+        self.peers = peers
+        self.pp_rank = peers.index(rank)
+        self.server: Any = None
+        self.modules: dict[str, nn.Module] = {}
+        self.owners: dict[str, int] = {}
+        self.saved: dict[tuple[int, int], _Saved] = {}
+        self.checkpointed: set[str] = set()
+        """Module paths whose forward runs under activation checkpointing on their owner."""
+        self._installed: list[nn.Module] = []
+
+    # -- installation ----------------------------------------------------------------------------------
+    def install(self, root: nn.Module, assignment: Mapping[str, int]) -> None:
+        """Intercept the forward of every module named in ``assignment`` (path -> pp_rank)."""
+        me = weakref.ref(self)
+        for path, module in root.named_modules():
+            owner = assignment.get(path)
+            if owner is None:
+                continue
+            self.modules[path] = module
+            self.owners[path] = owner
+            original = module.__dict__.get(_ORIGINAL)
+            if original is None:
+                original = module.forward
+                module.__dict__[_ORIGINAL] = original
+            module.forward = _make_forward(me, path, owner, original)  # type: ignore[method-assign]
+            self._installed.append(module)
+
+    def uninstall(self) -> None:
+        for module in self._installed:
+            module.__dict__.pop("forward", None)
+            module.__dict__.pop(_ORIGINAL, None)
+        self._installed.clear()
+
+    # -- requester side --------------------------------------------------------------------------------
+    def call(self, path: str, owner: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        server = self.server
+        if server is None:
+            raise NotInStepError(
+                f"module {path!r} lives on pp_rank {owner} and can only run inside an @smp.step function "
+                f"(this is pp_rank {self.pp_rank}); call the model from the step function"
+            )
+        task = current()
+        microbatch = task.microbatch if task is not None else -1
+        position = (task.position if task is not None else ()) + (path,)
+        skeleton, tensors = flatten((args, kwargs))
+        state = capture()
+        requires = tuple(state.grad_enabled and t.requires_grad for t in tensors)
+        request_id = server.next_request_id()
+        dest = self.peers[owner]
+        request = Request(
+            step=server.step,
+            request_id=request_id,
+            requester=self.rank,
+            phase=Phase.FORWARD,
+            module=path,
+            microbatch=microbatch,
+            position=position,
+            payload=skeleton,
+            tensors=[t.detach() for t in tensors],
+            requires_grad=requires,
+            state=state,
+            checkpoint=path in self.checkpointed,
+        )
+        response = server.call(dest, request)
+        if response.failure is not None:
+            raise remote_error(response.failure)
+        outputs: list[Any] = list(response.tensors)
+        wire = [i for i, r in enumerate(response.requires_grad) if r]
+        if wire and state.grad_enabled:
+            grad_inputs = [t for t, r in zip(tensors, requires, strict=True) if r]
+            link = _Link(
+                self, dest, server.step, request_id, path, microbatch, position, len(grad_inputs),
+                [outputs[i] for i in wire],
+            )
+            anchor = torch.empty(0, requires_grad=True)
+            wired = _RemoteFunction.apply(link, anchor, *grad_inputs)
+            for i, t in zip(wire, wired, strict=True):
+                outputs[i] = t
+        return unflatten(response.payload, outputs)
+
+    # -- owner side ------------------------------------------------------------------------------------
+    def handle(self, request: Request) -> Response:
+        if request.phase is Phase.FORWARD:
+            return self._forward(request)
+        return self._backward(request)
+
+    def _forward(self, request: Request) -> Response:
+        module = self.modules.get(request.module)
+        if module is None:
+            raise PipelineError(f"rank {self.rank} has no module {request.module!r} to execute")
+        original: Callable[..., Any] = module.__dict__[_ORIGINAL]
+        tensors: list[Any] = []
+        leaves: list[torch.Tensor] = []
+        for t, r in zip(request.tensors, request.requires_grad, strict=True):
+            assert t is not None
+            if r:
+                t.requires_grad_(True)
+                leaves.append(t)
+            tensors.append(t)
+        args, kwargs = unflatten(request.payload, tensors)
+        task = TaskContext(request.microbatch, request.position)
+        with task_context(task), applied(request.state):
+            if request.checkpoint and request.state.grad_enabled:
+                out = torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
+            else:
+                out = original(*args, **kwargs)
+        skeleton, outs = flatten(out)
+        grad_on = request.state.grad_enabled
+        out_requires = tuple(grad_on and t.requires_grad for t in outs)
+        if any(out_requires):
+            kept = [t for t, r in zip(outs, out_requires, strict=True) if r]
+            self.saved[(request.requester, request.request_id)] = _Saved(leaves, kept)
+        return Response(
+            request.step, request.request_id, self.rank, skeleton, [t.detach() for t in outs], out_requires
+        )
+
+    def _backward(self, request: Request) -> Response:
+        assert request.forward_id is not None
+        saved = self.saved.pop((request.requester, request.forward_id), None)
+        if saved is None:
+            raise PipelineError(
+                f"rank {self.rank} has no saved forward of module {request.module!r} (request "
+                f"{request.forward_id} from rank {request.requester}) to run backward on; was its "
+                "backward requested twice?"
+            )
+        pairs = [(o, g) for o, g in zip(saved.outputs, request.tensors, strict=True) if g is not None]
+        task = TaskContext(request.microbatch, request.position)
+        if pairs:
+            with task_context(task), applied(request.state):
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        grads: list[torch.Tensor | None] = [leaf.grad for leaf in saved.inputs]
+        return Response(request.step, request.request_id, self.rank, tensors=grads)
+
+
+def _make_forward(
+    remote: weakref.ReferenceType[Remote], path: str, owner: int, original: Callable[..., Any]
+) -> Callable[..., Any]:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        r = remote()
+        if r is None or owner == r.pp_rank:
+            return original(*args, **kwargs)
+        return r.call(path, owner, args, kwargs)
+
+    forward.__wrapped__ = original  # type: ignore[attr-defined]
+    return forward

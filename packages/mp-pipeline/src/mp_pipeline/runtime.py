@@ -1,0 +1,171 @@
+"""The per-step driver: one pipelined step of a partitioned model on one rank.
+
+Every rank of a pipeline calls :meth:`PipelineRuntime.run_step` at the same step. On pp_rank 0 the
+:class:`StepDriver` starts the step function's microbatches as the :class:`~mp_pipeline.schedule.Scheduler`
+decides (each in a worker thread of the module server, paused at its first ``model.backward`` until
+the schedule starts its backward); the other ranks serve requests until pp_rank 0 sends the end of the
+step, with the step's results. A failure anywhere ends the step on every rank of the pipeline with an
+error that names the rank, the module and the original traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mp_comm.transport.base import Transport
+
+from mp_pipeline.context import ExecState, TaskContext, applied, current, task_context
+from mp_pipeline.errors import NotInStepError
+from mp_pipeline.messages import StepId
+from mp_pipeline.remote import Remote
+from mp_pipeline.schedule import Phase, Scheduler, Task
+from mp_pipeline.server import Server, ServerClosed
+from mp_pipeline.structure import map_structure
+
+__all__ = ["PipelineRuntime", "StepDriver", "default_timeout", "pipelined_backward"]
+
+log = logging.getLogger(__name__)
+
+
+def default_timeout() -> float:
+    """Seconds a rank waits for a pipeline message before failing the step (MP_PIPELINE_TIMEOUT)."""
+    return float(os.environ.get("MP_PIPELINE_TIMEOUT", "300"))
+
+
+def pipelined_backward(
+    tensors: torch.Tensor | Sequence[torch.Tensor],
+    grad_tensors: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
+) -> None:
+    """``torch.autograd.backward`` inside a step function: on pp_rank 0 the microbatch first waits for
+    the schedule to start its backward. Raises NotInStepError outside a step."""
+    task = current()
+    if task is None:
+        raise NotInStepError("backward outside a step function")
+    task.backward_calls += 1
+    if task.on_backward is not None and task.backward_calls == 1:
+        task.on_backward()
+    torch.autograd.backward(tensors, grad_tensors)
+
+
+class StepDriver:
+    """pp_rank 0's side of a step: the scheduler's tasks as jobs of the module server."""
+
+    def __init__(
+        self, server: Server, scheduler: Scheduler, body: Callable[[int], Any], state: ExecState
+    ) -> None:
+        self.server = server
+        self.scheduler = scheduler
+        self.body = body
+        self.state = state
+        self.results: dict[int, Any] = {}
+        self.failure: BaseException | None = None
+        self._paused: dict[int, object] = {}
+
+    @property
+    def done(self) -> bool:
+        return self.scheduler.done
+
+    def next_task(self) -> Task | None:
+        return None if self.failure is not None else self.scheduler.next_task()
+
+    def start(self, task: Task) -> None:
+        if task.phase is Phase.FORWARD:
+            self.server.run_job(self._job(task.microbatch))
+        else:
+            self.server.resume(self._paused.pop(task.microbatch))
+
+    def peer_results(self) -> list[Any]:
+        return [
+            map_structure(self.results[m], lambda t: t.detach()) for m in range(self.scheduler.microbatches)
+        ]
+
+    def _job(self, mb: int) -> Callable[[], None]:
+        def on_backward() -> None:
+            token = object()
+            self.scheduler.backward_ready(mb)
+            self._paused[mb] = token
+            self.server.pause(token)
+
+        def job() -> None:
+            task = TaskContext(mb, ("<step>",), on_backward=on_backward)
+            try:
+                with task_context(task), applied(self.state):
+                    out = self.body(mb)
+            except ServerClosed:
+                raise
+            except BaseException as exc:
+                if self.failure is None:
+                    try:
+                        exc._mp_microbatch = mb  # type: ignore[attr-defined]
+                    except Exception:  # pragma: no cover - exceptions without a __dict__
+                        pass
+                    self.failure = exc
+                return
+            self.results[mb] = out
+            self.scheduler.finished(mb)
+
+        return job
+
+
+class PipelineRuntime:
+    """The pipeline machinery of one partitioned model on one rank."""
+
+    def __init__(
+        self,
+        *,
+        transport: Transport,
+        rank: int,
+        peers: tuple[int, ...],
+        model_id: int,
+        timeout: float | None = None,
+    ) -> None:
+        self.transport = transport
+        self.rank = rank
+        self.peers = peers
+        self.pp_rank = peers.index(rank)
+        self.model_id = model_id
+        self.timeout = default_timeout() if timeout is None else timeout
+        self.remote = Remote(rank, peers)
+        self._early: list[Any] = []
+        self._step = 0
+        self.last_stats: dict[str, int] = {}
+
+    def install(self, root: nn.Module, assignment: Mapping[str, int]) -> None:
+        self.remote.install(root, assignment)
+
+    def uninstall(self) -> None:
+        self.remote.uninstall()
+
+    def run_step(self, body: Callable[[int], Any], scheduler: Scheduler, state: ExecState) -> list[Any]:
+        """Run one step; returns the per-microbatch results of the step function on every rank."""
+        self._step += 1
+        step = StepId(self.model_id, self._step)
+        server = Server(
+            transport=self.transport,
+            rank=self.rank,
+            peers=self.peers,
+            step=step,
+            handle_request=self.remote.handle,
+            timeout=self.timeout,
+            early=self._early,
+        )
+        self.remote.server = server
+        try:
+            if self.pp_rank == 0:
+                driver = StepDriver(server, scheduler, body, state)
+                server.serve(driver)
+                results = [driver.results[m] for m in range(scheduler.microbatches)]
+                log.debug("step %d: schedule %s", self._step, " ".join(map(str, scheduler.issued)))
+            else:
+                results = list(server.serve(None))
+        finally:
+            self.remote.server = None
+            self.remote.saved.clear()
+            self.last_stats = dict(server.stats)
+        return results

@@ -1,0 +1,130 @@
+"""The hyperparameters shared by the transformer modules, parsed and validated once.
+
+Both the distributed transformer modules and their non-distributed references take these keyword
+arguments (seed 004; reference/smp_api.md §3). The checks are smp's ``DistTransformerConfigError``
+rules plus divisibility by the tensor-parallel degree.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Any
+
+from mp_tensor.errors import DistTransformerConfigError
+
+__all__ = ["ACTIVATIONS", "TransformerArgs"]
+
+log = logging.getLogger(__name__)
+
+#: "gelu" (erf) and "relu" are smp's; "gelu_new" (the tanh approximation, GPT-2's) is mp's addition.
+ACTIVATIONS = ("gelu", "relu", "gelu_new")
+
+# smp accepted these extra keys (reference/smp_api.md §3); these values are the only ones mp implements.
+_ACCEPTED_DEFAULTS: dict[str, object] = {
+    "attention_in_fp32": False,
+    "query_key_layer_scaling": False,
+    "rotary_dim": None,
+    "rotary_emb_base": None,
+    "gpt_neox_type_rotary": False,
+    "parallel_attn_output": False,
+    "use_qkv_bias": True,
+    "use_attn_dense_bias": True,
+    "window_size": None,
+    "single_pre_layernorm": False,
+    "scale_attention_scores": True,
+    "scale_attn_by_layer_idx": False,
+    "attention_layers_type": None,
+    "use_alibi": False,
+    "distribute_embedding": False,
+    "use_positional_embedding": True,
+    "use_lm_head_bias": False,
+    "tie_input_output_embedding": True,
+}
+# Accepted with any value and without effect: kernel-fusion switches, and keys whose meaning has no
+# counterpart here.
+_IGNORED = frozenset({"fused_softmax", "fused_bias_gelu", "layer_idx", "alibi_bias_max", "_precision_test"})
+
+
+@dataclass(frozen=True)
+class TransformerArgs:
+    num_layers: int = 12
+    num_attention_heads: int = 32
+    attention_head_size: int = 32
+    hidden_size: int = 1024
+    intermediate_size: int = 4096
+    vocab_size: int = 30522
+    num_positions: int = 1024
+    attention_dropout_prob: float = 0.1
+    hidden_dropout_prob: float = 0.1
+    embedding_dropout_prob: float | None = None
+    activation: str = "gelu"
+    layernorm_epsilon: float = 1e-5
+    num_token_types: int = 0
+    causal_mask_size: int | None = None
+    add_cross_attention: bool = False
+    cross_attention: bool = False
+    add_lm_head: bool = True
+    initializer_range: float = 0.02
+    use_normal_initialization: bool = False
+    pre_layernorm: bool = False
+    post_layernorm: bool = True
+    final_layernorm: bool = False
+    fp32_residual_addition: bool = False
+    mask_value: float = -1e4
+
+    @property
+    def all_head_size(self) -> int:
+        """Channels of the attention context: heads x head size."""
+        return self.num_attention_heads * self.attention_head_size
+
+    @classmethod
+    def parse(cls, who: str, tp_size: int, values: dict[str, Any], *, optimize: str = "memory") -> TransformerArgs:
+        """Validate ``values`` (the constructor's arguments) for module ``who`` on ``tp_size`` ranks."""
+        known = {f.name for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            if key in known:
+                kwargs[key] = value
+            elif key in _ACCEPTED_DEFAULTS:
+                if value != _ACCEPTED_DEFAULTS[key]:
+                    raise DistTransformerConfigError(
+                        f"{who} got {key}={value!r}; mp implements only {key}={_ACCEPTED_DEFAULTS[key]!r}. "
+                        f"Drop the argument or use a module of your own for this variant."
+                    )
+            elif key not in _IGNORED:
+                log.warning("%s: ignoring unknown argument %s=%r", who, key, value)
+        args = cls(**kwargs)
+        args._check(who, tp_size, optimize)
+        return args
+
+    def _check(self, who: str, tp_size: int, optimize: str) -> None:
+        def fail(message: str) -> None:
+            raise DistTransformerConfigError(f"{who}: {message}")
+
+        if not (self.pre_layernorm or self.post_layernorm):
+            fail("got pre_layernorm=False and post_layernorm=False; at least one of them must be True.")
+        if self.activation not in ACTIVATIONS:
+            fail(f"got activation={self.activation!r}; expected one of {ACTIVATIONS}.")
+        if self.fp32_residual_addition:
+            fail("got fp32_residual_addition=True, which mp does not implement; pass False.")
+        for name in ("num_attention_heads", "attention_head_size", "hidden_size", "intermediate_size", "num_layers"):
+            if getattr(self, name) < 1:
+                fail(f"got {name}={getattr(self, name)}; expected a positive integer.")
+        for name in ("attention_dropout_prob", "hidden_dropout_prob"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                fail(f"got {name}={getattr(self, name)}; expected a probability in [0, 1).")
+        if self.causal_mask_size is not None and self.causal_mask_size < 1:
+            fail(f"got causal_mask_size={self.causal_mask_size}; expected None or the maximum sequence length.")
+        for name in ("num_attention_heads", "hidden_size", "intermediate_size"):
+            if getattr(self, name) % tp_size:
+                fail(
+                    f"{name}={getattr(self, name)} is not divisible by the tensor-parallel degree {tp_size}; "
+                    f"use a multiple of {tp_size}."
+                )
+        del optimize
+
+    def replace(self, **changes: Any) -> TransformerArgs:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return TransformerArgs(**values)

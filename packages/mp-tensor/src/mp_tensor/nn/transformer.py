@@ -1,0 +1,180 @@
+"""``DistributedTransformerLayer`` and ``DistributedTransformer`` (seed 004's ``TransformerLayer``/``Transformer``).
+
+A layer is an attention block, an optional cross-attention block and an output (MLP) block. The
+outermost module moves its inputs into the working layout once (an all-to-all in "memory" mode, an
+all-gather in "speed" mode, slicing or nothing with ``prescaled_batch``) and its output back, so a
+``DistributedTransformer`` of L layers exchanges samples twice, not 2L times.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from mp_tensor.context import TPContext
+from mp_tensor.dist_ops import enter, gather_samples, leave
+from mp_tensor.nn.args import TransformerArgs
+from mp_tensor.nn.attention import DistributedAttentionLayer, working_layout
+from mp_tensor.nn.base import DistributedModule
+from mp_tensor.nn.output import DistributedTransformerOutputLayer
+
+__all__ = ["DistributedTransformer", "DistributedTransformerLayer", "layer_kwargs"]
+
+_ATTENTION_KEYS = (
+    "num_attention_heads",
+    "attention_head_size",
+    "hidden_size",
+    "attention_dropout_prob",
+    "hidden_dropout_prob",
+    "layernorm_epsilon",
+    "initializer_range",
+    "use_normal_initialization",
+    "causal_mask_size",
+    "pre_layernorm",
+    "post_layernorm",
+    "mask_value",
+)
+_OUTPUT_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "hidden_dropout_prob",
+    "activation",
+    "layernorm_epsilon",
+    "initializer_range",
+    "use_normal_initialization",
+    "pre_layernorm",
+    "post_layernorm",
+)
+_LAYER_KEYS = tuple(dict.fromkeys((*_ATTENTION_KEYS, *_OUTPUT_KEYS, "add_cross_attention")))
+
+
+def layer_kwargs(args: TransformerArgs, keys: tuple[str, ...] = _LAYER_KEYS) -> dict[str, Any]:
+    """The constructor arguments of a sub-block, taken from parsed ``args``."""
+    return {key: getattr(args, key) for key in keys}
+
+
+def _collect(local: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    values = dict(kwargs)
+    values.update({k: v for k, v in local.items() if k not in ("self", "tp", "kwargs", "__class__")})
+    return values
+
+
+class DistributedTransformerLayer(DistributedModule):
+    """Tensor-parallel transformer layer; ``forward((hidden, mask))`` returns ``(out, mask)``.
+
+    With ``add_cross_attention``: ``forward((hidden, cross_states, mask, cross_mask))`` returns the same
+    4-tuple with ``hidden`` replaced by the output.
+    """
+
+    def __init__(
+        self,
+        num_attention_heads: int = 32,
+        attention_head_size: int = 32,
+        hidden_size: int = 1024,
+        intermediate_size: int = 4096,
+        attention_dropout_prob: float = 0.1,
+        hidden_dropout_prob: float = 0.1,
+        activation: str = "gelu",
+        layernorm_epsilon: float = 1e-5,
+        initializer_range: float = 0.02,
+        use_normal_initialization: bool = False,
+        causal_mask_size: int | None = None,
+        add_cross_attention: bool = False,
+        pre_layernorm: bool = False,
+        post_layernorm: bool = True,
+        *,
+        tp: TPContext | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(tp=tp)
+        values = _collect(locals(), kwargs)
+        values.pop("num_layers", None)
+        self.args = a = TransformerArgs.parse(type(self).__name__, self.tp_size, values)
+        self.attention = DistributedAttentionLayer(tp=self.tp, **layer_kwargs(a, _ATTENTION_KEYS))
+        if a.add_cross_attention:
+            self.cross_attention = DistributedAttentionLayer(
+                tp=self.tp, cross_attention=True, **layer_kwargs(a, _ATTENTION_KEYS)
+            )
+        self.output = DistributedTransformerOutputLayer(tp=self.tp, **layer_kwargs(a, _OUTPUT_KEYS))
+
+    def forward_layout(
+        self, hidden: Tensor, mask: Tensor | None, cross: Tensor | None = None, cross_mask: Tensor | None = None
+    ) -> Tensor:
+        """The layer on the working layout."""
+        out = self.attention.forward_layout(hidden, mask)
+        if self.args.add_cross_attention:
+            out = self.cross_attention.forward_layout(out, cross_mask, cross)
+        return self.output.forward_layout(out)
+
+    def forward(self, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        return _run_layers(self, [self], inputs)
+
+
+class DistributedTransformer(DistributedModule):
+    """``num_layers`` tensor-parallel transformer layers in sequence (reference: ``Transformer``)."""
+
+    def __init__(
+        self,
+        num_layers: int = 12,
+        num_attention_heads: int = 32,
+        attention_head_size: int = 32,
+        hidden_size: int = 1024,
+        intermediate_size: int = 4096,
+        attention_dropout_prob: float = 0.1,
+        hidden_dropout_prob: float = 0.1,
+        activation: str = "gelu",
+        layernorm_epsilon: float = 1e-5,
+        initializer_range: float = 0.02,
+        use_normal_initialization: bool = False,
+        causal_mask_size: int | None = None,
+        add_cross_attention: bool = False,
+        pre_layernorm: bool = False,
+        post_layernorm: bool = True,
+        *,
+        tp: TPContext | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(tp=tp)
+        self.args = a = TransformerArgs.parse(type(self).__name__, self.tp_size, _collect(locals(), kwargs))
+        layers = [DistributedTransformerLayer(tp=self.tp, **layer_kwargs(a)) for _ in range(a.num_layers)]
+        self.seq_layers = nn.Sequential(*layers)
+
+    @property
+    def layers(self) -> list[DistributedTransformerLayer]:
+        return list(self.seq_layers)  # type: ignore[arg-type]
+
+    def forward_layout(
+        self, hidden: Tensor, mask: Tensor | None, cross: Tensor | None = None, cross_mask: Tensor | None = None
+    ) -> Tensor:
+        """Every layer on the working layout."""
+        for layer in self.seq_layers:
+            hidden = layer.forward_layout(hidden, mask, cross, cross_mask)
+        return hidden
+
+    def forward(self, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Same inputs and outputs as :class:`DistributedTransformerLayer`."""
+        return _run_layers(self, self.layers, inputs)
+
+
+def _run_layers(owner: DistributedModule, layers: list[DistributedTransformerLayer], inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    cross_mode = layers[0].args.add_cross_attention if layers else False
+    if cross_mode:
+        hidden, cross, mask, cross_mask = inputs
+    else:
+        hidden, mask = inputs
+        cross = cross_mask = None
+    ctx = owner.tp
+    layout = working_layout(ctx)
+    name = type(owner).__name__
+    batch = hidden.shape[0]
+    h = enter(hidden, ctx, layout, name)
+    c = None if cross is None else enter(cross, ctx, layout, name)
+    m = gather_samples(mask, ctx, batch)
+    cm = gather_samples(cross_mask, ctx, batch)
+    for layer in layers:
+        h = layer.forward_layout(h, m, c, cm)
+    out = leave(h, ctx, layout)
+    if cross_mode:
+        return out, cross, mask, cross_mask
+    return out, mask

@@ -1,0 +1,15 @@
+"""Non-distributed reference implementations of smp.nn's transformer modules (seed 004's appendix).
+
+``DistributedLinear``, ``DistributedEmbedding`` and ``DistributedLayerNorm`` have ``nn.Linear``,
+``nn.Embedding`` and ``nn.LayerNorm`` as their references.
+"""
+
+from mp_tensor.reference.transformer import (
+    AttentionLayer,
+    Transformer,
+    TransformerLayer,
+    TransformerLMHead,
+    TransformerOutputLayer,
+)
+
+__all__ = ["AttentionLayer", "Transformer", "TransformerLMHead", "TransformerLayer", "TransformerOutputLayer"]
