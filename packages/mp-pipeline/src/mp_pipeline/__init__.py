@@ -1,3 +1,81 @@
-"""Module servers, remote autograd across ranks, pipeline schedules and microbatching for mp."""
+"""mp-pipeline: module servers, remote autograd across ranks, schedules and microbatching for mp.
+
+The pipeline runtime of seed 001 §4: every rank runs a module server; a call to a module owned by
+another rank becomes a request to that rank, with autograd wired across ranks; pp_rank 0 drives the
+microbatches of the step function by a schedule ("simple" or "interleaved"). The umbrella ``mp``
+builds ``smp.step``, ``smp.DistributedModel`` and ``smp.DistributedOptimizer`` on it.
+"""
+
+from mp_pipeline.context import ExecState, TaskContext, applied, capture, current, task_context
+from mp_pipeline.dp import agree_any, broadcast_tensors, buckets, reduce_gradients
+from mp_pipeline.errors import (
+    InvalidStepOutputError,
+    NotInStepError,
+    PipelineAbortedError,
+    PipelineError,
+    PipelineTimeoutError,
+    RemoteExecutionError,
+    SplitError,
+)
+from mp_pipeline.messages import Failure, Request, Response, StepAbort, StepEnd, StepId
+from mp_pipeline.microbatch import SplitSpec, split_arguments
+from mp_pipeline.remote import Remote, remote_error
+from mp_pipeline.runtime import PipelineRuntime, StepDriver, default_timeout, pipelined_backward
+from mp_pipeline.schedule import Phase, Scheduler, SimResult, Task, fixed_order, simulate
+from mp_pipeline.server import Baton, Server, WorkerState
+from mp_pipeline.step_output import StepOutput, merge_microbatch_results
+from mp_pipeline.structure import Slot, flatten, map_structure, unflatten
+from mp_pipeline.transport import process_transport
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Baton",
+    "ExecState",
+    "Failure",
+    "InvalidStepOutputError",
+    "NotInStepError",
+    "Phase",
+    "PipelineAbortedError",
+    "PipelineError",
+    "PipelineRuntime",
+    "PipelineTimeoutError",
+    "Remote",
+    "RemoteExecutionError",
+    "Request",
+    "Response",
+    "Scheduler",
+    "Server",
+    "SimResult",
+    "Slot",
+    "SplitError",
+    "SplitSpec",
+    "StepAbort",
+    "StepDriver",
+    "StepEnd",
+    "StepId",
+    "StepOutput",
+    "Task",
+    "TaskContext",
+    "WorkerState",
+    "__version__",
+    "agree_any",
+    "applied",
+    "broadcast_tensors",
+    "buckets",
+    "capture",
+    "current",
+    "default_timeout",
+    "fixed_order",
+    "flatten",
+    "map_structure",
+    "merge_microbatch_results",
+    "pipelined_backward",
+    "process_transport",
+    "reduce_gradients",
+    "remote_error",
+    "simulate",
+    "split_arguments",
+    "task_context",
+    "unflatten",
+]

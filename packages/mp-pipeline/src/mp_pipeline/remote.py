@@ -152,6 +152,8 @@ class Remote:
         self.checkpointed: set[str] = set()
         """Module paths whose forward runs under activation checkpointing on their owner."""
         self._installed: list[nn.Module] = []
+        self.backward_requests = 0
+        """Backward requests this rank has executed (for the data-parallel reduction decision)."""
 
     # -- installation ----------------------------------------------------------------------------------
     def install(self, root: nn.Module, assignment: Mapping[str, int]) -> None:
@@ -261,6 +263,7 @@ class Remote:
 
     def _backward(self, request: Request) -> Response:
         assert request.forward_id is not None
+        self.backward_requests += 1
         saved = self.saved.pop((request.requester, request.forward_id), None)
         if saved is None:
             raise PipelineError(

@@ -15,8 +15,9 @@ such a state dict into this rank's shards.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,28 @@ class DistributedModule(nn.Module):
     def __init__(self, *, tp: TPContext | None = None) -> None:
         super().__init__()
         self.tp = current_context(tp, who=type(self).__name__)
+
+    # ---------------------------------------------------------------- hooks of a registered class
+
+    def set_call_hooks(self, forward_hook: Callable[..., Any] | None, return_hook: Callable[..., Any] | None) -> None:
+        """Translate each call from the replaced module's signature (``forward_hook`` returns
+        ``(args, kwargs)``) and the result back to what it returned (``return_hook``)."""
+        self.__dict__["_mp_forward_hook"] = forward_hook
+        self.__dict__["_mp_return_hook"] = return_hook
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward_hook = self.__dict__.get("_mp_forward_hook")
+        if forward_hook is not None:
+            hooked = forward_hook(*args, **kwargs)
+            if not (isinstance(hooked, tuple) and len(hooked) == 2 and isinstance(hooked[1], Mapping)):
+                raise TypeError(
+                    f"the forward_hook of {type(self).__name__} returned {hooked!r}; it must return "
+                    "(args, kwargs): an iterable of positional arguments and a dict of keyword arguments."
+                )
+            args, kwargs = tuple(hooked[0]), dict(hooked[1])
+        out = super().__call__(*args, **kwargs)
+        return_hook = self.__dict__.get("_mp_return_hook")
+        return out if return_hook is None else return_hook(out)
 
     # ------------------------------------------------------------------------------ parameter layout
 
