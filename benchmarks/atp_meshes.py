@@ -1,6 +1,6 @@
 """ATP meshes against Megatron-style 1-D tensor parallelism on this machine (4 ranks).
 
-One transformer layer (forward + backward, float32) is timed for
+One GPT block (pre-LayerNorm transformer layer, forward + backward, float32) is timed for
 
 * peer: PyTorch's own 1-D tensor parallelism, ``torch.distributed.tensor.parallel`` with
   ``ColwiseParallel`` on the QKV and first MLP linears and ``RowwiseParallel`` on the output and second
@@ -8,14 +8,27 @@ One transformer layer (forward + backward, float32) is timed for
 * ours: ``ATPTransformerLayer`` on ``DeviceMesh(4, 1)`` (Megatron's layout in ATP), ``(2, 2)`` and
   ``(1, 4)``, each with chunks 1, 2 and 4, and ``(4, 1)`` with the ordered (deterministic) all-reduce.
 
-Every configuration is built once and checked against the single-device layer; then the
-configurations are timed in turn, ``--reps`` rounds of ``--steps`` steps each (interleaved, since the
-host is noisy), the slowest rank's time per step kept, and the median round reported. Ratios are the
-peer's time over ours (above 1: ours is faster). The script also calibrates the meshes' all-reduce
-bandwidths here and prints the search's choice, to compare with the measured ranking.
+First the meshes' all-reduce bandwidths are calibrated here (``calibrate``) and the search
+(``choose_mesh``, equation 2) run on them for this layer: it predicts each mesh's communication time and
+selects one. Every configuration is built once and checked against the single-device layer, and the
+collectives one step of each ATP configuration issues are recorded (``_atp_comm.CommProbe``, which wraps
+``torch.distributed``'s entry points from outside the library). Then, ``--reps`` rounds, interleaved
+since the host is noisy, each configuration runs
 
-    mpiexec -n 4 python benchmarks/atp_meshes.py [--hidden 256 --heads 8 --batch 8 --seq 256]
+* ``--steps`` training steps (the slowest rank's time per step), during which the probe adds up the time
+  every rank spends blocked in a collective (the call, or the launch and ``wait`` of an asynchronous one);
+* ``--steps`` replays of its recorded collectives: the same calls, sizes, groups and order, synchronous,
+  without the GEMMs (the slowest rank's time), i.e. the step's communication on its own, which is what
+  equation 2 predicts.
 
+Reported per configuration (medians over rounds): ms per step, tokens/s (``b*s`` tokens per step), the
+peer's time over ours, the replayed communication time and blocked time and their shares of the step;
+per mesh: predicted against measured communication time and the error; and whether the selected mesh
+is slower than the 1-D layouts by more than the rounds' spread.
+
+    python benchmarks/atp_meshes.py [--hidden 256 --heads 8 --batch 8 --seq 256 --reps 11 --steps 3]
+
+starts itself under ``mpiexec -n 4`` (or run it as ``mpiexec -n 4 python benchmarks/atp_meshes.py``).
 Writes ``benchmarks/results/atp_meshes.json`` and ``.md`` (rank 0).
 """
 
@@ -24,32 +37,67 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
+import os
 import platform
+import shutil
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import Tensor, nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+RESULTS = Path(__file__).resolve().parent / "results"
+RANKS = 4
+PEER = "peer torch TP 1-D"
 
-from mp_comm.world import init_world
-from mp_tensor.atp import (
+
+def _under_mpi() -> bool:
+    return any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+
+
+def _relaunch() -> int:
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    if mpiexec is None:
+        print("mpiexec not found; install it with `pip install mpich`", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # 4 ranks share 2 cores
+    cmd = [mpiexec, "-n", str(RANKS), sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
+    return subprocess.call(cmd, env=env)
+
+
+if __name__ == "__main__" and not _under_mpi():
+    sys.exit(_relaunch())
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor.parallel import (  # noqa: E402
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _atp_comm import CATEGORIES, LINEAR, CommProbe, Replay  # noqa: E402
+
+from mp_comm.world import init_world  # noqa: E402
+from mp_tensor.atp import (  # noqa: E402
     ATPTransformerLayer,
     ModelShape,
+    SearchResult,
     TransformerLayer,
     calibrate,
     choose_mesh,
     create_mesh,
 )
-from mp_tensor.atp.layer import ACTIVATION_SPEC, attention_core
-from mp_tensor.atp.spec import distribute
-
-RESULTS = Path(__file__).parent / "results"
+from mp_tensor.atp.layer import ACTIVATION_SPEC, attention_core  # noqa: E402
+from mp_tensor.atp.spec import distribute  # noqa: E402
 
 
 class PeerLayer(nn.Module):
@@ -78,22 +126,46 @@ class PeerLayer(nn.Module):
 
 
 def _step_fn(module: nn.Module, x: Tensor, g: Tensor) -> Callable[[], Tensor]:
+    """One training step of ``module``; ``x`` needs its gradient, as the input of a block inside a model."""
+    x = x.detach().contiguous().requires_grad_(True)
+
     def step() -> Tensor:
         module.zero_grad(set_to_none=True)
-        out = module(x)
-        out.backward(g)
+        x.grad = None
+        out: Tensor = module(x)
+        out.backward(g)  # type: ignore[no-untyped-call]
         return out
 
     return step
 
 
-def build(args: argparse.Namespace, world: Any) -> tuple[dict[str, Callable[[], Tensor]], list[Any]]:
+@dataclass
+class Config:
+    """One timed configuration; ``mesh`` is None for the peer."""
+
+    name: str
+    step: Callable[[], Tensor]
+    mesh: tuple[int, int] | None = None
+    chunks: int = 1
+    ordered: bool = False
+    replay: Replay | None = None
+    step_s: list[float] = field(default_factory=list)
+    """Per round: the slowest rank's seconds per step."""
+    blocked_s: list[float] = field(default_factory=list)
+    """Per round: seconds per step blocked in collectives, mean over ranks."""
+    replay_s: list[float] = field(default_factory=list)
+    """Per round: the slowest rank's seconds per replay of the step's collectives."""
+    replay_parts_s: list[dict[str, float]] = field(default_factory=list)
+    """Per round: that rank's seconds per replay by category."""
+
+
+def build(args: argparse.Namespace, world: Any) -> tuple[list[Config], list[Any]]:
     torch.manual_seed(0)
     ref = TransformerLayer(args.hidden, args.heads)
     x = torch.randn(args.batch, args.seq, args.hidden)
     g = torch.randn(args.batch, args.seq, args.hidden)
     expected = ref(x).detach()
-    steps: dict[str, Callable[[], Tensor]] = {}
+    configs: list[Config] = []
     keep: list[Any] = []
     # peer: torch's 1-D tensor parallelism
     peer = PeerLayer(ref)
@@ -109,7 +181,7 @@ def build(args: argparse.Namespace, world: Any) -> tuple[dict[str, Callable[[], 
         },
     )
     torch.testing.assert_close(peer(x), expected, rtol=1e-4, atol=1e-4)
-    steps["peer torch TP 1-D"] = _step_fn(peer, x, g)
+    configs.append(Config(PEER, _step_fn(peer, x, g)))
     for shape in ((4, 1), (2, 2), (1, 4)):
         mesh = create_mesh(shape)
         keep.append(mesh)
@@ -117,105 +189,322 @@ def build(args: argparse.Namespace, world: Any) -> tuple[dict[str, Callable[[], 
             distribute(x, ACTIVATION_SPEC, mesh).contiguous(),
             distribute(g, ACTIVATION_SPEC, mesh).contiguous(),
         )
+        want = distribute(expected, ACTIVATION_SPEC, mesh)
         for chunks in (1, 2, 4):
             layer = ATPTransformerLayer.from_reference(ref, mesh=mesh, chunks=chunks)
-            want = distribute(expected, ACTIVATION_SPEC, mesh)
             torch.testing.assert_close(layer(xl), want, rtol=1e-4, atol=1e-4)
-            steps[f"ATP {shape} chunks={chunks}"] = _step_fn(layer, xl, gl)
+            configs.append(Config(f"ATP {shape} chunks={chunks}", _step_fn(layer, xl, gl), shape, chunks))
         if shape == (4, 1):
             det = ATPTransformerLayer.from_reference(ref, mesh=mesh, deterministic=True)
-            steps[f"ATP {shape} ordered all-reduce"] = _step_fn(det, xl, gl)
-    return steps, keep
+            torch.testing.assert_close(det(xl), want, rtol=1e-4, atol=1e-4)
+            configs.append(
+                Config(f"ATP {shape} ordered all-reduce", _step_fn(det, xl, gl), shape, 1, ordered=True)
+            )
+    return configs, keep
 
 
-def time_all(steps: dict[str, Callable[[], Tensor]], reps: int, per: int) -> dict[str, list[float]]:
-    for step in steps.values():  # warm-up
-        step()
-    samples: dict[str, list[float]] = {name: [] for name in steps}
+def _gather(values: list[float]) -> Tensor:
+    """``[ranks, len(values)]``: every rank's values (collective)."""
+    mine = torch.tensor(values, dtype=torch.float64)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    return torch.stack(rows)
+
+
+def time_all(configs: list[Config], probe: CommProbe, reps: int, per: int) -> None:
+    for c in configs:  # warm-up, and the recording of each ATP step's collectives
+        if c.mesh is not None:
+            c.replay = Replay(probe.record(c.step))
+            c.replay.run()
+        c.step()
     for _ in range(reps):
-        for name, step in steps.items():
+        for c in configs:
             dist.barrier()
+            probe.blocked = 0.0
+            with probe.active():
+                start = time.perf_counter()
+                for _ in range(per):
+                    c.step()
+                elapsed = time.perf_counter() - start
+            ranks = _gather([elapsed / per, probe.blocked / per])
+            c.step_s.append(float(ranks[:, 0].max()))
+            if c.replay is None:
+                continue
+            c.blocked_s.append(float(ranks[:, 1].mean()))
+            dist.barrier()
+            parts = dict.fromkeys(CATEGORIES, 0.0)
             start = time.perf_counter()
             for _ in range(per):
-                step()
-            elapsed = torch.tensor([(time.perf_counter() - start) / per], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            samples[name].append(float(elapsed))
-    return samples
+                for k, v in c.replay.run().items():
+                    parts[k] += v / per
+            elapsed = time.perf_counter() - start
+            ranks = _gather([elapsed / per, *(parts[k] for k in CATEGORIES)])
+            slowest = int(ranks[:, 0].argmax())
+            c.replay_s.append(float(ranks[slowest, 0]))
+            c.replay_parts_s.append({k: float(ranks[slowest, 1 + i]) for i, k in enumerate(CATEGORIES)})
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=11)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     world = init_world()
-    if world.size != 4:
-        raise SystemExit(f"run under mpiexec -n 4 (got {world.size} ranks)")
-    steps, meshes = build(args, world)
-    samples = time_all(steps, args.reps, args.steps)
-    calibrated = calibrate(nbytes=args.batch * args.seq * args.hidden * 4, iters=3, repeats=3)
-    search = choose_mesh(
-        4,
-        calibrated,
-        ModelShape(layers=1, batch=args.batch, seq=args.seq, hidden=args.hidden, bytes_per_element=4),
-    )
+    if world.size != RANKS:
+        raise SystemExit(f"run under mpiexec -n {RANKS} (got {world.size} ranks)")
+    model = ModelShape(layers=1, batch=args.batch, seq=args.seq, hidden=args.hidden, bytes_per_element=4)
+    nbytes = args.batch * args.seq * args.hidden * 4  # the layer's [b, s, h] activation
+
+    def calibrated_search() -> SearchResult:
+        """Calibrate this machine and search, as smp.init does with ``atp_mesh: "auto"``."""
+        return choose_mesh(RANKS, calibrate(nbytes=nbytes, iters=5, repeats=5), model)
+
+    search = calibrated_search()  # this one selects the mesh
+    configs, meshes = build(args, world)
+    start = time.perf_counter()
+    time_all(configs, CommProbe(), args.reps, args.steps)
+    seconds = time.perf_counter() - start
+    again = calibrated_search()  # the same calibration after the timing: how repeatable is it here?
     for mesh in meshes:
         mesh.destroy()
     if world.rank == 0:
-        report(args, samples, search)
+        report(args, configs, search, again, seconds)
     world.shutdown()
 
 
-def report(args: argparse.Namespace, samples: dict[str, list[float]], search: Any) -> None:
-    medians = {name: statistics.median(s) for name, s in samples.items()}
-    peer = medians["peer torch TP 1-D"]
-    rows = [
-        {
-            "config": name,
-            "ms_per_step": 1e3 * t,
-            "min_ms": 1e3 * min(samples[name]),
-            "max_ms": 1e3 * max(samples[name]),
-            "peer_over_ours": peer / t,
-        }
-        for name, t in medians.items()
-    ]
+# -------------------------------------------------------------------------------------------- report
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def _sign_test(slower: int, rounds: int) -> float:
+    """One-sided p-value of ``slower`` or more slower rounds out of ``rounds`` if neither were faster."""
+    return sum(math.comb(rounds, k) for k in range(slower, rounds + 1)) / (1 << rounds)
+
+
+def _paired(a: Config, b: Config) -> dict[str, Any]:
+    """``a``'s step time against ``b``'s, round by round (same round: same host conditions).
+
+    Verdict: "not slower" if the median per-round ratio is at most 1; otherwise "slower" if ``a`` was
+    slower in so many rounds that a sign test rejects "neither is faster" (one-sided, p < 0.05), else
+    "within noise".
+    """
+    ratios = [x / y for x, y in zip(a.step_s, b.step_s, strict=True)]
+    median = statistics.median(ratios)
+    q1, q3 = _quartiles(ratios)
+    slower = sum(r > 1.0 for r in ratios)
+    p_value = _sign_test(slower, len(ratios))
+    if median <= 1.0:
+        verdict = "not slower"
+    elif p_value < 0.05:
+        verdict = "slower"
+    else:
+        verdict = "within noise"
+    return {
+        "a": a.name,
+        "b": b.name,
+        "median_ratio": median,
+        "q1": q1,
+        "q3": q3,
+        "min": min(ratios),
+        "max": max(ratios),
+        "rounds_a_slower": slower,
+        "rounds": len(ratios),
+        "sign_test_p": p_value,
+        "verdict": verdict,
+    }
+
+
+def report(
+    args: argparse.Namespace, configs: list[Config], search: SearchResult, again: SearchResult, seconds: float
+) -> None:
+    by_name = {c.name: c for c in configs}
+    peer = _median(by_name[PEER].step_s)
+    tokens = args.batch * args.seq
+    chosen = search.mesh
+    predicted = {(e.d1, e.d2): e.t_comm for e in search.table}
+    rows: list[dict[str, Any]] = []
+    for c in configs:
+        step = _median(c.step_s)
+        replay = _median(c.replay_s)
+        blocked = _median(c.blocked_s)
+        rows.append(
+            {
+                "config": c.name,
+                "mesh": list(c.mesh) if c.mesh else None,
+                "chunks": c.chunks,
+                "ordered": c.ordered,
+                "selected": c.mesh == chosen,
+                "ms_per_step": 1e3 * step,
+                "min_ms": 1e3 * min(c.step_s),
+                "max_ms": 1e3 * max(c.step_s),
+                "tokens_per_s": tokens / step,
+                "peer_over_ours": peer / step,
+                "comm_replay_ms": 1e3 * replay if c.replay_s else None,
+                "comm_replay_share": replay / step if c.replay_s else None,
+                "comm_blocked_ms": 1e3 * blocked if c.blocked_s else None,
+                "comm_blocked_share": blocked / step if c.blocked_s else None,
+                "comm_replay_parts_ms": {
+                    k: 1e3 * _median([p[k] for p in c.replay_parts_s]) for k in CATEGORIES
+                }
+                if c.replay_parts_s
+                else None,
+                "predicted_comm_ms": 1e3 * predicted[c.mesh] if c.mesh else None,
+                "collectives": c.replay.summary() if c.replay else None,
+                "step_ms_rounds": [1e3 * t for t in c.step_s],
+                "comm_replay_ms_rounds": [1e3 * t for t in c.replay_s],
+            }
+        )
+    accuracy: list[dict[str, Any]] = []
+    for shape in ((4, 1), (2, 2), (1, 4)):
+        c = by_name[f"ATP {shape} chunks=1"]
+        total = _median(c.replay_s)
+        linear = _median([p[LINEAR] for p in c.replay_parts_s])
+        pred = predicted[shape]
+        accuracy.append(
+            {
+                "mesh": list(shape),
+                "selected": shape == chosen,
+                "predicted_ms": 1e3 * pred,
+                "measured_all_ms": 1e3 * total,
+                "error_all": (pred - total) / total,
+                "measured_linear_ms": 1e3 * linear,
+                "error_linear": (pred - linear) / linear,
+                "measured_all_q1_q3_ms": [1e3 * v for v in _quartiles(c.replay_s)],
+            }
+        )
+    order_pred = sorted(accuracy, key=lambda a: a["predicted_ms"])
+    order_meas = sorted(accuracy, key=lambda a: a["measured_all_ms"])
+    order_step = sorted(((4, 1), (2, 2), (1, 4)), key=lambda s: _median(by_name[f"ATP {s} chunks=1"].step_s))
+    order: dict[str, list[list[int]]] = {
+        "predicted": [a["mesh"] for a in order_pred],
+        "measured_comm": [a["mesh"] for a in order_meas],
+        "measured_step": [list(s) for s in order_step],
+    }
+    best = by_name[f"ATP {chosen} chunks=1"]
+    comparisons = [_paired(best, by_name["ATP (4, 1) chunks=1"]), _paired(best, by_name[PEER])]
     data = {
         "benchmark": "atp_meshes",
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "cpus": __import__("os").cpu_count(),
+        "cpus": os.cpu_count(),
         "torch": torch.__version__,
-        "ranks": 4,
+        "ranks": RANKS,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "layer": vars(args),
+        "timing_seconds": seconds,
+        "selected_mesh": list(chosen),
         "rows": rows,
+        "prediction": accuracy,
+        "order": order,
+        "selected_vs_1d": comparisons,
         "search_on_calibrated_bandwidths": search.to_dict(),
+        "search_recalibrated_after_timing": again.to_dict(),
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "atp_meshes.json").write_text(json.dumps(data, indent=2) + "\n")
     lines = [
         "# ATP meshes vs 1-D tensor parallelism (4 ranks, this machine)",
         "",
-        f"One transformer layer, h={args.hidden}, heads={args.heads}, b={args.batch}, s={args.seq}, float32, "
-        f"forward + backward; median of {args.reps} interleaved rounds of {args.steps} steps, slowest rank.",
+        f"One GPT block, h={args.hidden}, heads={args.heads}, b={args.batch}, s={args.seq}, float32, "
+        f"forward + backward, {RANKS} ranks on {os.cpu_count()} cores; median of {args.reps} interleaved "
+        f"rounds of {args.steps} steps, slowest rank. tokens/s = b*s / step time. *comm replay*: the "
+        "step's recorded collectives issued alone (same sizes, groups, order; no GEMMs). *blocked*: time "
+        "the ranks spend waiting in collectives during the real steps (mean over ranks). "
+        f"**selected**: the mesh the calibrated search chose, {chosen}. The peer's collectives are "
+        "DTensor's functional ones, which the probe does not see (they are the four all-reduces of "
+        "ATP (4, 1) chunks=1).",
         "",
-        "| configuration | ms / step | min-max ms | peer / ours |",
-        "|---|---:|---:|---:|",
+        "| configuration | ms / step | min-max ms | tokens/s | peer / ours | comm replay ms (share) "
+        "| blocked ms (share) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        mark = " **selected**" if r["selected"] else ""
+        replay_cell = (
+            f"{r['comm_replay_ms']:.1f} ({100 * r['comm_replay_share']:.0f} %)"
+            if r["comm_replay_ms"] is not None
+            else "-"
+        )
+        blocked_cell = (
+            f"{r['comm_blocked_ms']:.1f} ({100 * r['comm_blocked_share']:.0f} %)"
+            if r["comm_blocked_ms"] is not None
+            else "-"
+        )
         lines.append(
-            f"| {r['config']} | {r['ms_per_step']:.1f} | {r['min_ms']:.1f}-{r['max_ms']:.1f} | "
-            f"{r['peer_over_ours']:.2f} |"
+            f"| {r['config']}{mark} | {r['ms_per_step']:.1f} | {r['min_ms']:.1f}-{r['max_ms']:.1f} | "
+            f"{r['tokens_per_s']:,.0f} | {r['peer_over_ours']:.2f} | {replay_cell} | {blocked_cell} |"
         )
     lines += [
         "",
-        "Search on the bandwidths calibrated here (equation 2, this layer):",
+        "Predicted (equation 2 on the calibrated bandwidths) against measured communication per step "
+        "(chunks=1; error = (predicted - measured) / measured). *all*: every collective of the step; "
+        "*linear*: only the f1-f4 all-reduces, the ones equation 2 counts.",
+        "",
+        "| mesh | predicted ms | measured all ms (q1-q3) | error | measured linear ms | error "
+        "| layernorm ms | attention ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for a in accuracy:
+        mesh_shape = tuple(a["mesh"])
+        parts = next(r for r in rows if r["config"] == f"ATP {mesh_shape} chunks=1")["comm_replay_parts_ms"]
+        mark = " **selected**" if a["selected"] else ""
+        q1, q3 = a["measured_all_q1_q3_ms"]
+        lines.append(
+            f"| {mesh_shape}{mark} | {a['predicted_ms']:.1f} | "
+            f"{a['measured_all_ms']:.1f} ({q1:.1f}-{q3:.1f}) | "
+            f"{100 * a['error_all']:+.0f} % | {a['measured_linear_ms']:.1f} | "
+            f"{100 * a['error_linear']:+.0f} % | {parts['layernorm all-reduce']:.1f} | "
+            f"{parts['attention scatter/gather']:.1f} |"
+        )
+    lines += [
+        "",
+        "Order, cheapest first: predicted "
+        + " < ".join(str(tuple(m)) for m in order["predicted"])
+        + "; measured communication "
+        + " < ".join(str(tuple(m)) for m in order["measured_comm"])
+        + "; measured step "
+        + " < ".join(str(tuple(m)) for m in order["measured_step"])
+        + ".",
+        "",
+        f"Selected mesh {chosen} (chunks=1) against 1-D tensor parallelism: per-round ratio of step times "
+        "(> 1: selected slower); *slower* only if a one-sided sign test over the rounds says so (p < 0.05), "
+        "else *within noise*:",
+        "",
+        "| selected vs | median ratio | q1-q3 | min-max | rounds selected slower | sign test p | verdict |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for cmp in comparisons:
+        lines.append(
+            f"| {cmp['b']} | {cmp['median_ratio']:.2f} | {cmp['q1']:.2f}-{cmp['q3']:.2f} | "
+            f"{cmp['min']:.2f}-{cmp['max']:.2f} | {cmp['rounds_a_slower']} / {cmp['rounds']} | "
+            f"{cmp['sign_test_p']:.3f} | {cmp['verdict']} |"
+        )
+    lines += [
+        "",
+        "Search on the bandwidths calibrated here before the timing (equation 2, this layer; it selects "
+        "the mesh):",
         "",
         "```",
         search.format_table(),
+        "```",
+        "",
+        f"The same calibration and search repeated after the timing (selects {again.mesh}):",
+        "",
+        "```",
+        again.format_table(),
         "```",
     ]
     (RESULTS / "atp_meshes.md").write_text("\n".join(lines) + "\n")

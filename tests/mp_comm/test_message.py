@@ -332,3 +332,47 @@ def test_random_layouts_round_trip(
     assert _bitwise_equal(got, t)
     if is_dense(t) and t.numel() > 1:
         assert got.stride() == t.stride()
+
+
+def test_host_pool_recycles_buffers_when_tensors_die() -> None:
+    import gc
+
+    from mp_comm.buffers import HostPool
+
+    pool = HostPool(capacity=1 << 20, min_bytes=1024)
+    t = pool.tensor((64, 32), (1, 64), torch.bfloat16, 64 * 32 * 2)
+    assert t.shape == (64, 32) and t.stride() == (1, 64) and t.is_leaf and t._base is None
+    t.fill_(2.5)
+    assert (pool.hits, pool.misses, pool.held) == (0, 1, 0)
+    del t
+    gc.collect()
+    assert pool.held == 4096
+    again = pool.tensor((4096,), (1,), torch.uint8, 4096)
+    assert pool.hits == 1 and pool.held == 0 and again.numel() == 4096
+    small = pool.tensor((4,), (1,), torch.float32, 16)  # below min_bytes: a plain tensor
+    assert pool.misses == 1 and small.numel() == 4
+    # Idle buffers beyond the capacity push the oldest out.
+    big = [pool.tensor((300_000,), (1,), torch.uint8, 300_000) for _ in range(5)]
+    del big
+    gc.collect()
+    assert pool.held <= 1 << 20
+    pool.clear()
+    assert pool.held == 0
+
+
+def test_received_tensors_reuse_pooled_memory() -> None:
+    import gc
+
+    hub = LoopbackHub(2, config=TransportConfig(timeout=5.0))
+    a, b = hub.transport(0), hub.transport(1)
+    assert b.pool is not None
+    for i in range(4):
+        x = torch.full((256, 256), float(i))
+        a.send(x, 1, tag="big")
+        got = b.recv(0, "big").obj
+        assert torch.equal(got, x)
+        del got
+        gc.collect()
+    assert b.pool.misses == 1 and b.pool.hits == 3
+    a.close()
+    b.close()

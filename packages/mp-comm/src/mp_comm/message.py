@@ -33,6 +33,7 @@ from typing import Any, Final, TypeAlias
 import numpy as np
 import torch
 
+from mp_comm.buffers import HostPool
 from mp_comm.errors import MessageDecodeError, MessageEncodeError
 
 __all__ = [
@@ -271,13 +272,26 @@ def default_device_map(meta: TensorMeta) -> torch.device:
     return torch.device("cpu")
 
 
-def allocate(metas: Sequence[TensorMeta], device_map: DeviceMap = default_device_map) -> list[torch.Tensor]:
-    """Empty destination tensors for the metadata, with the sender's shapes, strides and dtypes."""
+def allocate(
+    metas: Sequence[TensorMeta], device_map: DeviceMap = default_device_map, pool: HostPool | None = None
+) -> list[torch.Tensor]:
+    """Empty destination tensors for the metadata, with the sender's shapes, strides and dtypes.
+
+    CPU tensors come from `pool` when one is given (recycled memory: no page faults on large ones).
+    """
     out: list[torch.Tensor] = []
     for m in metas:
         device = device_map(m)
-        out.append(torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=device))
+        if pool is not None and device.type == "cpu":
+            out.append(pool.tensor(m.shape, m.stride, m.dtype, _storage_bytes(m)))
+        else:
+            out.append(torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=device))
     return out
+
+
+def _storage_bytes(m: TensorMeta) -> int:
+    # A dense layout spans exactly numel elements; an empty tensor needs no storage.
+    return m.numel * _itemsize(m.dtype)
 
 
 def finish_tensors(tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta]) -> list[torch.Tensor]:

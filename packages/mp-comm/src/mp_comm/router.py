@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from mp_comm.errors import TransportUnavailableError
+from mp_comm.errors import TransportClosedError, TransportUnavailableError
 from mp_comm.message import Tag, encode_object
 from mp_comm.transport.base import (
     ANY_SOURCE,
@@ -171,7 +171,9 @@ class Router(Transport):
         self._closed = False
         self.stats: Counter[str] = Counter()
         """Messages sent per route ("mpi", "ucx", "loopback")."""
-        self._drives: list[Callable[[], bool]] = [t._drive for t in self.transports.values()]
+        self._drives: list[Callable[[], bool]] = [
+            t._drive for t in self.transports.values() if t.drives_progress
+        ]
 
     @classmethod
     def create(
@@ -258,12 +260,13 @@ class Router(Transport):
 
     def recv(self, source: int = ANY_SOURCE, tag: object = ANY_TAG, timeout: float | None = None) -> Received:
         transport = next(iter(self.transports.values()))
-        if transport.closed:
-            transport._check_send(0, 0)  # raises TransportClosedError
+        if self._closed or transport.closed:
+            raise TransportClosedError(f"recv on the closed router of rank {self.rank}")
         if source != ANY_SOURCE:
             transport._check_rank(source, "source")
         limit = self._transport_config.timeout if timeout is None else timeout
-        arrival = self.mailbox.take(source, tag, limit, drive=self._drive, config=self._transport_config)
+        drive = self._drive if self._drives else None
+        arrival = self.mailbox.take(source, tag, limit, drive=drive, config=self._transport_config)
         return rebuild(arrival, self.rank)
 
     def _drive(self) -> bool:

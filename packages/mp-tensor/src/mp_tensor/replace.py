@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+import mp_tensor.builtin  # noqa: F401  (registers the built-in mappings)
 from mp_tensor.context import TPContext, use_context
 from mp_tensor.enable import mark_of
 from mp_tensor.errors import MPTensorError

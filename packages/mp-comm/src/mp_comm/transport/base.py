@@ -35,6 +35,7 @@ from typing import Any, Final, NamedTuple
 
 import torch
 
+from mp_comm.buffers import HostPool
 from mp_comm.errors import (
     MessageDecodeError,
     PeerLostError,
@@ -118,7 +119,11 @@ class TransportConfig:
     message sends its metadata again. `send(..., static=...)` overrides it per message."""
     static_slots: int = 1024
     """Metadata cache slots per sender at each receiver (least recently used tags give theirs up)."""
-    spin_time: float = 200e-6
+    recv_pool_bytes: int = 256 << 20
+    """Idle host memory kept to recycle for received CPU tensors of at least 64 KiB (see
+    buffers.HostPool: fresh memory costs a page fault per page, several times the copy); 0 turns the
+    pool off. Tensors received into it cannot be resized in place (`resize_`)."""
+    spin_time: float = 1e-3
     """Seconds a polling progress thread keeps polling without sleeping after its last activity, so that
     a quick reply (a ping-pong, a pipeline hand-off) is seen at once."""
     inline_bytes: int = 4096
@@ -139,6 +144,8 @@ class TransportConfig:
             )
         if self.static_slots < 1:
             raise ValueError(f"static_slots={self.static_slots}; expected at least 1")
+        if self.recv_pool_bytes < 0:
+            raise ValueError(f"recv_pool_bytes={self.recv_pool_bytes}; expected >= 0 (0 turns the pool off)")
         if self.inline_bytes < 0:
             raise ValueError(f"inline_bytes={self.inline_bytes}; expected >= 0 (0 turns inlining off)")
         if self.spin_time < 0:
@@ -335,11 +342,14 @@ class Mailbox:
         `drive`, when given, makes progress on the transport from this thread (returns whether it did
         any work): a waiting thread then sees its message without a hand-off from the progress thread.
         While it finds work, or for `config.spin_time` after, it polls; then it sleeps on the mailbox
-        (woken by deliveries), `config.poll_min` at a time while driving so that it keeps helping.
+        (woken by deliveries), from `config.poll_min` up to `config.poll_max` at a time, driving
+        between naps so that it keeps helping.
         """
         deadline = time.monotonic() + timeout
         spin = config.spin_time if config is not None else 0.0
-        nap = config.poll_min if config is not None else 1e-3
+        first_nap = config.poll_min if config is not None else 1e-3
+        longest_nap = config.poll_max if config is not None else 1e-3
+        nap = first_nap
         last_work = time.monotonic()
         with self._cond:
             self.waiters += 1
@@ -351,9 +361,10 @@ class Mailbox:
                     return found
                 if drive is not None and drive():
                     last_work = time.monotonic()
+                    nap = first_nap
                     continue
                 now = time.monotonic()
-                if now - last_work < spin:
+                if drive is not None and now - last_work < spin:
                     os.sched_yield()  # releases the GIL; time.sleep(0) would cost a timer-slack period
                     continue
                 with self._cond:
@@ -362,6 +373,7 @@ class Mailbox:
                         return found
                     left = deadline - time.monotonic()
                     self._cond.wait(min(left, nap) if drive is not None else left)
+                nap = min(longest_nap, nap * 2)  # a long wait polls less and less often
         finally:
             with self._cond:
                 self.waiters -= 1
@@ -530,6 +542,8 @@ class MessageTransport(Transport):
         self._wires: dict[int, int] = {}
         self._meta_out = MetaCacheSender(config.static_slots)
         self.meta_in = MetaCacheReceiver()
+        self.pool = HostPool(config.recv_pool_bytes) if config.recv_pool_bytes else None
+        """Recycled host memory for received CPU tensors (None when TransportConfig turns it off)."""
         self._closed = False
         self.stats: collections.Counter[str] = collections.Counter()
         """Counters for tests and debugging: "sent", "received", "static_hits" and transport-specific ones."""
@@ -550,7 +564,8 @@ class MessageTransport(Transport):
         if source != ANY_SOURCE:
             self._check_rank(source, "source")
         limit = self.config.timeout if timeout is None else timeout
-        arrival = self.mailbox.take(source, tag, limit, drive=self._drive, config=self.config)
+        drive = self._drive if self.drives_progress else None
+        arrival = self.mailbox.take(source, tag, limit, drive=drive, config=self.config)
         return rebuild(arrival, self.rank)
 
     # -- for subclasses and routers ------------------------------------------------------------------
@@ -650,6 +665,9 @@ class MessageTransport(Transport):
 
     def _fail_all(self, error: BaseException) -> None:
         self.mailbox.fail(error)
+
+    drives_progress = False
+    """Whether threads waiting in `recv` (and `send`) make progress themselves through `_drive`."""
 
     def _drive(self) -> bool:
         """Make progress from the calling thread if no other thread is; whether any work was done."""

@@ -86,7 +86,10 @@ class TorchBootstrap:
     def barrier(self, timeout: float) -> bool:
         try:
             self._dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
-        except RuntimeError:
+        except RuntimeError as exc:
+            if "monitored_barrier" in str(exc) and "support" in str(exc):  # not a gloo group
+                self._dist.barrier()
+                return True
             return False
         return True
 

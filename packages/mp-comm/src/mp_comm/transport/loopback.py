@@ -99,7 +99,7 @@ class LoopbackTransport(MessageTransport):
         header = decode_header(raw, source=source)
         with self._recv_lock:  # one sender's headers are resolved in order, as on a wire
             metas = self.meta_in.resolve(source, header)
-            tensors = allocate(metas, self.device_map)
+            tensors = allocate(metas, self.device_map, self.pool)
             land_inline(header, metas, tensors)
             for i, (dst, src, meta) in enumerate(zip(tensors, out.tensors, metas, strict=True)):
                 if meta.nbytes and i not in inline:

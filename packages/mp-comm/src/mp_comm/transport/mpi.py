@@ -152,6 +152,7 @@ class MPITransport(MessageTransport):
     """Point-to-point messages over MPI (mpi4py). Collective to create: every rank of `comm` at once."""
 
     name = "mpi"
+    drives_progress = True
 
     def __init__(
         self,
@@ -355,7 +356,7 @@ class MPITransport(MessageTransport):
             return
         try:
             metas = self.meta_in.resolve(source, header)
-            tensors = allocate(metas, self.device_map)
+            tensors = allocate(metas, self.device_map, self.pool)
             land_inline(header, metas, tensors)
         except Exception as exc:
             error = (

@@ -4,16 +4,18 @@ Layer normalization is element-wise once the mean and variance are known, so on 
 channels are split over the TP ranks each rank computes the local first and second moments
 (``sum x``, ``sum x^2`` per token), one all-reduce of those two numbers per token gives the global
 mean and variance, and each rank normalizes its own channels with its slice of the affine weights.
-The all-reduce's backward is an all-reduce too: the moments feed every rank's channels.
+In backward, one all-reduce of two per-token sums of the gradient does the same for the input's gradient.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mp_comm import collectives as col
 from mp_tensor.context import TPContext
 from mp_tensor.dist_ops import enter, leave
 from mp_tensor.errors import DistTransformerConfigError
@@ -22,24 +24,54 @@ from mp_tensor.nn.base import DistributedModule, ParamSpec, set_param_spec
 __all__ = ["DistributedLayerNorm", "LayerNormShard", "sharded_layer_norm"]
 
 
+class _ShardedLayerNorm(torch.autograd.Function):
+    """Layer norm over channels split across the TP group; saves only the input and the statistics."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, n: int, group: Any) -> Tensor:
+        xf = x.float()
+        moments = torch.stack((xf.sum(-1), (xf * xf).sum(-1)), dim=-1)
+        dist.all_reduce(moments, group=group)
+        mean = (moments[..., 0] / n).unsqueeze(-1)
+        rstd = torch.rsqrt(((moments[..., 1] / n).unsqueeze(-1) - mean * mean).clamp_min(0.0) + eps)
+        y = ((xf - mean) * rstd).to(x.dtype)
+        if weight is not None:
+            y = y * weight
+        if bias is not None:
+            y = y + bias
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.n, ctx.group, ctx.has_bias = n, group, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight, mean, rstd = ctx.saved_tensors
+        xhat = (x.float() - mean) * rstd
+        dyf = dy.float()
+        dxhat = dyf * weight.float() if weight is not None else dyf
+        sums = torch.stack(((dxhat).sum(-1), (dxhat * xhat).sum(-1)), dim=-1)
+        dist.all_reduce(sums, group=ctx.group)
+        n = ctx.n
+        dx = rstd * (dxhat - (sums[..., 0] / n).unsqueeze(-1) - xhat * (sums[..., 1] / n).unsqueeze(-1))
+        reduce_dims = tuple(range(dy.dim() - 1))
+        dweight = (dyf * xhat).sum(reduce_dims).to(weight.dtype) if weight is not None else None
+        dbias = dyf.sum(reduce_dims).to(dy.dtype) if ctx.has_bias else None
+        return dx.to(x.dtype), dweight, dbias, None, None, None
+
+
 def sharded_layer_norm(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, full_size: int, ctx: TPContext
 ) -> Tensor:
-    """Layer-normalize the last dimension of ``x``, which holds this rank's ``full_size / tp`` channels."""
+    """Layer-normalize the last dimension of ``x``, which holds this rank's ``full_size / tp`` channels.
+
+    One all-reduce of the per-token moments forward, one of the per-token gradient sums backward; only
+    the input and the per-token statistics are kept for backward.
+    """
     if not ctx.distributed:
         return F.layer_norm(x, (full_size,), weight, bias, eps)
     assert ctx.group is not None
-    xf = x.float()
-    moments = torch.stack((xf.sum(-1), (xf * xf).sum(-1)), dim=-1)
-    moments = col.all_reduce(moments, ctx.group, grad="all_reduce")
-    mean = (moments[..., 0] / full_size).unsqueeze(-1)
-    var = (moments[..., 1] / full_size).unsqueeze(-1) - mean * mean
-    y = ((xf - mean) * torch.rsqrt(var.clamp_min(0.0) + eps)).to(x.dtype)
-    if weight is not None:
-        y = y * weight
-    if bias is not None:
-        y = y + bias
-    return y
+    out: Tensor = _ShardedLayerNorm.apply(x, weight, bias, eps, full_size, ctx.group)  # type: ignore[no-untyped-call]
+    return out
 
 
 class LayerNormShard(nn.Module):

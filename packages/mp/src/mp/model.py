@@ -1,0 +1,473 @@
+"""`smp.DistributedModel`: partition on the first step, pipeline the step, average over replicas.
+
+    model = smp.DistributedModel(MyModel())
+    optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters()))
+
+The first ``@smp.step`` call partitions the model (automatically with mp_partition, tracing the step
+function on its first microbatch on rank 0, or by the ``smp.partition`` marks), shares the decision
+with every rank, and frees on each rank the parameters that other pipeline stages own (they stay as
+shape-only placeholders, so the optimizer and ``named_parameters`` keep working). Each step then runs
+through mp_pipeline's module servers; after it, gradients are averaged over each partition's
+data-parallel group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from mp.errors import (
+    BwdExecutionNotInStepFnError,
+    FwdExecutionNotInStepFnError,
+    ModelNotPartitionedError,
+    MultipleDistributedModelError,
+    SMPRuntimeError,
+    SMPValidationError,
+)
+from mp.optimizer import keep_local_parameters
+from mp.state import state
+from mp_comm import GroupKind
+from mp_partition import PartitionPlan, Tracer, auto_partition, manual_partition
+from mp_pipeline import (
+    PipelineRuntime,
+    Scheduler,
+    TaskContext,
+    agree_any,
+    broadcast_tensors,
+    capture,
+    current,
+    pipelined_backward,
+    process_transport,
+    reduce_gradients,
+    task_context,
+)
+
+__all__ = ["DistributedModel"]
+
+log = logging.getLogger(__name__)
+
+_MODEL_IDS = itertools.count(1)
+_PLACEHOLDER = "_mp_remote_placeholder"
+
+
+def _module_path(key: str) -> str:
+    return key.rsplit(".", 1)[0] if "." in key else ""
+
+
+def _free(t: torch.Tensor) -> None:
+    """Keep the tensor object (the optimizer may hold it) but drop its memory: a zero-stride view."""
+    t.data = torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
+    setattr(t, _PLACEHOLDER, True)
+    if isinstance(t, nn.Parameter):
+        t.grad = None
+
+
+class DistributedModel(nn.Module):
+    """The smp model wrapper (reference §2.1); ``module`` is the user's model."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        trace_device: str = "gpu",
+        trace_execution_times: bool = False,
+        overlapping_allreduce: bool = True,
+        backward_passes_per_step: int = 1,
+        average_grads_across_microbatches: bool = True,
+        bucket_cap_mb: float = 25,
+        trace_memory_usage: bool = False,
+        broadcast_buffers: bool = True,
+        gradient_as_bucket_view: bool = False,
+        find_unused_parameters: bool = False,
+    ) -> None:
+        cfg, world, topo = state.require()
+        if state.model is not None:
+            raise MultipleDistributedModelError(
+                "a DistributedModel already exists in this process; smp supports one per process. "
+                "Wrap the whole model once (call smp.reset() to start over)."
+            )
+        if not isinstance(module, nn.Module):
+            raise SMPValidationError(f"DistributedModel needs a torch.nn.Module; got {type(module).__name__}")
+        if trace_device not in ("cpu", "gpu"):
+            raise SMPValidationError(f"trace_device={trace_device!r}; expected 'cpu' or 'gpu'")
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) or (
+            backward_passes_per_step < 1
+        ):
+            raise SMPValidationError(
+                f"backward_passes_per_step={backward_passes_per_step!r}; expected an int >= 1"
+            )
+        super().__init__()
+        self.module = module
+        self._pp: int = cfg.pipeline_parallel_degree
+        self._rank = world.rank
+        self._pp_rank = topo.coords(world.rank).pp_rank
+        self._pp_peers = tuple(topo.group(GroupKind.PP, world.rank))
+        self._dp_size = topo.size(GroupKind.DP)
+        self._trace_times = trace_execution_times
+        self._bpps = backward_passes_per_step
+        self._average_mb = average_grads_across_microbatches
+        self._bucket_bytes = max(1, int(bucket_cap_mb * (1 << 20)))
+        self._broadcast_buffers = broadcast_buffers
+        self._partitioned = False
+        self._assignment: dict[str, int] = {}
+        self.plan: PartitionPlan | None = None
+        """The partition plan (on global rank 0, where it is computed; None elsewhere and with pp=1)."""
+        self._tracing = False
+        self._in_step = False
+        self._grad_scale = 1.0
+        self._backward_calls = 0
+        self._step_count = 0
+        self._post_partition_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._post_step_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._pending_optimizer_state: dict[str, Any] | None = None
+        self._model_id = next(_MODEL_IDS)
+        self._runtime: PipelineRuntime | None = None
+        if self._pp > 1:
+            transport = process_transport(world)  # collective the first time in the process
+            self._runtime = PipelineRuntime(
+                transport=transport, rank=world.rank, peers=self._pp_peers, model_id=self._model_id
+            )
+        state.model = self
+
+    # ------------------------------------------------------------------------------ the nn.Module side
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._runtime is not None and not self._tracing and not self._in_step:
+            raise FwdExecutionNotInStepFnError(
+                "the DistributedModel's forward ran outside an @smp.step function with "
+                f"pipeline_parallel_degree={self._pp}; call the model inside the step function"
+            )
+        return self.module(*args, **kwargs)
+
+    def backward(
+        self,
+        tensors: torch.Tensor | Sequence[torch.Tensor],
+        grad_tensors: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
+    ) -> None:
+        """Use instead of ``loss.backward()`` inside the step function."""
+        if self._tracing:
+            return
+        if not self._in_step or current() is None:
+            raise BwdExecutionNotInStepFnError(
+                "model.backward ran outside an @smp.step function; call it inside the step function "
+                "(smp replaces loss.backward() with model.backward(loss) there)"
+            )
+        outs = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if grad_tensors is None:
+            grads: list[torch.Tensor | None] = [None] * len(outs)
+        elif isinstance(grad_tensors, torch.Tensor):
+            grads = [grad_tensors]
+        else:
+            grads = list(grad_tensors)
+        if self._grad_scale != 1.0:  # average over microbatches: scale the gradient seeds
+            scaled: list[torch.Tensor | None] = []
+            for t, g in zip(outs, grads, strict=True):
+                if g is not None:
+                    scaled.append(g * self._grad_scale)
+                elif t.numel() == 1:
+                    scaled.append(torch.full_like(t, self._grad_scale))
+                else:
+                    scaled.append(None)  # torch raises its own "grad can be implicitly created" error
+            grads = scaled
+        self._backward_calls += 1
+        pipelined_backward(outs, grads)
+
+    @property
+    def partitioned(self) -> bool:
+        """False until the first step has partitioned the model."""
+        return self._partitioned
+
+    def get_module(self) -> nn.Module:
+        """The user's model inside the wrapper."""
+        return self.module
+
+    # ------------------------------------------------------------------------------------------- step
+    def _run_step(self, func: Callable[..., Any], inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+        cfg, _, _ = state.require()
+
+        def body(mb: int) -> Any:
+            args, kwargs = inputs[mb]
+            return func(*args, **kwargs)
+
+        exec_state = capture()
+        if not self._partitioned:
+            self._partition(body)
+        self._sync_replicas(first=self._step_count == 0)
+        self._grad_scale = 1.0 / len(inputs) if self._average_mb else 1.0
+        calls_before = self._backward_calls
+        remote_before = self._runtime.remote.backward_requests if self._runtime is not None else 0
+        error: BaseException | None = None
+        results: list[Any] = []
+        self._in_step = True
+        try:
+            if self._runtime is None:
+                for mb in range(len(inputs)):
+                    with task_context(TaskContext(mb, ("<step>",))):
+                        results.append(body(mb))
+            else:
+                scheduler = Scheduler(
+                    cfg.resolved_pipeline,
+                    len(inputs),
+                    min(cfg.resolved_active_microbatches, len(inputs)),
+                    deterministic=cfg.deterministic_server,
+                )
+                results = self._runtime.run_step(body, scheduler, exec_state)
+        except BaseException as exc:
+            error = exc
+        finally:
+            self._in_step = False
+        did_backward = self._backward_calls > calls_before or (
+            self._runtime is not None and self._runtime.remote.backward_requests > remote_before
+        )
+        self._after_step(error, did_backward)
+        self._step_count += 1
+        if self._step_count == 1:
+            self._run_hooks(self._post_step_hooks)
+        return results
+
+    def _after_step(self, error: BaseException | None, did_backward: bool) -> None:
+        """Agree over the data-parallel group on failure and on whether to reduce gradients; reduce."""
+        group = state.process_groups.get(GroupKind.DP)
+        if self._dp_size > 1 and group is not None:
+            failed, any_backward = agree_any([error is not None, did_backward], group)
+            if failed:
+                text = None
+                if error is not None:
+                    text = f"rank {self._rank}: {type(error).__name__}: {error}\n" + "".join(
+                        traceback.format_exception(type(error), error, error.__traceback__)
+                    )
+                texts: list[Any] = [None] * self._dp_size
+                dist.all_gather_object(texts, text, group=group)
+                if error is not None:
+                    raise error
+                first = next(t for t in texts if t is not None)
+                raise SMPRuntimeError(f"the step failed on a data-parallel replica:\n{first}")
+            if any_backward and (self._step_count + 1) % self._bpps == 0:
+                params = [p for p in self._local_params() if p.requires_grad]
+                reduce_gradients(params, group, bucket_bytes=self._bucket_bytes)
+        elif error is not None:
+            raise error
+
+    def _sync_replicas(self, *, first: bool) -> None:
+        group = state.process_groups.get(GroupKind.DP)
+        if self._dp_size == 1 or group is None:
+            return
+        tensors: list[torch.Tensor] = []
+        if first:
+            tensors += [p.data for p in self._local_params()]
+        if first or self._broadcast_buffers:
+            tensors += [b for b in self.module.buffers() if not getattr(b, _PLACEHOLDER, False)]
+        if tensors:
+            broadcast_tensors(tensors, group, bucket_bytes=self._bucket_bytes)
+
+    # ------------------------------------------------------------------------------------ partitioning
+    def _partition(self, body: Callable[[int], Any]) -> None:
+        cfg, world, _ = state.require()
+        if self._pp > 1:
+            payload: tuple[str, Any] | None = None
+            if world.rank == 0:
+                try:
+                    self.plan = self._compute_plan(body)
+                    payload = ("ok", dict(self.plan.assignment))
+                except Exception as exc:
+                    payload = ("error", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+                    box = [payload]
+                    dist.broadcast_object_list(box, src=0)
+                    raise
+            box = [payload]
+            dist.broadcast_object_list(box, src=0)
+            kind, value = box[0]  # type: ignore[misc]
+            if kind == "error":
+                raise SMPRuntimeError(f"partitioning the model failed on rank 0:\n{value}")
+            self._assignment = dict(value)
+            self._apply_assignment()
+            log.info(
+                "rank %d (pp_rank %d) holds %d of %d parameters after partitioning",
+                world.rank,
+                self._pp_rank,
+                sum(p.numel() for p in self._local_params()),
+                sum(p.numel() for p in self.module.parameters()),
+            )
+        self._partitioned = True
+        optimizer = state.optimizer
+        if optimizer is not None:
+            keep_local_parameters(optimizer, self._is_remote)
+            if self._pending_optimizer_state is not None:
+                torch.optim.Optimizer.load_state_dict(optimizer, self._pending_optimizer_state)
+                self._pending_optimizer_state = None
+        self._run_hooks(self._post_partition_hooks)
+
+    def _compute_plan(self, body: Callable[[int], Any]) -> PartitionPlan:
+        cfg, _, _ = state.require()
+        alpha = cfg.resolved_memory_weight
+        if not cfg.auto_partition:
+            return manual_partition(self.module, self._pp, cfg.resolved_default_partition, memory_weight=alpha)
+        if cfg.skip_tracing:
+            return auto_partition(self.module, self._pp, memory_weight=alpha, skip_tracing=True)
+        with Tracer(self.module, measure_time=self._trace_times) as tracer:
+            self._tracing = True
+            try:
+                with task_context(TaskContext(0, ("<step>",))):
+                    body(0)
+            finally:
+                self._tracing = False
+        return auto_partition(self.module, self._pp, memory_weight=alpha, trace=tracer.result())
+
+    def _apply_assignment(self) -> None:
+        for name, p in self.module.named_parameters():
+            if self._owner(name) != self._pp_rank:
+                _free(p)
+        for name, b in self.module.named_buffers():
+            if self._owner(name) != self._pp_rank:
+                _free(b)
+        assert self._runtime is not None
+        self._runtime.install(self.module, self._assignment)
+
+    def _owner(self, key: str) -> int:
+        """The pp_rank holding a parameter, buffer or state-dict entry named ``key``."""
+        return self._module_owner(_module_path(key))
+
+    def _module_owner(self, path: str) -> int:
+        if not self._assignment:
+            return 0
+        while path not in self._assignment and path:
+            path = _module_path(path)
+        return self._assignment.get(path, 0)
+
+    def _is_remote(self, t: torch.Tensor) -> bool:
+        return bool(getattr(t, _PLACEHOLDER, False))
+
+    def _local_params(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if not self._is_remote(p)]
+
+    def _require_partitioned(self, what: str) -> None:
+        if not self._partitioned:
+            raise ModelNotPartitionedError(
+                f"model.{what}() needs the model partitioned, which happens in the first @smp.step call; "
+                "call it after the first step (or in a post-partition hook)"
+            )
+
+    # ------------------------------------------------------------------------------- local views
+    def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(name, parameter) for the parameters this rank holds (names as ``named_parameters()``)."""
+        self._require_partitioned("local_named_parameters")
+        return ((n, p) for n, p in self.named_parameters() if not self._is_remote(p))
+
+    def local_parameters(self) -> Iterator[nn.Parameter]:
+        self._require_partitioned("local_parameters")
+        return (p for _, p in self.local_named_parameters())
+
+    def local_named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._require_partitioned("local_named_buffers")
+        return ((n, b) for n, b in self.named_buffers() if not self._is_remote(b))
+
+    def local_buffers(self) -> Iterator[torch.Tensor]:
+        self._require_partitioned("local_buffers")
+        return (b for _, b in self.local_named_buffers())
+
+    def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        """(path, module) for the modules this rank owns (paths relative to the user's model)."""
+        self._require_partitioned("local_named_modules")
+        return ((n, m) for n, m in self.module.named_modules() if self._module_owner(n) == self._pp_rank)
+
+    def local_modules(self) -> Iterator[nn.Module]:
+        self._require_partitioned("local_modules")
+        return (m for _, m in self.local_named_modules())
+
+    def is_local_parameter(self, param: torch.Tensor) -> bool:
+        return not self._is_remote(param)
+
+    # -------------------------------------------------------------------------------- state dicts
+    def local_state_dict(self, *args: Any, cast_to_cpu: bool = True, **kwargs: Any) -> dict[str, Any]:
+        """This rank's part of the model's state, with ``_smp_is_partial: True``."""
+        out: dict[str, Any] = OrderedDict()
+        for key, value in self.module.state_dict(keep_vars=False).items():
+            if self._owner(key) != self._pp_rank:
+                continue
+            out[key] = value.detach().cpu() if cast_to_cpu and isinstance(value, torch.Tensor) else value
+        out["_smp_is_partial"] = True
+        return out
+
+    def state_dict(  # type: ignore[override]
+        self,
+        *args: Any,
+        destination: Any = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        cast_to_cpu: bool = True,
+        gather_to_rank0: bool = True,
+    ) -> dict[str, Any]:
+        """The full state of the user's model (keys as ``module.state_dict()``), gathered from the
+        pipeline stages. Collective over the pipeline group: call it on every rank of the pipeline."""
+        if not self._partitioned or self._pp == 1:
+            full = self.module.state_dict(keep_vars=keep_vars)
+            return OrderedDict(
+                (prefix + k, v.detach().cpu() if cast_to_cpu and isinstance(v, torch.Tensor) and not keep_vars else v)
+                for k, v in full.items()
+            )
+        local = self.local_state_dict(cast_to_cpu=True)
+        local.pop("_smp_is_partial", None)
+        parts: list[Any] = [None] * self._pp
+        dist.all_gather_object(parts, local, group=state.process_groups[GroupKind.PP])
+        merged: dict[str, Any] = OrderedDict()
+        for key in self.module.state_dict(keep_vars=True):
+            for part in parts:
+                if key in part:
+                    merged[prefix + key] = part[key]
+                    break
+        if destination is not None:
+            destination.update(merged)
+            return destination  # type: ignore[no-any-return]
+        return merged
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Load a full or partial (``local_state_dict``) state; keys with or without ``module.``."""
+        sd = dict(state_dict)
+        partial = bool(sd.pop("_smp_is_partial", False))
+        if sd and all(k.startswith("module.") for k in sd):
+            sd = {k[len("module.") :]: v for k, v in sd.items()}
+        if not self._partitioned or self._pp == 1:
+            return self.module.load_state_dict(sd, strict=strict and not partial)
+        keys = set(self.module.state_dict(keep_vars=True))
+        local = {k for k in keys if self._owner(k) == self._pp_rank}
+        subset = {k: v for k, v in sd.items() if k in local}
+        if strict and not partial:
+            missing = sorted(local - set(subset))
+            unexpected = sorted(set(sd) - keys)
+            if missing or unexpected:
+                raise RuntimeError(
+                    f"load_state_dict: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}; "
+                    "expected the keys of the wrapped model's state_dict() (pass strict=False to ignore)"
+                )
+        return self.module.load_state_dict(subset, strict=False)
+
+    # ------------------------------------------------------------------------------------- hooks
+    def register_post_partition_hook(self, hook: Callable[..., Any]) -> RemovableHandle | None:
+        """``hook(model, optimizer)`` after partitioning, before the first forward; runs at once (and
+        returns None) if the model is already partitioned and an optimizer exists."""
+        if self._partitioned and state.optimizer is not None:
+            hook(self, state.optimizer)
+            return None
+        handle = RemovableHandle(self._post_partition_hooks)
+        self._post_partition_hooks[handle.id] = hook
+        return handle
+
+    def register_post_step_hook(self, hook: Callable[..., Any]) -> RemovableHandle | None:
+        """``hook(model, optimizer)`` after the first step (at once if that has passed)."""
+        if self._step_count > 0 and state.optimizer is not None:
+            hook(self, state.optimizer)
+            return None
+        handle = RemovableHandle(self._post_step_hooks)
+        self._post_step_hooks[handle.id] = hook
+        return handle
+
+    def _run_hooks(self, hooks: OrderedDict[int, Callable[..., Any]]) -> None:
+        for hook in list(hooks.values()):
+            hook(self, state.optimizer)

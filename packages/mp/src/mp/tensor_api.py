@@ -1,0 +1,88 @@
+"""smp's tensor-parallelism API, bridging mp_tensor to the config and groups built by ``smp.init``.
+
+mp_tensor takes its process group explicitly (a ``TPContext``); this module builds that context from
+``state`` and installs it as mp_tensor's fallback, so ``smp.nn.DistributedLinear(...)`` built after
+``smp.init`` runs in the TP group. ``DistributedModel`` calls :func:`replace_tp_modules`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mp.errors import DistributedModelWrappedError
+from mp.state import state
+from mp_comm import GroupKind
+from mp_tensor.context import TPContext, set_context_provider
+from mp_tensor.enable import set_tensor_parallelism as _set_tensor_parallelism
+from mp_tensor.enable import tensor_parallelism
+from mp_tensor.grads import reduce_gradients
+from mp_tensor.nn.base import is_distributed_parameter, is_scaled_batch_parameter
+from mp_tensor.registry import tp_register, tp_register_with_module
+from mp_tensor.replace import replace_modules
+from mp_tensor.state_dict import gather_state_dict, load_original_state_dict
+
+__all__ = [
+    "gather_state_dict",
+    "is_distributed_parameter",
+    "is_scaled_batch_parameter",
+    "load_original_state_dict",
+    "reduce_tp_gradients",
+    "replace_tp_modules",
+    "set_tensor_parallelism",
+    "tensor_parallelism",
+    "tp_context",
+    "tp_register",
+    "tp_register_with_module",
+]
+
+
+def tp_context() -> TPContext | None:
+    """The TP context of the current ``smp.init`` (None before it)."""
+    cfg = state.cfg
+    if cfg is None or not state.initialized:
+        return None
+    group = state.process_groups.get(GroupKind.TP)
+    return TPContext(
+        group=group if cfg.tp > 1 else None,
+        optimize=cfg.optimize,
+        prescaled_batch=cfg.prescaled_batch,
+        dtype=torch.float16 if cfg.fp16_params else None,
+        seed=cfg.tensor_parallel_seed,
+    )
+
+
+set_context_provider(tp_context)
+
+
+def set_tensor_parallelism(module: nn.Module, enabled: bool = True, **kwargs: Any) -> None:
+    """Enable (or disable) tensor parallelism for ``module``'s subtree; before ``DistributedModel``."""
+    if state.model is not None:
+        raise DistributedModelWrappedError(
+            "smp.set_tensor_parallelism was called after smp.DistributedModel; call it before wrapping the model."
+        )
+    _set_tensor_parallelism(module, enabled, **kwargs)
+
+
+def replace_tp_modules(model: nn.Module) -> nn.Module:
+    """Replace the marked modules of ``model`` by their distributed versions (for ``DistributedModel``)."""
+    ctx = tp_context()
+    if ctx is None or not ctx.distributed:
+        return model
+    return replace_modules(model, ctx)
+
+
+def reduce_tp_gradients(params: Any, average: bool = True) -> None:
+    """Data-parallel gradient reduction of ``params`` with the TP rules (scaled-batch params over RDP)."""
+    cfg = state.cfg
+    assert cfg is not None
+    reduce_gradients(
+        params,
+        dp_group=state.process_groups.get(GroupKind.DP),
+        rdp_group=state.process_groups.get(GroupKind.RDP),
+        tp_size=cfg.tp,
+        prescaled_batch=cfg.prescaled_batch,
+        average=average,
+    )

@@ -1,0 +1,174 @@
+"""smp's step/model/optimizer API on real worlds: errors reach every rank, the smp idioms work."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mp as smp
+from mp.errors import (
+    BwdExecutionNotInStepFnError,
+    FwdExecutionNotInStepFnError,
+    ModelNotPartitionedError,
+    MultipleDistributedModelError,
+    TensorSplitError,
+)
+from mp.model import DistributedModel
+from mp.optimizer import DistributedOptimizer
+from mp.step import step
+from mp_partition import set_partition
+from mp_pipeline import StepOutput
+
+
+class Faulty(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2 and smp.rank() == 1:  # only the first pipeline fails (4 ranks: 2 replicas)
+            raise ValueError("boom from the faulty module")
+        return self.lin(x)
+
+
+class TwoStage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = Faulty()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
+def _module_error(world: Any) -> dict[str, Any]:
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0})
+    net = TwoStage()
+    set_partition(net.second, 1)
+    model = DistributedModel(net)
+
+    @step
+    def train(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).sum()
+        model.backward(loss)
+        return loss
+
+    try:
+        train(torch.randn(4, 4))
+    except Exception as exc:
+        return {"rank": smp.rank(), "type": type(exc).__name__, "message": str(exc)}
+    return {"rank": smp.rank(), "type": None, "message": ""}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_module_error_reaches_every_rank(worlds: Any, n: int) -> None:
+    results = worlds.run(n, _module_error, timeout=120)
+    for r in results:
+        assert r["type"] is not None, f"rank {r['rank']} did not fail"
+        msg = r["message"]
+        # the failing rank (global rank 1, pp_rank 1 of the first pipeline) and module are named,
+        # with the original traceback
+        assert "rank 1" in msg and "'second'" in msg, msg
+        assert "boom from the faulty module" in msg and 'raise ValueError("boom' in msg, msg
+
+
+def _smp_idioms(world: Any) -> dict[str, Any]:
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    out: dict[str, Any] = {}
+    model = DistributedModel(net)
+    try:
+        DistributedModel(nn.Linear(2, 2))
+    except MultipleDistributedModelError:
+        out["second_model"] = "raised"
+    try:
+        model.local_parameters()
+    except ModelNotPartitionedError:
+        out["local_before"] = "raised"
+    try:
+        model(torch.randn(2, 6))
+    except FwdExecutionNotInStepFnError:
+        out["fwd_outside"] = "raised"
+    try:
+        model.backward(torch.ones(()))
+    except BwdExecutionNotInStepFnError:
+        out["bwd_outside"] = "raised"
+    seen: list[str] = []
+    model.register_post_partition_hook(lambda m, o: seen.append(f"partition:{m.partitioned}"))
+    model.register_post_step_hook(lambda m, o: seen.append("step"))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    class Trainer:
+        @step()
+        def train(self, x: torch.Tensor, y: torch.Tensor, tag: str) -> Any:
+            logits = model(x)
+            loss = F.cross_entropy(logits, y)
+            model.backward(loss)
+            return loss, {"logits": logits, "tag": tag}
+
+    @step(non_split_inputs=["w"], input_split_axes={"z": 1})
+    def evaluate(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor) -> Any:
+        assert w.shape == (4,) and z.shape == (3, 2)
+        return model(x), int(x.shape[0])
+
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    loss, extra = Trainer().train(x, y, "t")
+    out["loss_type"] = type(loss).__name__
+    out["loss_len"] = len(loss.outputs)
+    out["logits"] = tuple(extra["logits"].concat().shape)
+    out["tag"] = extra["tag"]
+    out["requires_grad"] = loss.outputs[0].requires_grad
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        logits, sizes = evaluate(x, torch.ones(4), torch.zeros(3, 4))
+    out["eval"] = (tuple(logits.concat().shape), sizes, logits.outputs[0].requires_grad)
+    out["optimizer_local"] = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    out["local"] = sum(p.numel() for p in model.local_parameters())
+    try:
+        Trainer().train(torch.randn(7, 6), torch.randint(0, 3, (7,)), "t")
+    except TensorSplitError as exc:
+        out["split_error"] = str(exc)
+    out["hooks"] = seen
+    full = model.state_dict()
+    out["state_keys"] = sorted(full)
+    reloaded = {k: v + 1 for k, v in full.items()}
+    model.load_state_dict(reloaded)
+    after = model.state_dict()
+    out["reload_ok"] = all(torch.equal(after[k], reloaded[k]) for k in full)
+    partial = model.local_state_dict()
+    out["partial"] = partial.pop("_smp_is_partial")
+    out["partial_keys"] = sorted(partial)
+    return out
+
+
+def test_smp_idioms_on_two_stages(worlds: Any) -> None:
+    r0, r1 = worlds.run(2, _smp_idioms, timeout=120)
+    for r in (r0, r1):
+        assert r["second_model"] == r["local_before"] == r["fwd_outside"] == r["bwd_outside"] == "raised"
+        assert r["loss_type"] == "StepOutput" and r["loss_len"] == 2
+        assert r["logits"] == (8, 3) and r["tag"] == ["t", "t"] and r["requires_grad"] is False
+        assert r["eval"] == ((8, 3), [4, 4], False)
+        assert r["optimizer_local"] == r["local"] > 0
+        assert "Batch size must be divisible" in r["split_error"] and "batch size=7" in r["split_error"]
+        assert r["hooks"] == ["partition:True", "step"]
+        assert r["state_keys"] == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]
+        assert r["reload_ok"] and r["partial"] is True
+    assert r0["local"] + r1["local"] == 6 * 8 + 8 + 8 * 8 + 8 + 8 * 3 + 3
+    assert set(r0["partial_keys"]).isdisjoint(r1["partial_keys"])
+    assert sorted(r0["partial_keys"] + r1["partial_keys"]) == r0["state_keys"]
+
+
+def test_step_output_api() -> None:
+    out = StepOutput([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])])
+    assert torch.equal(out.reduce_sum(), torch.tensor([4.0, 6.0]))
+    assert torch.equal(out.reduce_mean(), torch.tensor([2.0, 3.0]))
+    assert out.concat().tolist() == [1.0, 2.0, 3.0, 4.0] and out.stack().shape == (2, 2)
+    assert out[1].tolist() == [3.0, 4.0] and len(out) == 2

@@ -1,0 +1,152 @@
+"""The runtime on two simulated ranks in one process (loopback transport, one thread per rank).
+
+Every parameter a rank does not own is filled with NaN on that rank, so any use of it on the wrong
+rank would show; gradients must equal plain PyTorch's, for both schedules.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mp_comm.transport import LoopbackHub, TransportConfig
+from mp_pipeline import (
+    ExecState,
+    PipelineRuntime,
+    RemoteExecutionError,
+    Scheduler,
+    pipelined_backward,
+)
+from tests.mp_pipeline.models import ReuseBranch
+
+
+def owner_of(assignment: dict[str, int], name: str) -> int:
+    path = name.rsplit(".", 1)[0] if "." in name else ""
+    while path not in assignment:
+        path = path.rsplit(".", 1)[0] if "." in path else ""
+    return assignment[path]
+
+
+ASSIGN = {
+    "": 0, "embed": 0, "shared": 1, "shared.inner": 0, "shared.gate": 1, "pos": 0, "pos.inner": 0,
+    "pos.gate": 0, "neg": 1, "neg.inner": 1, "neg.gate": 1, "head": 1, "head.proj": 1,
+}
+
+
+def run_two_ranks(
+    make: Callable[[], nn.Module],
+    assignment: dict[str, int],
+    body: Callable[[nn.Module, int], Any],
+    microbatches: int,
+    kind: str,
+) -> tuple[list[nn.Module], list[Any]]:
+    hub = LoopbackHub(2, config=TransportConfig(timeout=30.0))
+    transports = [hub.transport(r) for r in range(2)]
+    models = [make() for _ in range(2)]
+    for r, m in enumerate(models):
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if owner_of(assignment, name) != r:
+                    p.fill_(float("nan"))
+    runtimes = [
+        PipelineRuntime(transport=transports[r], rank=r, peers=(0, 1), model_id=1, timeout=30.0) for r in range(2)
+    ]
+    for r in range(2):
+        runtimes[r].install(models[r], assignment)
+    out: list[Any] = [None, None]
+
+    def rank(r: int) -> None:
+        try:
+            out[r] = runtimes[r].run_step(
+                lambda mb: body(models[0], mb), Scheduler(kind, microbatches), ExecState(True)  # type: ignore[arg-type]
+            )
+        except BaseException as exc:
+            out[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return models, out
+
+
+@pytest.mark.parametrize(("kind", "microbatches"), [("simple", 4), ("interleaved", 2), ("interleaved", 1)])
+def test_remote_autograd_matches_plain_pytorch(kind: str, microbatches: int) -> None:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 16, (8, 5))
+    target = torch.randint(0, 3, (8,))
+
+    def make() -> nn.Module:
+        torch.manual_seed(1)
+        return ReuseBranch()
+
+    def loss_for(model: nn.Module, mb: int) -> torch.Tensor:
+        size = 8 // microbatches
+        sl = slice(mb * size, (mb + 1) * size)
+        out = model(ids[sl])
+        assert out["rows"] == size and out["nothing"] is None and torch.equal(out["ids"], ids[sl])
+        return F.cross_entropy(out["logits"], target[sl])
+
+    def body(model: nn.Module, mb: int) -> torch.Tensor:
+        loss = loss_for(model, mb)
+        pipelined_backward(loss / microbatches)
+        return loss.detach()
+
+    models, results = run_two_ranks(make, ASSIGN, body, microbatches, kind)
+    assert not isinstance(results[0], BaseException), results[0]
+    assert not isinstance(results[1], BaseException), results[1]
+    assert [t.item() for t in results[0]] == [t.item() for t in results[1]]  # rank 1 got the results
+
+    ref = make()
+    for mb in range(microbatches):
+        (loss_for(ref, mb) / microbatches).backward()
+    for name, p in ref.named_parameters():
+        got = dict(models[owner_of(ASSIGN, name)].named_parameters())[name].grad
+        if p.grad is None:
+            assert got is None or not got.any(), name
+            continue
+        assert got is not None, f"{name}: no gradient on its owner"
+        torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_forward_only_step_under_no_grad_saves_nothing() -> None:
+    x = torch.randn(4, 6)
+
+    def make() -> nn.Module:
+        torch.manual_seed(2)
+        return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+
+    def body(model: nn.Module, mb: int) -> torch.Tensor:
+        with torch.no_grad():
+            return model(x[mb * 2 : mb * 2 + 2])  # type: ignore[no-any-return]
+
+    models, results = run_two_ranks(make, {"": 0, "0": 1, "1": 1, "2": 0}, body, 2, "interleaved")
+    ref = make()
+    torch.testing.assert_close(torch.cat(results[0]), ref(x).detach())
+    torch.testing.assert_close(torch.cat(results[1]), ref(x).detach())
+
+
+class Boom(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise KeyError("no such thing")
+
+
+def test_an_error_on_the_owner_reaches_both_ranks() -> None:
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(2, 2), Boom())
+
+    def body(model: nn.Module, mb: int) -> torch.Tensor:
+        return model(torch.ones(1, 2))  # type: ignore[no-any-return]
+
+    _, results = run_two_ranks(make, {"": 0, "0": 0, "1": 1}, body, 2, "simple")
+    assert isinstance(results[0], RemoteExecutionError), results[0]
+    assert results[0].rank == 1 and results[0].module == "1" and "no such thing" in str(results[0])
+    assert "raise KeyError" in results[0].remote_traceback
+    assert "rank 1" in str(results[1]) and "no such thing" in str(results[1])
