@@ -1,0 +1,63 @@
+"""Starting the world: launcher detection, thread counts, backend checks (no processes needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mp_comm import Launcher, WorldError, WorldInfo, detect_launcher, init_world
+from mp_comm.world import _set_thread_count
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"PMI_RANK": "0", "PMI_SIZE": "2"}, Launcher.MPI),
+        ({"OMPI_COMM_WORLD_RANK": "1"}, Launcher.MPI),
+        ({"PMIX_RANK": "0"}, Launcher.MPI),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, Launcher.TORCHRUN),
+        ({"RANK": "0"}, Launcher.SINGLE),
+        ({}, Launcher.SINGLE),
+    ],
+)
+def test_detect_launcher(env: dict[str, str], expected: Launcher) -> None:
+    assert detect_launcher(env) is expected
+
+
+def test_thread_count_is_the_host_share_unless_the_user_set_it() -> None:
+    before = torch.get_num_threads()
+    try:
+        _set_thread_count(64, {})
+        assert torch.get_num_threads() == 1  # more ranks than cores: never 0
+        _set_thread_count(1, {"MP_NUM_THREADS": "3"})
+        assert torch.get_num_threads() == 3
+        torch.set_num_threads(2)
+        _set_thread_count(1, {"OMP_NUM_THREADS": "2"})
+        assert torch.get_num_threads() == 2  # left alone
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bad_torchrun_environment_is_explained() -> None:
+    with pytest.raises(WorldError, match="RANK='zero' is not an integer"):
+        init_world(environ={"RANK": "zero", "WORLD_SIZE": "2"})
+
+
+def test_unknown_backend_is_explained() -> None:
+    with pytest.raises(WorldError, match="backend='mpi' is not supported"):
+        init_world(backend="mpi", environ={})
+
+
+def test_validate_runs_before_any_process_group() -> None:
+    import torch.distributed as dist
+
+    seen: list[WorldInfo] = []
+
+    def refuse(info: WorldInfo) -> None:
+        seen.append(info)
+        raise ValueError("no")
+
+    with pytest.raises(ValueError, match="no"):
+        init_world(environ={}, validate=refuse)
+    assert seen and seen[0].size == 1 and seen[0].launcher is Launcher.SINGLE
+    assert not dist.is_initialized()
