@@ -21,10 +21,11 @@ since the host is noisy, each configuration runs
   without the GEMMs (the slowest rank's time), i.e. the step's communication on its own, which is what
   equation 2 predicts.
 
-Reported per configuration (medians over rounds): ms per step, tokens/s (``b*s`` tokens per step), the
-peer's time over ours, the replayed communication time and blocked time and their shares of the step;
-per mesh: predicted against measured communication time and the error; and whether the selected mesh
-is slower than the 1-D layouts by more than the rounds' spread.
+Reported per configuration (medians over rounds): ms per step, tokens/s (``b*s`` tokens per step),
+the peer's time over ours (median of the per-round ratios), the replayed communication time and the
+blocked time and their shares of the step; per mesh: predicted against measured communication time and
+the error; and whether the selected mesh is slower than the 1-D layouts (a sign test over the rounds),
+with the calibration repeated to show how stable the selection is.
 
     python benchmarks/atp_meshes.py [--hidden 256 --heads 8 --batch 8 --seq 256 --reps 11 --steps 3]
 
@@ -251,6 +252,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--reps", type=int, default=11)
+    parser.add_argument("--recalibrations", type=int, default=4, help="calibrated searches after the timing")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     world = init_world()
@@ -265,14 +267,16 @@ def main() -> None:
 
     search = calibrated_search()  # this one selects the mesh
     configs, meshes = build(args, world)
+    load = [os.getloadavg()[0]]  # the host is shared: record how busy it was
     start = time.perf_counter()
     time_all(configs, CommProbe(), args.reps, args.steps)
     seconds = time.perf_counter() - start
-    again = calibrated_search()  # the same calibration after the timing: how repeatable is it here?
+    load.append(os.getloadavg()[0])
+    again = [calibrated_search() for _ in range(args.recalibrations)]  # how repeatable is the choice here?
     for mesh in meshes:
         mesh.destroy()
     if world.rank == 0:
-        report(args, configs, search, again, seconds)
+        report(args, configs=configs, search=search, again=again, seconds=seconds, load=load)
     world.shutdown()
 
 
@@ -329,10 +333,16 @@ def _paired(a: Config, b: Config) -> dict[str, Any]:
 
 
 def report(
-    args: argparse.Namespace, configs: list[Config], search: SearchResult, again: SearchResult, seconds: float
+    args: argparse.Namespace,
+    *,
+    configs: list[Config],
+    search: SearchResult,
+    again: list[SearchResult],
+    seconds: float,
+    load: list[float],
 ) -> None:
     by_name = {c.name: c for c in configs}
-    peer = _median(by_name[PEER].step_s)
+    peer = by_name[PEER]
     tokens = args.batch * args.seq
     chosen = search.mesh
     predicted = {(e.d1, e.d2): e.t_comm for e in search.table}
@@ -352,7 +362,7 @@ def report(
                 "min_ms": 1e3 * min(c.step_s),
                 "max_ms": 1e3 * max(c.step_s),
                 "tokens_per_s": tokens / step,
-                "peer_over_ours": peer / step,
+                "peer_over_ours": 1 / _paired(c, peer)["median_ratio"],
                 "comm_replay_ms": 1e3 * replay if c.replay_s else None,
                 "comm_replay_share": replay / step if c.replay_s else None,
                 "comm_blocked_ms": 1e3 * blocked if c.blocked_s else None,
@@ -374,6 +384,9 @@ def report(
         total = _median(c.replay_s)
         linear = _median([p[LINEAR] for p in c.replay_parts_s])
         pred = predicted[shape]
+        every = [  # the same prediction from each calibration of this run
+            next(e.t_comm for e in result.table if (e.d1, e.d2) == shape) for result in (search, *again)
+        ]
         accuracy.append(
             {
                 "mesh": list(shape),
@@ -384,6 +397,8 @@ def report(
                 "measured_linear_ms": 1e3 * linear,
                 "error_linear": (pred - linear) / linear,
                 "measured_all_q1_q3_ms": [1e3 * v for v in _quartiles(c.replay_s)],
+                "predicted_ms_every_calibration": [1e3 * t for t in every],
+                "error_all_every_calibration": [(t - total) / total for t in every],
             }
         )
     order_pred = sorted(accuracy, key=lambda a: a["predicted_ms"])
@@ -395,7 +410,9 @@ def report(
         "measured_step": [list(s) for s in order_step],
     }
     best = by_name[f"ATP {chosen} chunks=1"]
-    comparisons = [_paired(best, by_name["ATP (4, 1) chunks=1"]), _paired(best, by_name[PEER])]
+    one_d = by_name["ATP (4, 1) chunks=1"]
+    comparisons = [_paired(best, one_d), _paired(best, peer)]
+    meshes_vs_1d = [_paired(by_name[f"ATP {shape} chunks=1"], one_d) for shape in ((2, 2), (1, 4))]
     data = {
         "benchmark": "atp_meshes",
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
@@ -405,13 +422,15 @@ def report(
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "layer": vars(args),
         "timing_seconds": seconds,
+        "load_average_1min_before_after": load,
         "selected_mesh": list(chosen),
         "rows": rows,
         "prediction": accuracy,
         "order": order,
         "selected_vs_1d": comparisons,
+        "meshes_vs_4x1": meshes_vs_1d,
         "search_on_calibrated_bandwidths": search.to_dict(),
-        "search_recalibrated_after_timing": again.to_dict(),
+        "searches_recalibrated_after_timing": [a.to_dict() for a in again],
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "atp_meshes.json").write_text(json.dumps(data, indent=2) + "\n")
@@ -420,14 +439,17 @@ def report(
         "",
         f"One GPT block, h={args.hidden}, heads={args.heads}, b={args.batch}, s={args.seq}, float32, "
         f"forward + backward, {RANKS} ranks on {os.cpu_count()} cores; median of {args.reps} interleaved "
-        f"rounds of {args.steps} steps, slowest rank. tokens/s = b*s / step time. *comm replay*: the "
+        f"rounds of {args.steps} steps, slowest rank. tokens/s = b*s / step time. "
+        "*peer / ours (paired)*: median over the rounds of the "
+        "peer's step time over ours in the same round. *comm replay*: the "
         "step's recorded collectives issued alone (same sizes, groups, order; no GEMMs). *blocked*: time "
         "the ranks spend waiting in collectives during the real steps (mean over ranks). "
         f"**selected**: the mesh the calibrated search chose, {chosen}. The peer's collectives are "
         "DTensor's functional ones, which the probe does not see (they are the four all-reduces of "
-        "ATP (4, 1) chunks=1).",
+        f"ATP (4, 1) chunks=1). Host load average (1 min) {load[0]:.1f} before and {load[1]:.1f} after "
+        "the timing.",
         "",
-        "| configuration | ms / step | min-max ms | tokens/s | peer / ours | comm replay ms (share) "
+        "| configuration | ms / step | min-max ms | tokens/s | peer / ours (paired) | comm replay ms (share) "
         "| blocked ms (share) |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -451,11 +473,12 @@ def report(
         "",
         "Predicted (equation 2 on the calibrated bandwidths) against measured communication per step "
         "(chunks=1; error = (predicted - measured) / measured). *all*: every collective of the step; "
-        "*linear*: only the f1-f4 all-reduces, the ones equation 2 counts.",
+        "*linear*: only the f1-f4 all-reduces, the ones equation 2 counts. *every calibration*: the error "
+        "range of the predictions from all the calibrations of this run (see Repeatability below).",
         "",
-        "| mesh | predicted ms | measured all ms (q1-q3) | error | measured linear ms | error "
-        "| layernorm ms | attention ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| mesh | predicted ms | measured all ms (q1-q3) | error | error, every calibration "
+        "| measured linear ms | error | layernorm ms | attention ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for a in accuracy:
         mesh_shape = tuple(a["mesh"])
@@ -465,7 +488,8 @@ def report(
         lines.append(
             f"| {mesh_shape}{mark} | {a['predicted_ms']:.1f} | "
             f"{a['measured_all_ms']:.1f} ({q1:.1f}-{q3:.1f}) | "
-            f"{100 * a['error_all']:+.0f} % | {a['measured_linear_ms']:.1f} | "
+            f"{100 * a['error_all']:+.0f} % | {100 * min(a['error_all_every_calibration']):+.0f} to "
+            f"{100 * max(a['error_all_every_calibration']):+.0f} % | {a['measured_linear_ms']:.1f} | "
             f"{100 * a['error_linear']:+.0f} % | {parts['layernorm all-reduce']:.1f} | "
             f"{parts['attention scatter/gather']:.1f} |"
         )
@@ -494,6 +518,19 @@ def report(
         )
     lines += [
         "",
+        "Every other mesh (chunks=1) against ATP (4, 1) chunks=1, the same way:",
+        "",
+        "| mesh vs (4, 1) | median ratio | q1-q3 | min-max | rounds slower | sign test p | verdict |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for cmp in meshes_vs_1d:
+        lines.append(
+            f"| {cmp['a']} | {cmp['median_ratio']:.2f} | {cmp['q1']:.2f}-{cmp['q3']:.2f} | "
+            f"{cmp['min']:.2f}-{cmp['max']:.2f} | {cmp['rounds_a_slower']} / {cmp['rounds']} | "
+            f"{cmp['sign_test_p']:.3f} | {cmp['verdict']} |"
+        )
+    lines += [
+        "",
         "Search on the bandwidths calibrated here before the timing (equation 2, this layer; it selects "
         "the mesh):",
         "",
@@ -501,12 +538,22 @@ def report(
         search.format_table(),
         "```",
         "",
-        f"The same calibration and search repeated after the timing (selects {again.mesh}):",
+        f"Repeatability: the selecting calibration and {len(again)} more after the timing (calibrated "
+        "algorithm bandwidths in GB/s; T_comm relative to (4, 1)):",
         "",
-        "```",
-        again.format_table(),
-        "```",
+        "| calibration | B1 (4, 1) | B1, B2 (2, 2) | B2 (1, 4) | T (2, 2) / T (4, 1) | T (1, 4) / T (4, 1) "
+        "| selects |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
+    for i, result in enumerate([search, *again]):
+        rows_by_mesh = {(e.d1, e.d2): e for e in result.table}
+        one, two, four = rows_by_mesh[(4, 1)], rows_by_mesh[(2, 2)], rows_by_mesh[(1, 4)]
+        lines.append(
+            f"| {'selecting' if i == 0 else f'after {i}'} | {one.algo_bw1:.3f} | "
+            f"{two.algo_bw1:.3f}, {two.algo_bw2:.3f} | {four.algo_bw2:.3f} | "
+            f"{two.t_comm / one.t_comm:.2f} | {four.t_comm / one.t_comm:.2f} | {result.mesh} |"
+        )
+    lines.append("")
     (RESULTS / "atp_meshes.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -154,6 +154,7 @@ def main() -> None:
     samples: dict[str, dict[int, list[float]]] = {v: {n: [] for n in sizes} for v in variants}
     names = list(variants)
     started = time.monotonic()
+    load_before = os.getloadavg()[0]
     for rep in range(reps):
         order = names[rep % len(names) :] + names[: rep % len(names)]
         for n in sizes:
@@ -165,17 +166,24 @@ def main() -> None:
                 one_way = (time.perf_counter() - t0) / (2 * iters)
                 samples[name][n].append(comm.bcast(one_way, root=0))
     elapsed = time.monotonic() - started
+    load = (load_before, os.getloadavg()[0])
 
     if ours_ucx is not None:
         ours_ucx.close()
     ours_mpi.close()
     comm.Free()
     if rank == 0:
-        _report(samples, sizes, reps, elapsed)
+        _report(samples, sizes, reps, elapsed, load)
     world.shutdown()
 
 
-def _report(samples: dict[str, dict[int, list[float]]], sizes: list[int], reps: int, elapsed: float) -> None:
+def _report(
+    samples: dict[str, dict[int, list[float]]],
+    sizes: list[int],
+    reps: int,
+    elapsed: float,
+    load: tuple[float, float],
+) -> None:
     results: dict[str, dict[str, dict[str, float]]] = {}
     for name, by_size in samples.items():
         results[name] = {}
@@ -213,7 +221,12 @@ def _report(samples: dict[str, dict[int, list[float]]], sizes: list[int], reps: 
         "benchmark": "comm_p2p",
         "method": "ping-pong of one CPU uint8 tensor between 2 ranks on one host; one-way time = round "
         "trip / 2; median over interleaved repetitions",
-        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "host": {
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_average_1min": {"start": load[0], "end": load[1]},
+        },
         "repetitions": reps,
         "elapsed_s": elapsed,
         "sizes": sizes,
@@ -232,6 +245,9 @@ def _report(samples: dict[str, dict[int, list[float]]], sizes: list[int], reps: 
         "mpi4py (the bound), paired within each repetition, median over repetitions. The host is shared "
         "and noisy: compare ratios, not absolute numbers. `python benchmarks/comm_p2p.py` regenerates "
         "this file.",
+        "",
+        f"Host: {os.cpu_count()} CPUs, 1-minute load average {load[0]:.1f} at the start and {load[1]:.1f} at "
+        "the end (other processes shared the host).",
         "",
         "| size | "
         + " | ".join(f"{n} GB/s" for n in names)

@@ -48,7 +48,9 @@ class TwoStage(nn.Module):
 
 
 def _module_error(world: Any) -> dict[str, Any]:
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0})
+    smp.init(
+        {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0}
+    )
     net = TwoStage()
     set_partition(net.second, 1)
     model = DistributedModel(net)

@@ -1,6 +1,6 @@
 """The core check: pipelined (and data-parallel) training equals plain single-process PyTorch.
 
-Same model, seed and data: the loss of every step and every parameter after 3 Adam steps agree
+Same model, seed and data: the loss of every step and every parameter after 3 optimizer steps agree
 (fp32, rtol 1e-5, atol 1e-6; the first tensor that differs is named). The reference is plain PyTorch
 running the step once per microbatch (tests/mp_pipeline/models.py). The larger grid lives in
 benchmarks/pipeline_grid.py.
@@ -51,9 +51,9 @@ def train_and_compare(
     smp.init(cfg)
     model = build(name, layers=layers)
     manual_marks(name, model, pp)
-    opt = make_optimizer(model.parameters()) if optimizer_first else None
+    opt = make_optimizer(name, model.parameters()) if optimizer_first else None
     model = DistributedModel(model)
-    opt = DistributedOptimizer(opt if opt is not None else make_optimizer(model.parameters()))
+    opt = DistributedOptimizer(opt if opt is not None else make_optimizer(name, model.parameters()))
 
     @step
     def train_step(*data: torch.Tensor) -> torch.Tensor:
@@ -91,21 +91,32 @@ CASES = [
     (2, "mlp", 1, 4, "simple"),  # pp=1: pure data parallelism over 2 replicas
     (2, "cnn", 2, 4, "simple"),
     (2, "reuse", 2, 4, "interleaved"),
+    (2, "reuse", 2, 4, "deterministic"),  # interleaved with deterministic_server
     (2, "reuse", 2, 1, "simple"),
     (2, "gpt2", 2, 2, "interleaved"),
     (4, "reuse", 2, 2, "simple"),  # pp=2 with 2 data-parallel replicas
+    (4, "gpt2", 2, 2, "simple"),  # GPT-2 on pp=2 with 2 data-parallel replicas
     (4, "gpt2", 4, 4, "interleaved"),
 ]
 
 
 @pytest.mark.parametrize(("n", "name", "pp", "microbatches", "pipeline"), CASES)
-def test_pipeline_equals_plain_pytorch(
+def test_pipeline_equals_plain_pytorch(  # noqa: PLR0917 - pytest parameters
     worlds: Any, n: int, name: str, pp: int, microbatches: int, pipeline: str
 ) -> None:
     layers = 4 if pp == 4 else 2
+    deterministic = pipeline == "deterministic"
     results = worlds.run(
-        n, train_and_compare, name, pp, microbatches, pipeline,
-        optimizer_first=microbatches != 2, layers=layers, timeout=180,
+        n,
+        train_and_compare,
+        name,
+        pp,
+        microbatches,
+        "interleaved" if deterministic else pipeline,
+        optimizer_first=microbatches != 2,
+        layers=layers,
+        deterministic=deterministic,
+        timeout=180,
     )
     for r in results:
         assert r["loss"] is None, f"rank {r['rank']}: {r['loss']}"

@@ -142,7 +142,7 @@ def _progress_while_computing(world: Any) -> float:
         waited = time.monotonic() - start
         world.mpi_comm.Barrier()
     else:
-        time.sleep(1.0)  # no transport call here: only the progress thread can take the payload
+        time.sleep(2.0)  # no transport call here: only the progress thread can take the payload
         world.mpi_comm.Barrier()
         assert t.recv(0, "big").obj.numel() == big.numel()
         waited = 0.0
@@ -152,7 +152,7 @@ def _progress_while_computing(world: Any) -> float:
 
 def test_progress_thread_moves_data_while_the_receiver_computes(worlds: Any) -> None:
     waited = worlds.run(2, _progress_while_computing, timeout=60)[0]
-    assert waited < 0.9  # the send completed before the receiver returned from its computation
+    assert waited < 1.8  # the send completed before the receiver returned from its computation
 
 
 def _timeout_and_decode_errors(world: Any) -> list[str]:

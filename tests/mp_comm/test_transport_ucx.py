@@ -385,3 +385,28 @@ def test_cuda_d2d_path_with_fallback(worlds: Any) -> None:
     if isinstance(result[0], str):
         pytest.skip(result[0])
     assert result == [True, True]
+
+
+# -- bootstraps ----------------------------------------------------------------------------------------
+
+
+def _bootstraps(world: Any) -> list[Any]:
+    from mp_comm.transport import MPIBootstrap, TorchBootstrap, bootstrap_for_world
+
+    out = []
+    for boot in (MPIBootstrap(world.mpi_comm), TorchBootstrap(), bootstrap_for_world(world)):
+        out.append((boot.rank, boot.size, boot.allgather(("r", world.rank)), boot.barrier(10.0)))
+        boot.close()
+    return out
+
+
+def test_bootstraps_gather_in_rank_order_and_meet(worlds: Any) -> None:
+    for rank, result in enumerate(worlds.run(2, _bootstraps, timeout=60)):
+        assert result == [(rank, 2, [("r", 0), ("r", 1)], True)] * 3
+
+
+def test_thread_bootstrap_barrier_times_out_alone() -> None:
+    boots = ThreadBootstrap.group(2)
+    assert boots[0].barrier(0.05) is False
+    assert _in_threads(lambda r: boots[r].allgather(r * 10), 2) == [[0, 10], [0, 10]]
+    assert _in_threads(lambda r: boots[r].barrier(5.0), 2) == [True, True]

@@ -34,8 +34,19 @@ def owner_of(assignment: dict[str, int], name: str) -> int:
 
 
 ASSIGN = {
-    "": 0, "embed": 0, "shared": 1, "shared.inner": 0, "shared.gate": 1, "pos": 0, "pos.inner": 0,
-    "pos.gate": 0, "neg": 1, "neg.inner": 1, "neg.gate": 1, "head": 1, "head.proj": 1,
+    "": 0,
+    "embed": 0,
+    "shared": 1,
+    "shared.inner": 0,
+    "shared.gate": 1,
+    "pos": 0,
+    "pos.inner": 0,
+    "pos.gate": 0,
+    "neg": 1,
+    "neg.inner": 1,
+    "neg.gate": 1,
+    "head": 1,
+    "head.proj": 1,
 }
 
 
@@ -45,8 +56,11 @@ def run_two_ranks(
     body: Callable[[nn.Module, int], Any],
     microbatches: int,
     kind: str,
+    *,
+    checkpointed: frozenset[str] = frozenset(),
 ) -> tuple[list[nn.Module], list[Any]]:
-    hub = LoopbackHub(2, config=TransportConfig(timeout=30.0))
+    # no busy polling: both "ranks" share this process's GIL
+    hub = LoopbackHub(2, config=TransportConfig(timeout=30.0, spin_time=0.0, poll_min=5e-4, poll_max=5e-4))
     transports = [hub.transport(r) for r in range(2)]
     models = [make() for _ in range(2)]
     for r, m in enumerate(models):
@@ -55,16 +69,20 @@ def run_two_ranks(
                 if owner_of(assignment, name) != r:
                     p.fill_(float("nan"))
     runtimes = [
-        PipelineRuntime(transport=transports[r], rank=r, peers=(0, 1), model_id=1, timeout=30.0) for r in range(2)
+        PipelineRuntime(transport=transports[r], rank=r, peers=(0, 1), model_id=1, timeout=30.0)
+        for r in range(2)
     ]
     for r in range(2):
         runtimes[r].install(models[r], assignment)
+        runtimes[r].remote.checkpointed = set(checkpointed)
     out: list[Any] = [None, None]
 
     def rank(r: int) -> None:
         try:
             out[r] = runtimes[r].run_step(
-                lambda mb: body(models[0], mb), Scheduler(kind, microbatches), ExecState(True)  # type: ignore[arg-type]
+                lambda mb: body(models[0], mb),
+                Scheduler(kind, microbatches),
+                ExecState(True),  # type: ignore[arg-type]
             )
         except BaseException as exc:
             out[r] = exc
@@ -77,8 +95,17 @@ def run_two_ranks(
     return models, out
 
 
-@pytest.mark.parametrize(("kind", "microbatches"), [("simple", 4), ("interleaved", 2), ("interleaved", 1)])
-def test_remote_autograd_matches_plain_pytorch(kind: str, microbatches: int) -> None:
+@pytest.mark.parametrize(
+    ("kind", "microbatches", "checkpointed"),
+    [
+        ("simple", 4, frozenset()),
+        ("interleaved", 2, frozenset()),
+        ("interleaved", 1, frozenset({"shared", "head"})),  # the owner recomputes these in backward
+    ],
+)
+def test_remote_autograd_matches_plain_pytorch(
+    kind: str, microbatches: int, checkpointed: frozenset[str]
+) -> None:
     torch.manual_seed(0)
     ids = torch.randint(0, 16, (8, 5))
     target = torch.randint(0, 3, (8,))
@@ -99,7 +126,7 @@ def test_remote_autograd_matches_plain_pytorch(kind: str, microbatches: int) -> 
         pipelined_backward(loss / microbatches)
         return loss.detach()
 
-    models, results = run_two_ranks(make, ASSIGN, body, microbatches, kind)
+    models, results = run_two_ranks(make, ASSIGN, body, microbatches, kind, checkpointed=checkpointed)
     assert not isinstance(results[0], BaseException), results[0]
     assert not isinstance(results[1], BaseException), results[1]
     assert [t.item() for t in results[0]] == [t.item() for t in results[1]]  # rank 1 got the results
@@ -127,7 +154,7 @@ def test_forward_only_step_under_no_grad_saves_nothing() -> None:
         with torch.no_grad():
             return model(x[mb * 2 : mb * 2 + 2])  # type: ignore[no-any-return]
 
-    models, results = run_two_ranks(make, {"": 0, "0": 1, "1": 1, "2": 0}, body, 2, "interleaved")
+    _, results = run_two_ranks(make, {"": 0, "0": 1, "1": 1, "2": 0}, body, 2, "interleaved")
     ref = make()
     torch.testing.assert_close(torch.cat(results[0]), ref(x).detach())
     torch.testing.assert_close(torch.cat(results[1]), ref(x).detach())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -57,7 +59,16 @@ def test_forward_only_microbatches_finish_without_backward() -> None:
 
 
 def test_deterministic_order_is_fixed() -> None:
-    assert [str(t) for t in fixed_order(4, 2)] == ["FWD0", "FWD1", "BWD0", "FWD2", "BWD1", "FWD3", "BWD2", "BWD3"]
+    assert [str(t) for t in fixed_order(4, 2)] == [
+        "FWD0",
+        "FWD1",
+        "BWD0",
+        "FWD2",
+        "BWD1",
+        "FWD3",
+        "BWD2",
+        "BWD3",
+    ]
     s = Scheduler("interleaved", 3, 2, deterministic=True)
     assert drain(s) == [Task(0, F), Task(1, F)]
     s.backward_ready(1)  # ready first, but the fixed order wants BWD0 next
@@ -98,7 +109,7 @@ def test_simulated_pipelines_run_every_task_within_the_bounds(
     assert res.peak_in_flight <= active
     for stage in range(stages):  # one task at a time per stage
         spans = sorted((s.start, s.end) for s in res.spans if s.stage == stage)
-        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:], strict=False))
+        assert all(a[1] <= b[0] + 1e-9 for a, b in itertools.pairwise(spans))
     # never faster than the busiest stage's work
     busiest = max(microbatches * 3 * c for c in costs)
     assert res.makespan >= busiest - 1e-9

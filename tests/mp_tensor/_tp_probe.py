@@ -55,7 +55,7 @@ def tally(issued: list[tuple[str, int]]) -> dict[str, int]:
 
 
 def saved_activation_bytes(model: nn.Module, run: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
-    """Bytes of the distinct tensors autograd saves for backward while ``run()`` executes (params excluded)."""
+    """Bytes of the distinct tensors autograd saves while ``run()`` executes (parameters excluded)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
 

@@ -58,7 +58,9 @@ def _mask(n: int, s: int) -> Tensor:
     return m
 
 
-def build(case: Case, ctx: TPContext, n_total: int) -> tuple[nn.Module, DistributedModule, list[Any], list[int]]:
+def build(
+    case: Case, ctx: TPContext, n_total: int
+) -> tuple[nn.Module, DistributedModule, list[Any], list[int]]:
     """(reference, distributed, full inputs, indices of inputs that need gradients)."""
     k, o = case.kind, case.opts
     gen = torch.Generator().manual_seed(1234)
@@ -79,7 +81,12 @@ def build(case: Case, ctx: TPContext, n_total: int) -> tuple[nn.Module, Distribu
         ids[0, 0] = 3
         return r, d, [ids], []
     if k == "layernorm":
-        return nn.LayerNorm(h, eps=1e-5), tnn.DistributedLayerNorm(h, tp=ctx), [x(n_total, SEQ, h) * 3 + 1], [0]
+        return (
+            nn.LayerNorm(h, eps=1e-5),
+            tnn.DistributedLayerNorm(h, tp=ctx),
+            [x(n_total, SEQ, h) * 3 + 1],
+            [0],
+        )
     kw = {**SMALL, **o}
     if k == "attention":
         kw.pop("intermediate_size")
@@ -91,12 +98,26 @@ def build(case: Case, ctx: TPContext, n_total: int) -> tuple[nn.Module, Distribu
     if k == "output":
         for key in ("num_attention_heads", "attention_head_size", "attention_dropout_prob"):
             kw.pop(key)
-        return ref.TransformerOutputLayer(**kw), tnn.DistributedTransformerOutputLayer(tp=ctx, **kw), [x(n_total, SEQ, h)], [0]
+        return (
+            ref.TransformerOutputLayer(**kw),
+            tnn.DistributedTransformerOutputLayer(tp=ctx, **kw),
+            [x(n_total, SEQ, h)],
+            [0],
+        )
     if k in ("layer", "transformer"):
         r = ref.TransformerLayer(**kw) if k == "layer" else ref.Transformer(**kw)
-        d = tnn.DistributedTransformerLayer(tp=ctx, **kw) if k == "layer" else tnn.DistributedTransformer(tp=ctx, **kw)
+        d = (
+            tnn.DistributedTransformerLayer(tp=ctx, **kw)
+            if k == "layer"
+            else tnn.DistributedTransformer(tp=ctx, **kw)
+        )
         if kw.get("add_cross_attention"):
-            inputs = [x(n_total, SEQ, h), x(n_total, SEQ + 1, h), _mask(n_total, SEQ), _mask(n_total, SEQ + 1)]
+            inputs = [
+                x(n_total, SEQ, h),
+                x(n_total, SEQ + 1, h),
+                _mask(n_total, SEQ),
+                _mask(n_total, SEQ + 1),
+            ]
             return r, d, inputs, [0, 1]
         return r, d, [x(n_total, SEQ, h), _mask(n_total, SEQ)], [0]
     if k == "lmhead":
@@ -128,7 +149,7 @@ def _full_grad(p: nn.Parameter, group: dist.ProcessGroup, n: int, prescaled: boo
         parts = [torch.empty_like(g) for _ in range(n)]
         dist.all_gather(parts, g.contiguous(), group=group)
         return torch.cat(parts, dim=spec.split_dim)
-    if spec is not None and spec.scaled_batch or prescaled:
+    if (spec is not None and spec.scaled_batch) or prescaled:
         return g
     dist.all_reduce(g, group=group)
     return g
@@ -147,7 +168,8 @@ def run_case(case: Case, group: dist.ProcessGroup) -> dict[str, float]:
 
     def prepare(values: list[Any], local: bool) -> list[Any]:
         out = []
-        for i, v in enumerate(values):
+        for i, value in enumerate(values):
+            v = value
             if isinstance(v, Tensor):
                 v = v.clone()
                 if local:
@@ -184,7 +206,9 @@ def run_case(case: Case, group: dist.ProcessGroup) -> dict[str, float]:
             continue
         got = _full_grad(p, group, n, case.prescaled)
         if got.shape != rp.grad.shape:
-            raise AssertionError(f"{case.name}: grad of {name} has shape {tuple(got.shape)} != {tuple(rp.grad.shape)}")
+            raise AssertionError(
+                f"{case.name}: grad of {name} has shape {tuple(got.shape)} != {tuple(rp.grad.shape)}"
+            )
         diffs[f"{name}.grad"] = (got - rp.grad).abs().max().item()
     return diffs
 

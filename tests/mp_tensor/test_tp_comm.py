@@ -32,7 +32,9 @@ def _layer_counts(world: Any, optimize: str, prescaled: bool) -> dict[str, Any]:
             per_layer[phase] = {k: two.get(k, 0) - one.get(k, 0) for k in set(one) | set(two)}
             per_layer[phase] = {k: v for k, v in per_layer[phase].items() if v}
         # the sizes of one layer's all-reduces (memory mode: per-token moments, 2 numbers per token)
-        per_layer["fwd_all_reduce_numel"] = {"max": max((n for k, n in phases[2]["fwd"] if k == "all_reduce"), default=0)}
+        per_layer["fwd_all_reduce_numel"] = {
+            "max": max((n for k, n in phases[2]["fwd"] if k == "all_reduce"), default=0)
+        }
         return per_layer
 
     return with_group(run)  # type: ignore[no-any-return]
@@ -59,7 +61,13 @@ def test_memory_mode_reduce_scatters_and_scalar_allreduces(worlds: Any, prescale
 def _activation_bytes(world: Any, optimize: str) -> int:
     def run(group: Any) -> int:
         ctx = TPContext(group=group, optimize=optimize)  # type: ignore[arg-type]
-        kw = {**SMALL, "hidden_size": 64, "num_attention_heads": 8, "attention_head_size": 8, "intermediate_size": 256}
+        kw = {
+            **SMALL,
+            "hidden_size": 64,
+            "num_attention_heads": 8,
+            "attention_head_size": 8,
+            "intermediate_size": 256,
+        }
         model = tnn.DistributedTransformer(num_layers=2, **kw, tp=ctx)
         x = torch.randn(4, 32, 64, requires_grad=True)
         nbytes, out = saved_activation_bytes(model, lambda: model((x, None))[0])

@@ -80,7 +80,9 @@ def _hf_case(world: Any, arch: str, optimize: str, impl: str) -> dict[str, Any]:
         logits = tp_model(input_ids=ids[local], attention_mask=mask[local], use_cache=False).logits
         (logits * w[local]).sum().backward()
         out = {"logits": (logits - ref_logits[local]).abs().max().item(), "log": handler.messages}
-        out["replaced"] = sorted({type(m).__name__ for m in tp_model.modules() if type(m).__module__.startswith("mp_tensor")})
+        out["replaced"] = sorted(
+            {type(m).__name__ for m in tp_model.modules() if type(m).__module__.startswith("mp_tensor")}
+        )
         # gradients: data-parallel reduction (sums; no averaging), then gathered into the HF layout
         reduce_gradients(tp_model.parameters(), dp_group=group, rdp_group=None, tp_size=n, average=False)
         weights = gather_state_dict(tp_model)
@@ -111,7 +113,12 @@ TOL = 3e-5
 
 @pytest.mark.parametrize(
     ("arch", "optimize", "impl"),
-    [("gpt2", "memory", "eager"), ("gpt2", "speed", "sdpa"), ("bert", "speed", "eager"), ("roberta", "memory", "sdpa")],
+    [
+        ("gpt2", "memory", "eager"),
+        ("gpt2", "speed", "sdpa"),
+        ("bert", "speed", "eager"),
+        ("roberta", "memory", "sdpa"),
+    ],
 )
 def test_hf_model_distributed_by_context_manager(worlds: Any, arch: str, optimize: str, impl: str) -> None:
     results = worlds.run(2, _hf_case, arch, optimize, impl, timeout=180)

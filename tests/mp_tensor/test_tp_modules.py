@@ -14,7 +14,12 @@ import torch.distributed as dist
 
 from mp_tensor import nn as tnn
 from mp_tensor.context import TPContext
-from mp_tensor.errors import DistEmbeddingConfigError, DistTransformerConfigError, NoTPContextError, TPInputError
+from mp_tensor.errors import (
+    DistEmbeddingConfigError,
+    DistTransformerConfigError,
+    NoTPContextError,
+    TPInputError,
+)
 from tests.mp_tensor._tp_util import SMALL, Case, run_cases, with_group, worst
 
 TOL = 2e-5  # fp32; the sums run in a different order than in one process
@@ -43,7 +48,14 @@ def _cases(optimize: str, prescaled: bool) -> list[Case]:
         c("transformer", num_layers=2),
         c("transformer", num_layers=2, pre_layernorm=True, post_layernorm=False, causal_mask_size=8),
         c("lmhead", num_layers=2, num_token_types=2),
-        c("lmhead", num_layers=1, causal_mask_size=8, pre_layernorm=True, post_layernorm=False, final_layernorm=True),
+        c(
+            "lmhead",
+            num_layers=1,
+            causal_mask_size=8,
+            pre_layernorm=True,
+            post_layernorm=False,
+            final_layernorm=True,
+        ),
         c("lmhead", num_layers=1, add_cross_attention=True),
     ]
 
@@ -76,14 +88,37 @@ def _validation(world: Any) -> list[str]:
             (DistTransformerConfigError, lambda: tnn.DistributedLinear(15, 4, tp=ctx)),
             (DistEmbeddingConfigError, lambda: tnn.DistributedEmbedding(10, 7, tp=ctx)),
             (DistEmbeddingConfigError, lambda: tnn.DistributedEmbedding(10, 8, max_norm=1.0, tp=ctx)),
-            (DistEmbeddingConfigError, lambda: tnn.DistributedEmbedding(10, 8, _weight=torch.zeros(10, 8), tp=ctx)),
+            (
+                DistEmbeddingConfigError,
+                lambda: tnn.DistributedEmbedding(10, 8, _weight=torch.zeros(10, 8), tp=ctx),
+            ),
             (DistTransformerConfigError, lambda: tnn.DistributedLayerNorm(15, tp=ctx)),
-            (DistTransformerConfigError, lambda: tnn.DistributedTransformerLayer(**{**SMALL, "num_attention_heads": 3}, tp=ctx)),
-            (DistTransformerConfigError, lambda: tnn.DistributedTransformerLayer(**{**SMALL, "intermediate_size": 33}, tp=ctx)),
-            (DistTransformerConfigError, lambda: tnn.DistributedTransformer(pre_layernorm=False, post_layernorm=False, tp=ctx)),
-            (DistTransformerConfigError, lambda: tnn.DistributedTransformerOutputLayer(activation="tanh", tp=ctx)),
-            (DistTransformerConfigError, lambda: tnn.DistributedTransformerLMHead(**SMALL, num_positions=16, causal_mask_size=8, tp=ctx)),
-            (DistTransformerConfigError, lambda: tnn.DistributedAttentionLayer(**SMALL, use_alibi=True, tp=ctx)),
+            (
+                DistTransformerConfigError,
+                lambda: tnn.DistributedTransformerLayer(**{**SMALL, "num_attention_heads": 3}, tp=ctx),
+            ),
+            (
+                DistTransformerConfigError,
+                lambda: tnn.DistributedTransformerLayer(**{**SMALL, "intermediate_size": 33}, tp=ctx),
+            ),
+            (
+                DistTransformerConfigError,
+                lambda: tnn.DistributedTransformer(pre_layernorm=False, post_layernorm=False, tp=ctx),
+            ),
+            (
+                DistTransformerConfigError,
+                lambda: tnn.DistributedTransformerOutputLayer(activation="tanh", tp=ctx),
+            ),
+            (
+                DistTransformerConfigError,
+                lambda: tnn.DistributedTransformerLMHead(
+                    **SMALL, num_positions=16, causal_mask_size=8, tp=ctx
+                ),
+            ),
+            (
+                DistTransformerConfigError,
+                lambda: tnn.DistributedAttentionLayer(**SMALL, use_alibi=True, tp=ctx),
+            ),
         ]
         for expected, attempt in attempts:
             try:
@@ -115,7 +150,7 @@ def test_invalid_arguments_raise_smp_errors(worlds: Any) -> None:
 
 
 def test_no_context_is_an_error() -> None:
-    with pytest.raises(NoTPContextError, match="smp.init"):
+    with pytest.raises(NoTPContextError, match=r"smp\.init"):
         tnn.DistributedLinear(4, 4)
 
 

@@ -103,7 +103,12 @@ def _registered_model(world: Any) -> dict[str, Any]:
 
         register_builtins(registry)
         tp_register_with_module(
-            MyLayer, tnn.DistributedTransformerLayer, _init_hook, _forward_hook, lambda out: out[0], registry=registry
+            MyLayer,
+            tnn.DistributedTransformerLayer,
+            _init_hook,
+            _forward_hook,
+            lambda out: out[0],
+            registry=registry,
         )
         torch.manual_seed(0)
         original = Net()
@@ -133,7 +138,11 @@ def _registered_model(world: Any) -> dict[str, Any]:
             for p in model.parameters():
                 p.copy_(p.grad)
         grads = gather_state_dict(model)
-        grad_diff = max((grads[k] - p.grad).abs().max().item() for k, p in original.named_parameters() if p.grad is not None)
+        grad_diff = max(
+            (grads[k] - p.grad).abs().max().item()
+            for k, p in original.named_parameters()
+            if p.grad is not None
+        )
         return {
             "kinds": kinds,
             "inner_untouched": type(model.block.attention.query).__name__,  # inside a replaced module
@@ -159,7 +168,10 @@ def test_registered_user_module_and_skip_conditions(worlds: Any) -> None:
     log = "\n".join(res["log"])
     assert "not distributing embed (Embedding): its parameter 'weight' is shared with 'head'" in log
     assert "not distributing head (Linear): its parameter 'weight' is shared with 'embed'" in log
-    assert "not distributing bad (Linear): in_features=15 is not divisible by the tensor-parallel degree 2" in log
+    assert (
+        "not distributing bad (Linear): in_features=15 is not divisible by the tensor-parallel degree 2"
+        in log
+    )
     assert "block (MyLayer) -> DistributedTransformerLayer" in log
 
 

@@ -36,7 +36,7 @@ class TaskContext:
 
 def current() -> TaskContext | None:
     """The calling thread's task, or None outside any step."""
-    return getattr(_LOCAL, "task", None)  # type: ignore[no-any-return]
+    return getattr(_LOCAL, "task", None)
 
 
 @contextlib.contextmanager

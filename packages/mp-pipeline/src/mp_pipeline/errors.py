@@ -43,11 +43,16 @@ class RemoteExecutionError(PipelineError):
         )
 
 
-def _rebuild_remote(
+def _rebuild_remote(  # noqa: PLR0917 - pickle calls it positionally
     message: str, rank: int, module: str, microbatch: int, phase: str, remote_traceback: str
 ) -> RemoteExecutionError:
     return RemoteExecutionError(
-        message, rank=rank, module=module, microbatch=microbatch, phase=phase, remote_traceback=remote_traceback
+        message,
+        rank=rank,
+        module=module,
+        microbatch=microbatch,
+        phase=phase,
+        remote_traceback=remote_traceback,
     )
 
 

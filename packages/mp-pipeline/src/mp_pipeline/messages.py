@@ -74,7 +74,9 @@ class Failure:
     traceback: str
 
     @classmethod
-    def from_exception(cls, exc: BaseException, *, rank: int, module: str, microbatch: int, phase: str) -> Failure:
+    def from_exception(
+        cls, exc: BaseException, *, rank: int, module: str, microbatch: int, phase: str
+    ) -> Failure:
         remote_tb = getattr(exc, "remote_traceback", None)
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         if remote_tb:

@@ -93,7 +93,7 @@ def _split_value(value: Any, n: int, axis: int, where: str) -> list[Any]:
         return [smp_slice(n, i, axis) for i in range(n)]
     if isinstance(value, list | tuple):
         parts = [_split_value(v, n, axis, f"{where}[{i}]") for i, v in enumerate(value)]
-        out = []
+        out: list[Any] = []
         for mb in range(n):
             items = [p[mb] for p in parts]
             if isinstance(value, list):
@@ -131,12 +131,14 @@ def split_arguments(
     if spec.signature is None:
         split_pos = [_split_value(a, n, 0, f"argument {i}") for i, a in enumerate(args)]
         split_kw = {
-            k: ([v] * n if k in spec.non_split_inputs else _split_value(v, n, axes.get(k, 0), f"argument {k!r}"))
+            k: (
+                [v] * n
+                if k in spec.non_split_inputs
+                else _split_value(v, n, axes.get(k, 0), f"argument {k!r}")
+            )
             for k, v in kwargs.items()
         }
-        return [
-            (tuple(p[mb] for p in split_pos), {k: v[mb] for k, v in split_kw.items()}) for mb in range(n)
-        ]
+        return [(tuple(p[mb] for p in split_pos), {k: v[mb] for k, v in split_kw.items()}) for mb in range(n)]
     bound = spec.signature.bind(*args, **kwargs)
     per_name: dict[str, list[Any]] = {}
     for name, value in bound.arguments.items():
@@ -157,6 +159,6 @@ def split_arguments(
             per_name[name] = _split_value(value, n, axes.get(name, 0), f"argument {name!r}")
     out = []
     for mb in range(n):
-        b = inspect.BoundArguments(spec.signature, {k: v[mb] for k, v in per_name.items()})  # type: ignore[arg-type]
+        b = inspect.BoundArguments(spec.signature, {k: v[mb] for k, v in per_name.items()})
         out.append((tuple(b.args), dict(b.kwargs)))
     return out

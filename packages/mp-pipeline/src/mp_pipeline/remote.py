@@ -61,9 +61,19 @@ class _Saved:
 class _Link:
     """One remote forward call, as its backward needs it."""
 
-    __slots__ = ("dest", "microbatch", "module", "n_inputs", "outputs", "position", "remote", "request_id", "step")
+    __slots__ = (
+        "dest",
+        "microbatch",
+        "module",
+        "n_inputs",
+        "outputs",
+        "position",
+        "remote",
+        "request_id",
+        "step",
+    )
 
-    def __init__(
+    def __init__(  # noqa: PLR0917 - internal, built in one place
         self,
         remote: Remote,
         dest: int,
@@ -123,7 +133,9 @@ class _RemoteFunction(torch.autograd.Function):
     """Joins a remote call's outputs to the requester's graph; backward asks the owner."""
 
     @staticmethod
-    def forward(ctx: Any, link: _Link, anchor: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, link: _Link, anchor: torch.Tensor, *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.link = link
         ctx.set_materialize_grads(False)
         return tuple(link.outputs)
@@ -169,7 +181,7 @@ class Remote:
             if original is None:
                 original = module.forward
                 module.__dict__[_ORIGINAL] = original
-            module.forward = _make_forward(me, path, owner, original)  # type: ignore[method-assign]
+            module.forward = _make_forward(me, path, owner, original)
             self._installed.append(module)
 
     def uninstall(self) -> None:
@@ -216,11 +228,18 @@ class Remote:
         if wire and state.grad_enabled:
             grad_inputs = [t for t, r in zip(tensors, requires, strict=True) if r]
             link = _Link(
-                self, dest, server.step, request_id, path, microbatch, position, len(grad_inputs),
+                self,
+                dest,
+                server.step,
+                request_id,
+                path,
+                microbatch,
+                position,
+                len(grad_inputs),
                 [outputs[i] for i in wire],
             )
             anchor = torch.empty(0, requires_grad=True)
-            wired = _RemoteFunction.apply(link, anchor, *grad_inputs)
+            wired = _RemoteFunction.apply(link, anchor, *grad_inputs)  # type: ignore[no-untyped-call]
             for i, t in zip(wire, wired, strict=True):
                 outputs[i] = t
         return unflatten(response.payload, outputs)

@@ -10,6 +10,7 @@ error that names the rank, the module and the original traceback.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -19,7 +20,6 @@ import torch
 from torch import nn
 
 from mp_comm.transport.base import Transport
-
 from mp_pipeline.context import ExecState, TaskContext, applied, current, task_context
 from mp_pipeline.errors import NotInStepError
 from mp_pipeline.messages import StepId
@@ -101,10 +101,8 @@ class StepDriver:
                 raise
             except BaseException as exc:
                 if self.failure is None:
-                    try:
+                    with contextlib.suppress(Exception):  # exceptions without a __dict__
                         exc._mp_microbatch = mb  # type: ignore[attr-defined]
-                    except Exception:  # pragma: no cover - exceptions without a __dict__
-                        pass
                     self.failure = exc
                 return
             self.results[mb] = out

@@ -21,7 +21,6 @@ from typing import Any, Protocol
 
 from mp_comm.errors import PeerTimeoutError
 from mp_comm.transport.base import ANY_SOURCE, SendHandle, Transport
-
 from mp_pipeline.errors import PipelineAbortedError, PipelineTimeoutError
 from mp_pipeline.messages import TAG, Failure, Request, Response, StepAbort, StepEnd, StepId
 from mp_pipeline.schedule import Phase, Task
@@ -34,7 +33,7 @@ MAIN: object = "main-thread"
 """The baton token of the server's main thread."""
 
 
-class ServerClosed(BaseException):  # noqa: N818 - a control-flow signal, not an error users catch
+class ServerClosed(BaseException):
     """Raised in threads waiting for the baton when the server shuts down (a BaseException so that
     user code catching ``Exception`` does not swallow it)."""
 
@@ -337,7 +336,9 @@ class Server:
                 try:
                     self.send(peer, StepAbort(self.step, failure))
                 except Exception as send_exc:  # pragma: no cover - transport already broken
-                    log.error("rank %d: could not tell rank %d about the failure: %s", self.rank, peer, send_exc)
+                    log.error(
+                        "rank %d: could not tell rank %d about the failure: %s", self.rank, peer, send_exc
+                    )
 
     def _shutdown(self) -> None:
         self.closed = True

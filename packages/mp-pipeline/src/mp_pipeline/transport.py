@@ -18,17 +18,18 @@ from mp_comm.transport.mpi import MPITransport
 __all__ = ["process_transport"]
 
 _LOCK = threading.Lock()
-_TRANSPORT: Transport | None = None
+_CACHE: dict[str, Transport] = {}
 
 
 def process_transport(world: Any) -> Transport:
     """This process's pipeline transport over ``world`` (an mp_comm World); collective the first time."""
-    global _TRANSPORT
     with _LOCK:
-        if _TRANSPORT is None or _TRANSPORT.closed:
+        transport = _CACHE.get("transport")
+        if transport is None or transport.closed:
             config = TransportConfig(timeout=3600.0)
             if world.size == 1:
-                _TRANSPORT = LoopbackTransport.single(config=config)
+                transport = LoopbackTransport.single(config=config)
             else:
-                _TRANSPORT = MPITransport.from_world(world, config=config)
-        return _TRANSPORT
+                transport = MPITransport.from_world(world, config=config)
+            _CACHE["transport"] = transport
+        return transport

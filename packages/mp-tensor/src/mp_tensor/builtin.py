@@ -34,7 +34,9 @@ def _linear_build(module: nn.Module, ctx: TPContext, overrides: Mapping[str, Any
 def _embedding_check(module: nn.Module, tp_size: int) -> str | None:
     assert isinstance(module, nn.Embedding)
     if module.embedding_dim % tp_size:
-        return f"embedding_dim={module.embedding_dim} is not divisible by the tensor-parallel degree {tp_size}"
+        return (
+            f"embedding_dim={module.embedding_dim} is not divisible by the tensor-parallel degree {tp_size}"
+        )
     if module.max_norm is not None:
         return f"max_norm={module.max_norm} is not supported by DistributedEmbedding"
     return None
@@ -42,7 +44,11 @@ def _embedding_check(module: nn.Module, tp_size: int) -> str | None:
 
 def _embedding_build(module: nn.Module, ctx: TPContext, overrides: Mapping[str, Any]) -> DistributedModule:
     assert isinstance(module, nn.Embedding)
-    extra = {k: v for k, v in overrides.items() if k in ("initializer_range", "_skip_allgather", "_skip_scatter_and_merge")}
+    extra = {
+        k: v
+        for k, v in overrides.items()
+        if k in ("initializer_range", "_skip_allgather", "_skip_scatter_and_merge")
+    }
     new = DistributedEmbedding(
         module.num_embeddings,
         module.embedding_dim,
@@ -60,7 +66,9 @@ def _embedding_build(module: nn.Module, ctx: TPContext, overrides: Mapping[str, 
 def register_builtins(registry: Registry) -> None:
     """Add the built-in entries to ``registry``."""
     registry.add(Registration(nn.Linear, DistributedLinear, builder=_linear_build, check=_linear_check))
-    registry.add(Registration(nn.Embedding, DistributedEmbedding, builder=_embedding_build, check=_embedding_check))
+    registry.add(
+        Registration(nn.Embedding, DistributedEmbedding, builder=_embedding_build, check=_embedding_check)
+    )
     for reg in (*gpt2.registrations(), *bert.registrations()):
         registry.add(reg)
 

@@ -88,7 +88,9 @@ class TPContext:
         return self
 
 
-_active: contextvars.ContextVar[TPContext | None] = contextvars.ContextVar("mp_tensor_tp_context", default=None)
+_active: contextvars.ContextVar[TPContext | None] = contextvars.ContextVar(
+    "mp_tensor_tp_context", default=None
+)
 _provider: list[Callable[[], TPContext | None]] = []
 
 

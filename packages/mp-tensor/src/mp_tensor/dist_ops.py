@@ -27,7 +27,7 @@ context or the current one.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
@@ -108,6 +108,10 @@ def replicated_to_sharded(x: Tensor, ctx: TPContext) -> Tensor:
     return col.split(x, -1, ctx.group)
 
 
+@overload
+def gather_samples(x: Tensor, ctx: TPContext, batch: int | None = None) -> Tensor: ...
+@overload
+def gather_samples(x: None, ctx: TPContext, batch: int | None = None) -> None: ...
 def gather_samples(x: Tensor | None, ctx: TPContext, batch: int | None = None) -> Tensor | None:
     """Every TP rank's samples of a tensor that needs no gradient (masks, token ids), in tp_rank order.
 
@@ -153,7 +157,7 @@ def bwd_allreduce_for_tp(tensor: Tensor, *, tp: TPContext | None = None) -> Tens
 def scatter_and_merge_for_tp(
     tensor: Tensor, split_dim: int, merge_dim: int, *, tp: TPContext | None = None
 ) -> Tensor:
-    """Slice ``split_dim`` into tp_size pieces, all-to-all them, concatenate what arrives along ``merge_dim``."""
+    """Slice ``split_dim`` into tp_size pieces, all-to-all them, concatenate arrivals on ``merge_dim``."""
     ctx = _group(tp)
     return tensor if ctx.group is None else col.all_to_all(tensor, split_dim, merge_dim, ctx.group)
 

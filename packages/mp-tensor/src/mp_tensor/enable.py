@@ -46,7 +46,7 @@ def _set_mark(module: nn.Module, mark: TPMark) -> None:
 
 _stack: contextvars.ContextVar[tuple[TPMark, ...]] = contextvars.ContextVar("mp_tensor_tp_marks", default=())
 _patch_lock = threading.Lock()
-_patch_depth = 0
+_patch_depth = [0]  # active tensor_parallelism blocks, over all threads
 _original_init = nn.Module.__init__
 
 
@@ -58,12 +58,11 @@ def _marking_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
 
 
 def _patch(on: bool) -> None:
-    global _patch_depth
     with _patch_lock:
-        _patch_depth += 1 if on else -1
-        if on and _patch_depth == 1:
+        _patch_depth[0] += 1 if on else -1
+        if on and _patch_depth[0] == 1:
             nn.Module.__init__ = _marking_init  # type: ignore[method-assign]
-        elif not on and _patch_depth == 0:
+        elif not on and _patch_depth[0] == 0:
             nn.Module.__init__ = _original_init  # type: ignore[method-assign]
 
 

@@ -30,7 +30,7 @@ class DistEmbeddingConfigError(ValueError, MPTensorError):
 
 
 class TPModuleRegisterError(RuntimeError, MPTensorError):
-    """``tp_register``/``tp_register_with_module`` got something that is not a DistributedModule (smp's name)."""
+    """``tp_register`` got something that is not a DistributedModule, or a bad hook (smp's name)."""
 
 
 class UnsupportedTPModuleError(RuntimeError, MPTensorError):

@@ -26,7 +26,7 @@ __all__ = ["gradient_group", "reduce_gradients"]
 
 
 def gradient_group(param: torch.Tensor) -> str:
-    """"rdp" for parameters whose gradients are reduced over the reduced-data-parallel group, else "dp"."""
+    """ "rdp" for parameters whose gradients are reduced over the reduced-data-parallel group, else "dp"."""
     return "rdp" if is_scaled_batch_parameter(param) else "dp"
 
 

@@ -112,6 +112,14 @@ def _check_hook(name: str, hook: object) -> None:
         raise TPModuleRegisterError(f"tp_register got {name}={hook!r}; expected a callable or None.")
 
 
+def _check_dist(dist_module: object) -> None:
+    if not (isinstance(dist_module, type) and issubclass(dist_module, DistributedModule)):
+        raise TPModuleRegisterError(
+            f"tp_register got dist_module={dist_module!r}; expected a subclass of smp.nn.DistributedModule "
+            "(for example smp.nn.DistributedTransformer)."
+        )
+
+
 def _record_init_args(module_cls: type[nn.Module]) -> None:
     """Wrap ``module_cls.__init__`` (once) so each instance remembers its constructor arguments."""
     own = module_cls.__dict__.get("__init__")
@@ -126,10 +134,10 @@ def _record_init_args(module_cls: type[nn.Module]) -> None:
             self.__dict__[INIT_ARGS_ATTR] = (args, kwargs)
 
     __init__._mp_records_args = True  # type: ignore[attr-defined]
-    module_cls.__init__ = __init__  # type: ignore[misc]
+    module_cls.__init__ = __init__  # type: ignore[method-assign]
 
 
-def tp_register_with_module(
+def tp_register_with_module(  # noqa: PLR0917
     module_cls: type[nn.Module],
     dist_module: type[DistributedModule],
     init_hook: Callable[..., Any] | None = None,
@@ -145,14 +153,16 @@ def tp_register_with_module(
     ``module_cls``'s layout and ``dist_module``'s reference layout, used to copy the weights into the
     shards and to gather the state dict back.
     """
-    if not (isinstance(dist_module, type) and issubclass(dist_module, DistributedModule)):
-        raise TPModuleRegisterError(
-            f"tp_register got dist_module={dist_module!r}; expected a subclass of smp.nn.DistributedModule "
-            "(for example smp.nn.DistributedTransformer)."
-        )
+    _check_dist(dist_module)
     if not (isinstance(module_cls, type) and issubclass(module_cls, nn.Module)):
-        raise TPModuleRegisterError(f"tp_register_with_module got module_cls={module_cls!r}; expected an nn.Module class.")
-    for name, hook in (("init_hook", init_hook), ("forward_hook", forward_hook), ("return_hook", return_hook)):
+        raise TPModuleRegisterError(
+            f"tp_register_with_module got module_cls={module_cls!r}; expected an nn.Module class."
+        )
+    for name, hook in (
+        ("init_hook", init_hook),
+        ("forward_hook", forward_hook),
+        ("return_hook", return_hook),
+    ):
         _check_hook(name, hook)
     from_original = to_original = None
     if translate_functions is not None:
@@ -167,15 +177,24 @@ def tp_register_with_module(
         try:
             inspect.signature(init_hook)
         except (TypeError, ValueError) as exc:  # pragma: no cover - builtins without signatures
-            raise TPModuleRegisterError(f"tp_register: init_hook {init_hook!r} has no inspectable signature") from exc
+            raise TPModuleRegisterError(
+                f"tp_register: init_hook {init_hook!r} has no inspectable signature"
+            ) from exc
     _record_init_args(module_cls)
     (registry or default_registry).add(
         Registration(
-            module_cls, dist_module, init_hook, forward_hook, return_hook,
-            to_original=to_original, from_original=from_original,
-        )  # fmt: skip
+            module_cls,
+            dist_module,
+            init_hook,
+            forward_hook,
+            return_hook,
+            to_original=to_original,
+            from_original=from_original,
+        )
     )
-    log.debug("registered %s as the distributed version of %s", dist_module.__name__, qualified_name(module_cls))
+    log.debug(
+        "registered %s as the distributed version of %s", dist_module.__name__, qualified_name(module_cls)
+    )
 
 
 def tp_register(
@@ -185,6 +204,13 @@ def tp_register(
     return_hook: Callable[..., Any] | None = None,
 ) -> Callable[[M], M]:
     """Class decorator: the decorated module class is distributed by ``dist_module`` (smp's API)."""
+    _check_dist(dist_module)
+    for name, hook in (
+        ("init_hook", init_hook),
+        ("forward_hook", forward_hook),
+        ("return_hook", return_hook),
+    ):
+        _check_hook(name, hook)
 
     def decorate(module_cls: M) -> M:
         tp_register_with_module(module_cls, dist_module, init_hook, forward_hook, return_hook)

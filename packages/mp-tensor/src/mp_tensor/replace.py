@@ -68,7 +68,7 @@ def _shared_with(path: str, module: nn.Module, owners: dict[int, set[str]]) -> s
 
 
 def _accepted(cls: type, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    params = inspect.signature(cls.__init__).parameters
+    params = inspect.signature(cls).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return dict(kwargs)
     return {k: v for k, v in kwargs.items() if k in params and k != "self"}
@@ -86,7 +86,9 @@ def _full_shapes(module: DistributedModule) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _build_registered(reg: Registration, module: nn.Module, ctx: TPContext, overrides: Mapping[str, Any]) -> DistributedModule:
+def _build_registered(
+    reg: Registration, module: nn.Module, ctx: TPContext, overrides: Mapping[str, Any]
+) -> DistributedModule:
     recorded = module.__dict__.get(INIT_ARGS_ATTR)
     assert recorded is not None
     args, kwargs = recorded
@@ -165,7 +167,9 @@ def replace_modules(
                     else:
                         raise
                 else:
-                    log.info("tensor parallelism: %s (%s) -> %s", label, type(module).__name__, type(new).__name__)
+                    log.info(
+                        "tensor parallelism: %s (%s) -> %s", label, type(module).__name__, type(new).__name__
+                    )
                     done.append(label)
                     return new
             log.info("tensor parallelism: not distributing %s (%s): %s", label, type(module).__name__, reason)
@@ -181,7 +185,9 @@ def replace_modules(
 
 
 @torch.no_grad()
-def _replace_one(reg: Registration, module: nn.Module, ctx: TPContext, overrides: Mapping[str, Any]) -> DistributedModule:
+def _replace_one(
+    reg: Registration, module: nn.Module, ctx: TPContext, overrides: Mapping[str, Any]
+) -> DistributedModule:
     if reg.builder is not None:
         new = reg.builder(module, ctx, overrides)
     else:

@@ -66,4 +66,6 @@ def load_original_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor],
     if strict:
         missing = [k for k in result.missing_keys if not any(k.startswith(p) for p in distributed)]
         if missing or result.unexpected_keys:
-            raise KeyError(f"load_original_state_dict: missing keys {missing}, unexpected keys {result.unexpected_keys}")
+            raise KeyError(
+                f"load_original_state_dict: missing keys {missing}, unexpected keys {result.unexpected_keys}"
+            )

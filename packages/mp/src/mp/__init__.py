@@ -4,6 +4,7 @@ import mp as smp
 smp.init({"pipeline_parallel_degree": 2, "microbatches": 4})
 """
 
+from mp import nn
 from mp.comm import (
     CommGroup,
     RankType,
@@ -84,6 +85,7 @@ from mp.ranks import (
     tp_size,
 )
 from mp.state import state
+from mp.tensor_api import set_tensor_parallelism, tensor_parallelism, tp_register, tp_register_with_module
 from mp_partition import partition, set_partition
 
 __version__ = "0.1.0"
@@ -165,6 +167,7 @@ __all__ = [
     "mp_barrier",
     "mp_rank",
     "mp_size",
+    "nn",
     "partition",
     "pp_barrier",
     "pp_rank",
@@ -177,10 +180,14 @@ __all__ = [
     "reset",
     "send",
     "set_partition",
+    "set_tensor_parallelism",
     "shutdown",
     "size",
     "state",
+    "tensor_parallelism",
     "tp_barrier",
     "tp_rank",
+    "tp_register",
+    "tp_register_with_module",
     "tp_size",
 ]

@@ -48,15 +48,20 @@ def _fail(rank: int, code: int, text: str) -> None:
 
 
 def main() -> None:
+    # Started as a file, Python put this package's folder first on sys.path, where mp's own modules
+    # (config.py, launch.py, ...) would shadow the user's; the user's script decides sys.path instead.
+    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        sys.path.pop(0)
     argv = sys.argv[1:]
     if not argv:
-        raise SystemExit("usage: python -m mp._rank_main (script | -m module) [args...]")
+        raise SystemExit("usage: python _rank_main.py (script | -m module) [args...]")
     rank = _rank()
     from mpi4py import MPI  # initialize MPI before user code, so Abort is always available
 
     del MPI
     try:
         if argv[0] == "-m":
+            sys.path.insert(0, os.getcwd())
             sys.argv = argv[1:]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:

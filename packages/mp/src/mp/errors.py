@@ -14,6 +14,16 @@ either smp class, or for plain ``ValueError``, catches it.
 
 from __future__ import annotations
 
+# Raised by the packages below the facade, which cannot import mp; re-exported under smp's names so
+# `except smp.InvalidPartitionIDError` works. They subclass ValueError / RuntimeError as smp's do.
+from mp_partition.errors import InvalidPartitionIDError
+from mp_tensor.errors import (
+    DistEmbeddingConfigError,
+    DistTransformerConfigError,
+    TPModuleRegisterError,
+    UnsupportedTPModuleError,
+)
+
 __all__ = [
     "BwdExecutionNotInStepFnError",
     "CheckpointingConfigError",
@@ -148,20 +158,8 @@ class StepFunctionCalledError(SMPValidationError):
     """An operation must happen before the first ``@smp.step`` call."""
 
 
-class InvalidPartitionIDError(SMPValidationError):
-    """A partition index outside ``[0, pipeline_parallel_degree)``."""
-
-
 class CheckpointingConfigError(SMPValidationError):
     """Invalid activation checkpointing arguments."""
-
-
-class DistEmbeddingConfigError(SMPValidationError):
-    """Invalid ``DistributedEmbedding`` arguments."""
-
-
-class DistTransformerConfigError(SMPValidationError):
-    """Invalid distributed transformer arguments."""
 
 
 class SMPCheckpointError(SMPValidationError):
@@ -181,14 +179,6 @@ class IncompatibleCheckpointFoundError(SMPCheckpointError):
 
 
 # ----------------------------------------------------------------------------- unsupported errors
-class UnsupportedTPModuleError(SMPUnsupportedError):
-    """The module has no tensor-parallel implementation."""
-
-
-class TPModuleRegisterError(SMPUnsupportedError):
-    """A tensor-parallel registration names a class that is not a ``DistributedModule``."""
-
-
 class NotSupportedByFastModeError(SMPUnsupportedError):
     """The graph changed between steps, which fast mode does not support; set 'fast_mode' to False."""
 

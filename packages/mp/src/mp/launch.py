@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 FAILURE_DIR_ENV = "MP_LAUNCH_FAILURE_DIR"
+RANK_MAIN = Path(__file__).with_name("_rank_main.py")
 
 
 class LaunchError(SystemExit):
@@ -98,7 +99,9 @@ def build_command(args: argparse.Namespace, mpiexec: str) -> list[str]:
         cmd += ["-hosts", _parse_hosts(args.hosts, args.nprocs)]
     if args.tag_output:
         cmd.append("-prepend-rank")
-    cmd += [sys.executable, "-m", "mp._rank_main"]
+    # The runner is started as a file, not as `-m mp._rank_main`: that would import the whole mp
+    # package (torch included) in every rank before the user's script even starts.
+    cmd += [sys.executable, str(RANK_MAIN)]
     rest = list(args.script_and_args)
     if rest and rest[0] == "--":
         rest = rest[1:]

@@ -77,6 +77,7 @@ class DistributedModel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
+        *,
         trace_device: str = "gpu",
         trace_execution_times: bool = False,
         overlapping_allreduce: bool = True,
@@ -98,8 +99,10 @@ class DistributedModel(nn.Module):
             raise SMPValidationError(f"DistributedModel needs a torch.nn.Module; got {type(module).__name__}")
         if trace_device not in ("cpu", "gpu"):
             raise SMPValidationError(f"trace_device={trace_device!r}; expected 'cpu' or 'gpu'")
-        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) or (
-            backward_passes_per_step < 1
+        if (
+            isinstance(backward_passes_per_step, bool)
+            or not isinstance(backward_passes_per_step, int)
+            or (backward_passes_per_step < 1)
         ):
             raise SMPValidationError(
                 f"backward_passes_per_step={backward_passes_per_step!r}; expected an int >= 1"
@@ -130,6 +133,11 @@ class DistributedModel(nn.Module):
         self._pending_optimizer_state: dict[str, Any] | None = None
         self._model_id = next(_MODEL_IDS)
         self._runtime: PipelineRuntime | None = None
+        if cfg.static_mode or cfg.fast_mode:
+            log.warning(
+                "static_mode/fast_mode are not implemented yet: every step exchanges requests and "
+                "responses as in the default mode (same results, no speed-up)"
+            )
         if self._pp > 1:
             transport = process_transport(world)  # collective the first time in the process
             self._runtime = PipelineRuntime(
@@ -189,7 +197,9 @@ class DistributedModel(nn.Module):
         return self.module
 
     # ------------------------------------------------------------------------------------------- step
-    def _run_step(self, func: Callable[..., Any], inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+    def _run_step(
+        self, func: Callable[..., Any], inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]
+    ) -> list[Any]:
         cfg, _, _ = state.require()
 
         def body(mb: int) -> Any:
@@ -269,21 +279,23 @@ class DistributedModel(nn.Module):
 
     # ------------------------------------------------------------------------------------ partitioning
     def _partition(self, body: Callable[[int], Any]) -> None:
-        cfg, world, _ = state.require()
+        world = state.require()[1]
         if self._pp > 1:
-            payload: tuple[str, Any] | None = None
+            payload: tuple[str, Any] = ("error", "rank 0 did not compute a partition")
             if world.rank == 0:
                 try:
                     self.plan = self._compute_plan(body)
                     payload = ("ok", dict(self.plan.assignment))
                 except Exception as exc:
-                    payload = ("error", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
-                    box = [payload]
-                    dist.broadcast_object_list(box, src=0)
+                    payload = (
+                        "error",
+                        "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+                    )
+                    dist.broadcast_object_list([payload], src=0)
                     raise
-            box = [payload]
+            box: list[Any] = [payload]
             dist.broadcast_object_list(box, src=0)
-            kind, value = box[0]  # type: ignore[misc]
+            kind, value = box[0]
             if kind == "error":
                 raise SMPRuntimeError(f"partitioning the model failed on rank 0:\n{value}")
             self._assignment = dict(value)
@@ -305,10 +317,12 @@ class DistributedModel(nn.Module):
         self._run_hooks(self._post_partition_hooks)
 
     def _compute_plan(self, body: Callable[[int], Any]) -> PartitionPlan:
-        cfg, _, _ = state.require()
+        cfg = state.require()[0]
         alpha = cfg.resolved_memory_weight
         if not cfg.auto_partition:
-            return manual_partition(self.module, self._pp, cfg.resolved_default_partition, memory_weight=alpha)
+            return manual_partition(
+                self.module, self._pp, cfg.resolved_default_partition, memory_weight=alpha
+            )
         if cfg.skip_tracing:
             return auto_partition(self.module, self._pp, memory_weight=alpha, skip_tracing=True)
         with Tracer(self.module, measure_time=self._trace_times) as tracer:
@@ -409,7 +423,10 @@ class DistributedModel(nn.Module):
         if not self._partitioned or self._pp == 1:
             full = self.module.state_dict(keep_vars=keep_vars)
             return OrderedDict(
-                (prefix + k, v.detach().cpu() if cast_to_cpu and isinstance(v, torch.Tensor) and not keep_vars else v)
+                (
+                    prefix + k,
+                    v.detach().cpu() if cast_to_cpu and isinstance(v, torch.Tensor) and not keep_vars else v,
+                )
                 for k, v in full.items()
             )
         local = self.local_state_dict(cast_to_cpu=True)
@@ -427,7 +444,7 @@ class DistributedModel(nn.Module):
             return destination  # type: ignore[no-any-return]
         return merged
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def load_state_dict(self, state_dict: Any, strict: bool = True, *args: Any, **kwargs: Any) -> Any:
         """Load a full or partial (``local_state_dict``) state; keys with or without ``module.``."""
         sd = dict(state_dict)
         partial = bool(sd.pop("_smp_is_partial", False))

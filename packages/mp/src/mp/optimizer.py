@@ -46,7 +46,7 @@ def _load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) ->
     torch.optim.Optimizer.load_state_dict(self, sd)
 
 
-def DistributedOptimizer(  # noqa: N802 - smp's name
+def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     static_loss_scale: float | None = 1.0,
     dynamic_loss_scale: bool = False,

@@ -61,7 +61,8 @@ def set_tensor_parallelism(module: nn.Module, enabled: bool = True, **kwargs: An
     """Enable (or disable) tensor parallelism for ``module``'s subtree; before ``DistributedModel``."""
     if state.model is not None:
         raise DistributedModelWrappedError(
-            "smp.set_tensor_parallelism was called after smp.DistributedModel; call it before wrapping the model."
+            "smp.set_tensor_parallelism was called after smp.DistributedModel; "
+            "call it before wrapping the model."
         )
     _set_tensor_parallelism(module, enabled, **kwargs)
 

@@ -29,9 +29,10 @@ from mp_comm.transport.bootstrap import (
 )
 from mp_comm.transport.loopback import LoopbackHub, LoopbackTransport
 from mp_comm.transport.mpi import MPITransport
+from mp_comm.transport.ucx_setup import UCXConfig, preload_before_mpi, ucx_available
 
 if TYPE_CHECKING:
-    from mp_comm.transport.ucx import UCXConfig, UCXTransport, ucx_available
+    from mp_comm.transport.ucx import UCXTransport
 
 __all__ = [
     "ANY_SOURCE",
@@ -53,15 +54,16 @@ __all__ = [
     "UCXConfig",
     "UCXTransport",
     "bootstrap_for_world",
+    "preload_before_mpi",
     "ucx_available",
 ]
 
-_LAZY = {"UCXConfig", "UCXTransport", "ucx_available"}
+_LAZY = {"UCXTransport"}
 
 
 def __getattr__(name: str) -> Any:
-    # ucx.py itself imports ucxx only when a UCXTransport is created; importing it here lazily keeps
-    # `import mp_comm.transport` light.
+    # ucx.py imports ucxx only when a UCXTransport is created; importing the module lazily as well
+    # keeps `import mp_comm.transport` light.
     if name in _LAZY:
         from mp_comm.transport import ucx
 

@@ -89,7 +89,7 @@ def import_mpi() -> Any:
         ) from exc
     if "mpi4py.MPI" not in sys.modules:
         mpi4py.rc.thread_level = "multiple"
-        from mp_comm.transport.ucx import preload_before_mpi  # imports no ucxx: see its docstring
+        from mp_comm.transport.ucx_setup import preload_before_mpi  # imports no ucxx: see its docstring
 
         preload_before_mpi()
     from mpi4py import MPI

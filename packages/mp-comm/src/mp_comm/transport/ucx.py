@@ -32,18 +32,16 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import importlib.util
 import logging
 import os
 import pickle
 import select
 import socket
-import sys
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -71,6 +69,13 @@ from mp_comm.message import (
 )
 from mp_comm.transport.base import Mailbox, MessageTransport, OrderCounter, Outgoing, TransportConfig
 from mp_comm.transport.bootstrap import Bootstrap, bootstrap_for_world
+from mp_comm.transport.ucx_setup import (
+    UCXConfig,
+    foreign_ucx,
+    import_ucxx,
+    preload_before_mpi,
+    ucx_available,
+)
 
 __all__ = [
     "FALLBACK_CHANNEL",
@@ -104,107 +109,6 @@ def _tag_source(tag: int) -> int:
 
 def _tag_wire(tag: int) -> int:
     return (tag >> 16) & 0xFFFFFF
-
-
-def preload_before_mpi() -> bool:
-    """Load the UCX libraries of the ucxx wheels before MPI loads its own; whether they were loaded.
-
-    The `mpich` wheel bundles an older UCX under the same library names (libucs.so.0, ...). Whichever
-    is loaded first serves the whole process, and ucxx cannot run on MPICH's older copy, while MPICH
-    runs on the newer one. Call this before the first `from mpi4py import MPI` (the MPI transport's
-    `import_mpi` does, and so should whatever initializes MPI earlier). Does nothing when ucxx is not
-    installed or MPI is already loaded.
-    """
-    if "mpi4py.MPI" in sys.modules or importlib.util.find_spec("libucx") is None:
-        return False
-    try:
-        importlib.import_module("libucx").load_library()
-    except Exception as exc:  # a broken install: the UCX transport will say so when it is used
-        log.debug("preloading UCX failed: %s", exc)
-        return False
-    return True
-
-
-def foreign_ucx() -> str | None:
-    """The path of a UCX library loaded in this process from outside the ucxx wheels, if any (Linux)."""
-    spec = importlib.util.find_spec("libucx")
-    if spec is None or spec.origin is None:
-        return None
-    ours = os.path.dirname(spec.origin)
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rsplit(" ", 1)[-1].strip()
-                if os.path.basename(path).startswith("libucs.so") and not path.startswith(ours):
-                    return path
-    except OSError:
-        return None
-    return None
-
-
-def import_ucxx() -> tuple[Any, Any]:
-    """(libucxx, Array) from ucxx, or TransportUnavailableError naming the extra to install."""
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    try:
-        from ucxx._lib import libucxx
-        from ucxx._lib.arr import Array
-    except Exception as exc:  # ImportError, or a shared library that fails to load
-        other = foreign_ucx() if isinstance(exc, OSError) else None
-        if other is not None:
-            raise TransportUnavailableError(
-                f"ucxx cannot load ({exc}): this process already runs another UCX, {other}, loaded by MPI "
-                "(the mpich wheel bundles one). Load ucxx's first: call "
-                "mp_comm.transport.ucx.preload_before_mpi() before MPI is initialized."
-            ) from exc
-        raise TransportUnavailableError(
-            f"the UCX transport needs ucxx, which cannot be imported here ({type(exc).__name__}: {exc}); "
-            "install it with `pip install 'mp-comm[ucx]'` (the ucxx-cu12 wheels), or use the MPI transport."
-        ) from exc
-    return libucxx, Array
-
-
-def ucx_available() -> bool:
-    """Whether ucxx imports here (it may still fail to start; UCXTransport raises then)."""
-    try:
-        import_ucxx()
-    except TransportUnavailableError:
-        return False
-    return True
-
-
-@dataclass(frozen=True, kw_only=True)
-class UCXConfig:
-    """Settings of the UCX transport (the shared ones are in TransportConfig)."""
-
-    host: str | None = None
-    """Address at which the other ranks reach this rank's listener. None: 127.0.0.1 when all ranks share
-    one node, else the address this host's name resolves to."""
-    port: int = 0
-    """Listener port; 0 picks a free one."""
-    buffered_devices: tuple[str, ...] = ("cuda",)
-    """Device types whose payloads take the D2D path with persistent buffers and the handshake. Adding
-    "cpu" runs that path on host memory (the tests do, on machines without GPUs)."""
-    recv_buffer_bytes: int = 256 << 20
-    """Size of the persistent receive buffer per device type (allocated on first use; 0: no buffer)."""
-    send_buffer_bytes: int = 256 << 20
-    """Size of the persistent send buffer per device type (allocated on first use; 0: no buffer)."""
-    stage_sends: Literal["cross-node", "always", "never"] = "cross-node"
-    """When a buffered payload is first copied into the persistent send buffer (RDMA needs registered
-    source memory; within a node CUDA IPC reads the tensor where it is)."""
-    buffer_alignment: int = 256
-    error_handling: bool = True
-    """Ask UCX to detect failed peers (endpoint error handling); a failed peer raises PeerLostError."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port={self.port}; expected 0 (any free port) or a TCP port number")
-        if self.recv_buffer_bytes < 0 or self.send_buffer_bytes < 0:
-            raise ValueError(
-                f"recv_buffer_bytes={self.recv_buffer_bytes}, send_buffer_bytes={self.send_buffer_bytes}; "
-                "expected sizes >= 0 (0 disables a buffer)"
-            )
-        if self.stage_sends not in ("cross-node", "always", "never"):
-            raise ValueError(f"stage_sends={self.stage_sends!r}; expected 'cross-node', 'always' or 'never'")
 
 
 @dataclass(slots=True)
@@ -310,7 +214,7 @@ class UCXTransport(MessageTransport):
         self._ep_errors: collections.deque[tuple[int, str]] = collections.deque()
         self._recv_buffers: dict[str, BufferManager] = {}
         self._send_buffers: dict[str, BufferManager] = {}
-        self._stream: Any = None
+        self._streams: dict[torch.device, Any] = {}
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -402,10 +306,11 @@ class UCXTransport(MessageTransport):
             for t, m in zip(out.tensors, out.metas, strict=True)
         )
         op = _SendOp(out, modes)
-        if any(t.device.type == "cuda" for t in out.tensors):
+        device = next((t.device for t in out.tensors if t.device.type == "cuda"), None)
+        if device is not None:
             # The payloads are read by UCX outside any stream: wait for the kernels that produce them.
             op.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            op.ready.record(torch.cuda.current_stream())
+            op.ready.record(torch.cuda.current_stream(device))
         self._outq.append(op)
         self._wake()
 
@@ -895,11 +800,12 @@ class UCXTransport(MessageTransport):
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.device.type == "cuda" or src.device.type == "cuda":
             device = dst.device if dst.device.type == "cuda" else src.device
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            with torch.cuda.stream(self._stream):
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
-            self._stream.synchronize()
+            stream.synchronize()
         else:
             dst.copy_(src)
 

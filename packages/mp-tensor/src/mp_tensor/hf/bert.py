@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor, nn
 
@@ -35,7 +35,7 @@ _NAMES = {
 
 
 def _config(layer: nn.Module) -> Any:
-    return layer.attention.self.config
+    return cast(Any, layer).attention.self.config
 
 
 def layer_kwargs(config: Any) -> dict[str, Any]:
@@ -104,7 +104,9 @@ def forward_hook(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """BertLayer's call -> ``((hidden_states, additive_mask),)``."""
     if encoder_hidden_states is not None:
-        raise TPInputError("the distributed BERT layer got encoder_hidden_states; cross attention is not mapped.")
+        raise TPInputError(
+            "the distributed BERT layer got encoder_hidden_states; cross attention is not mapped."
+        )
     return ((hidden_states, additive(attention_mask, hidden_states)),), {}
 
 

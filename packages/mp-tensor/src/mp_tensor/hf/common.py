@@ -27,7 +27,9 @@ def additive(mask: Tensor | None, hidden: Tensor, keys: int | None = None) -> Te
     if mask is None:
         return torch.zeros(n, 1, sq, sk, dtype=dtype, device=hidden.device)
     if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(dtype).min
+        )
     return mask.to(dtype).expand(n, 1, sq, sk).contiguous()
 
 

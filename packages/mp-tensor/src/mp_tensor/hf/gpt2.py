@@ -7,7 +7,7 @@ The block's ``Conv1D`` weights are stored ``[in, out]``; the reference layout is
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -25,7 +25,7 @@ BLOCK = "transformers.models.gpt2.modeling_gpt2.GPT2Block"
 
 
 def _config(block: nn.Module) -> Any:
-    return block.attn.config
+    return cast(Any, block).attn.config
 
 
 def layer_kwargs(config: Any) -> dict[str, Any]:
@@ -51,7 +51,9 @@ def check(block: nn.Module, tp_size: int) -> str | None:
     config = _config(block)
     if getattr(config, "add_cross_attention", False):
         return "GPT-2 blocks with cross attention are not mapped"
-    if not getattr(config, "scale_attn_weights", True) or getattr(config, "scale_attn_by_inverse_layer_idx", False):
+    if not getattr(config, "scale_attn_weights", True) or getattr(
+        config, "scale_attn_by_inverse_layer_idx", False
+    ):
         return "GPT-2 attention scaling other than 1/sqrt(head_dim) is not mapped"
     if config.activation_function not in ACTIVATION_MAP:
         return f"activation_function={config.activation_function!r} is not supported"
@@ -87,7 +89,9 @@ def block_to_reference(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
 def block_from_reference(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """The reference layout -> a GPT2Block state dict."""
     out: dict[str, Tensor] = {
-        "attn.c_attn.weight": torch.cat([sd[f"attention.{n}.weight"].t() for n in ("query", "key", "value")], 1),
+        "attn.c_attn.weight": torch.cat(
+            [sd[f"attention.{n}.weight"].t() for n in ("query", "key", "value")], 1
+        ),
         "attn.c_attn.bias": torch.cat([sd[f"attention.{n}.bias"] for n in ("query", "key", "value")]),
         "attn.c_proj.weight": sd["attention.dense.weight"].t().contiguous(),
         "attn.c_proj.bias": sd["attention.dense.bias"],
@@ -102,7 +106,7 @@ def block_from_reference(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def forward_hook(
+def forward_hook(  # noqa: PLR0917
     hidden_states: Tensor,
     past_key_values: Any = None,
     attention_mask: Tensor | None = None,
@@ -113,7 +117,9 @@ def forward_hook(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """GPT2Block's call -> ``((hidden_states, additive_mask),)``."""
     if encoder_hidden_states is not None:
-        raise TPInputError("the distributed GPT-2 block got encoder_hidden_states; cross attention is not mapped.")
+        raise TPInputError(
+            "the distributed GPT-2 block got encoder_hidden_states; cross attention is not mapped."
+        )
     length = getattr(past_key_values, "get_seq_length", None)
     if callable(length) and length() > 0:
         raise TPInputError(

@@ -79,7 +79,7 @@ class TransformerArgs:
         return self.num_attention_heads * self.attention_head_size
 
     @classmethod
-    def parse(cls, who: str, tp_size: int, values: dict[str, Any], *, optimize: str = "memory") -> TransformerArgs:
+    def parse(cls, who: str, tp_size: int, values: dict[str, Any]) -> TransformerArgs:
         """Validate ``values`` (the constructor's arguments) for module ``who`` on ``tp_size`` ranks."""
         known = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {}
@@ -95,10 +95,10 @@ class TransformerArgs:
             elif key not in _IGNORED:
                 log.warning("%s: ignoring unknown argument %s=%r", who, key, value)
         args = cls(**kwargs)
-        args._check(who, tp_size, optimize)
+        args._check(who, tp_size)
         return args
 
-    def _check(self, who: str, tp_size: int, optimize: str) -> None:
+    def _check(self, who: str, tp_size: int) -> None:
         def fail(message: str) -> None:
             raise DistTransformerConfigError(f"{who}: {message}")
 
@@ -108,21 +108,28 @@ class TransformerArgs:
             fail(f"got activation={self.activation!r}; expected one of {ACTIVATIONS}.")
         if self.fp32_residual_addition:
             fail("got fp32_residual_addition=True, which mp does not implement; pass False.")
-        for name in ("num_attention_heads", "attention_head_size", "hidden_size", "intermediate_size", "num_layers"):
+        for name in (
+            "num_attention_heads",
+            "attention_head_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+        ):
             if getattr(self, name) < 1:
                 fail(f"got {name}={getattr(self, name)}; expected a positive integer.")
         for name in ("attention_dropout_prob", "hidden_dropout_prob"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 fail(f"got {name}={getattr(self, name)}; expected a probability in [0, 1).")
         if self.causal_mask_size is not None and self.causal_mask_size < 1:
-            fail(f"got causal_mask_size={self.causal_mask_size}; expected None or the maximum sequence length.")
+            fail(
+                f"got causal_mask_size={self.causal_mask_size}; expected None or the maximum sequence length."
+            )
         for name in ("num_attention_heads", "hidden_size", "intermediate_size"):
             if getattr(self, name) % tp_size:
                 fail(
                     f"{name}={getattr(self, name)} is not divisible by the tensor-parallel degree {tp_size}; "
                     f"use a multiple of {tp_size}."
                 )
-        del optimize
 
     def replace(self, **changes: Any) -> TransformerArgs:
         values = {f.name: getattr(self, f.name) for f in fields(self)}

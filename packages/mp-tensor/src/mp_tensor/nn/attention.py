@@ -65,8 +65,8 @@ def attend(
     if causal_size is not None:
         if max(sq, sk) > causal_size:
             raise TPInputError(
-                f"the attention got sequence length {max(sq, sk)}, longer than causal_mask_size={causal_size}; "
-                "pass shorter sequences or a larger causal_mask_size."
+                f"the attention got sequence length {max(sq, sk)}, longer than "
+                f"causal_mask_size={causal_size}; pass shorter sequences or a larger causal_mask_size."
             )
         keep = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).tril(sk - sq)
         scores = torch.where(keep, scores, torch.full_like(scores, mask_value))
@@ -80,7 +80,7 @@ def attend(
 class DistributedAttentionLayer(DistributedModule):
     """Tensor-parallel attention block; functionally the reference ``AttentionLayer`` (seed 004)."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0917
         self,
         num_attention_heads: int = 32,
         attention_head_size: int = 32,
@@ -158,7 +158,11 @@ class DistributedAttentionLayer(DistributedModule):
         x = norm if ctx.group is None or not ctx.distributed else col.all_reduce_backward(norm, ctx.group)
         src = x
         if cross is not None:
-            src = cross if ctx.group is None or not ctx.distributed else col.all_reduce_backward(cross, ctx.group)
+            src = (
+                cross
+                if ctx.group is None or not ctx.distributed
+                else col.all_reduce_backward(cross, ctx.group)
+            )
         q = F.linear(x, self.query.weight, self.query.bias)
         k = F.linear(src, self.key.weight, self.key.bias)
         v = F.linear(src, self.value.weight, self.value.bias)

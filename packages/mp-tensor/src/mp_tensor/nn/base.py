@@ -81,7 +81,9 @@ class DistributedModule(nn.Module):
 
     # ---------------------------------------------------------------- hooks of a registered class
 
-    def set_call_hooks(self, forward_hook: Callable[..., Any] | None, return_hook: Callable[..., Any] | None) -> None:
+    def set_call_hooks(
+        self, forward_hook: Callable[..., Any] | None, return_hook: Callable[..., Any] | None
+    ) -> None:
         """Translate each call from the replaced module's signature (``forward_hook`` returns
         ``(args, kwargs)``) and the result back to what it returned (``return_hook``)."""
         self.__dict__["_mp_forward_hook"] = forward_hook

@@ -29,7 +29,7 @@ class DistributedEmbedding(DistributedModule):
     ``_weight`` are not supported (as in smp).
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0917
         self,
         num_embeddings: int,
         embedding_dim: int,
@@ -64,7 +64,8 @@ class DistributedEmbedding(DistributedModule):
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
                 raise DistEmbeddingConfigError(
-                    f"DistributedEmbedding got padding_idx={padding_idx} for num_embeddings={num_embeddings}; "
+                    f"DistributedEmbedding got padding_idx={padding_idx} for "
+                    f"num_embeddings={num_embeddings}; "
                     f"pass an index in [-{num_embeddings}, {num_embeddings - 1}] or None."
                 )
             padding_idx %= num_embeddings
@@ -81,7 +82,9 @@ class DistributedEmbedding(DistributedModule):
 
     def lookup(self, ids: Tensor) -> Tensor:
         """This rank's slice of the embedding of every index in ``ids`` (no communication)."""
-        return F.embedding(ids, self.weight, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq, self.sparse)
+        return F.embedding(
+            ids, self.weight, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq, self.sparse
+        )
 
     def forward(self, ids: Tensor) -> Tensor:
         ctx = self.tp

@@ -28,7 +28,9 @@ class _ShardedLayerNorm(torch.autograd.Function):
     """Layer norm over channels split across the TP group; saves only the input and the statistics."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, n: int, group: Any) -> Tensor:
+    def forward(  # noqa: PLR0917
+        ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, n: int, group: Any
+    ) -> Tensor:
         xf = x.float()
         moments = torch.stack((xf.sum(-1), (xf * xf).sum(-1)), dim=-1)
         dist.all_reduce(moments, group=group)
@@ -60,7 +62,7 @@ class _ShardedLayerNorm(torch.autograd.Function):
 
 
 def sharded_layer_norm(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, full_size: int, ctx: TPContext
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, *, eps: float, full_size: int, ctx: TPContext
 ) -> Tensor:
     """Layer-normalize the last dimension of ``x``, which holds this rank's ``full_size / tp`` channels.
 
@@ -77,7 +79,9 @@ def sharded_layer_norm(
 class LayerNormShard(nn.Module):
     """The affine weights of a layer norm over ``size`` channels: this rank's slice (``sharded``) or all."""
 
-    def __init__(self, tp: TPContext, size: int, eps: float, *, sharded: bool, scaled_batch: bool = True) -> None:
+    def __init__(
+        self, tp: TPContext, size: int, eps: float, *, sharded: bool, scaled_batch: bool = True
+    ) -> None:
         super().__init__()
         local = size // tp.size if sharded else size
         self.full_size, self.eps, self.sharded = size, eps, sharded
@@ -89,7 +93,9 @@ class LayerNormShard(nn.Module):
     def apply_to(self, x: Tensor, ctx: TPContext) -> Tensor:
         """Normalize ``x`` (sharded channels when ``sharded``, else every channel)."""
         if self.sharded:
-            return sharded_layer_norm(x, self.weight, self.bias, self.eps, self.full_size, ctx)
+            return sharded_layer_norm(
+                x, self.weight, self.bias, eps=self.eps, full_size=self.full_size, ctx=ctx
+            )
         return F.layer_norm(x, (self.full_size,), self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
@@ -124,7 +130,9 @@ class DistributedLayerNorm(DistributedModule):
 
     def forward(self, x: Tensor) -> Tensor:
         xs = enter(x, self.tp, "sharded", "DistributedLayerNorm")
-        y = sharded_layer_norm(xs, self.weight, self.bias, self.eps, self.normalized_shape[0], self.tp)
+        y = sharded_layer_norm(
+            xs, self.weight, self.bias, eps=self.eps, full_size=self.normalized_shape[0], ctx=self.tp
+        )
         return leave(y, self.tp, "sharded")
 
     def extra_repr(self) -> str:

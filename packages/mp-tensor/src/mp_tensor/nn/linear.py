@@ -1,4 +1,4 @@
-"""``DistributedLinear`` (seed 001 Fig. 6) and ``LinearShard``, the parameter holder of the transformer modules.
+"""``DistributedLinear`` (seed 001 Fig. 6) and ``LinearShard``, the parameter holder of the other modules.
 
 DistributedLinear splits the weight ``W = [W_1 ... W_T]`` along its input channels. By default each
 tp_rank holds different samples: rank i slices its input by channels and sends slice j to rank j
@@ -47,7 +47,9 @@ class LinearShard(nn.Module):
     ) -> None:
         super().__init__()
         n, r = tp.size, tp.rank
-        full_w = full_linear_weight(out_features, in_features, use_normal=use_normal, initializer_range=initializer_range)
+        full_w = full_linear_weight(
+            out_features, in_features, use_normal=use_normal, initializer_range=initializer_range
+        )
         if weight_split is not None:
             size = full_w.shape[weight_split] // n
             full_w = full_w.narrow(weight_split, r * size, size)
@@ -61,7 +63,8 @@ class LinearShard(nn.Module):
                 full_b = full_b.narrow(0, r * size, size)
             self.bias = nn.Parameter(full_b.clone().to(tp.dtype or full_b.dtype))
             set_param_spec(
-                self.bias, ParamSpec(bias_split, scaled_batch if bias_scaled_batch is None else bias_scaled_batch)
+                self.bias,
+                ParamSpec(bias_split, scaled_batch if bias_scaled_batch is None else bias_scaled_batch),
             )
 
     def extra_repr(self) -> str:
@@ -74,7 +77,9 @@ class DistributedLinear(DistributedModule):
     Its full state dict is that of ``nn.Linear(in_features, out_features, bias)``.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp: TPContext | None = None) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, *, tp: TPContext | None = None
+    ) -> None:
         super().__init__(tp=tp)
         if in_features % self.tp_size:
             raise DistTransformerConfigError(
@@ -84,7 +89,13 @@ class DistributedLinear(DistributedModule):
             )
         self.in_features, self.out_features = in_features, out_features
         shard = LinearShard(
-            self.tp, out_features, in_features, weight_split=1, bias=bias, scaled_batch=True, bias_scaled_batch=False
+            self.tp,
+            out_features,
+            in_features,
+            weight_split=1,
+            bias=bias,
+            scaled_batch=True,
+            bias_scaled_batch=False,
         )
         self.weight = shard.weight
         self.bias = shard.bias
@@ -104,4 +115,3 @@ class DistributedLinear(DistributedModule):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " + super().extra_repr()
-

@@ -27,7 +27,14 @@ from torch import Tensor, nn
 
 from mp_comm import collectives as col
 from mp_tensor.context import TPContext
-from mp_tensor.dist_ops import enter, gather_samples, leave, replicated_to_sharded, sharded_to_replicated, tp_dropout
+from mp_tensor.dist_ops import (
+    enter,
+    gather_samples,
+    leave,
+    replicated_to_sharded,
+    sharded_to_replicated,
+    tp_dropout,
+)
 from mp_tensor.errors import DistTransformerConfigError, TPInputError
 from mp_tensor.nn.args import TransformerArgs
 from mp_tensor.nn.attention import working_layout
@@ -47,7 +54,15 @@ def split_lm_inputs(inputs: tuple[Any, ...], cross: bool) -> dict[str, Any]:
                 "token_type_ids, position_ids, labels)."
             )
         ids, mask, tt, pos, labels = inputs
-        return {"ids": ids, "mask": mask, "tt": tt, "pos": pos, "cross": None, "cross_mask": None, "labels": labels}
+        return {
+            "ids": ids,
+            "mask": mask,
+            "tt": tt,
+            "pos": pos,
+            "cross": None,
+            "cross_mask": None,
+            "labels": labels,
+        }
     if len(inputs) == 8:
         ids, mask, tt, pos, cross, _, cross_mask, labels = inputs
     elif len(inputs) == 7:
@@ -57,14 +72,24 @@ def split_lm_inputs(inputs: tuple[Any, ...], cross: bool) -> dict[str, Any]:
             f"the LM head with add_cross_attention got a tuple of {len(inputs)} inputs; expected (input_ids, "
             "attention_mask, token_type_ids, position_ids, cross_states, cross_mask, labels)."
         )
-    return {"ids": ids, "mask": mask, "tt": tt, "pos": pos, "cross": cross, "cross_mask": cross_mask, "labels": labels}
+    return {
+        "ids": ids,
+        "mask": mask,
+        "tt": tt,
+        "pos": pos,
+        "cross": cross,
+        "cross_mask": cross_mask,
+        "labels": labels,
+    }
 
 
 def lm_loss(logits: Tensor, labels: Tensor, causal: bool) -> Tensor:
     """Mean cross entropy over the labelled tokens (-100 ignored), next-token shifted when ``causal``."""
     if causal:
         logits, labels = logits[:, :-1], labels[:, 1:]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100)
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100
+    )
 
 
 def additive_mask(mask: Tensor | None, mask_value: float, dtype: torch.dtype) -> Tensor | None:
@@ -77,7 +102,7 @@ def additive_mask(mask: Tensor | None, mask_value: float, dtype: torch.dtype) ->
 class DistributedTransformerLMHead(DistributedModule):
     """Tensor-parallel transformer language model (smp.nn.DistributedTransformerLMHead)."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0917
         self,
         num_layers: int = 12,
         num_attention_heads: int = 32,
@@ -104,7 +129,9 @@ class DistributedTransformerLMHead(DistributedModule):
     ) -> None:
         super().__init__(tp=tp)
         values = dict(kwargs)
-        values.update({k: v for k, v in locals().items() if k not in ("self", "tp", "kwargs", "values", "__class__")})
+        values.update(
+            {k: v for k, v in locals().items() if k not in ("self", "tp", "kwargs", "values", "__class__")}
+        )
         self.args = a = TransformerArgs.parse(type(self).__name__, self.tp_size, values)
         if a.causal_mask_size is not None and a.causal_mask_size < a.num_positions:
             raise DistTransformerConfigError(
@@ -118,7 +145,9 @@ class DistributedTransformerLMHead(DistributedModule):
             self.token_type_embedding = self._embedding(a.num_token_types, h, a.initializer_range)
         self.transformer = DistributedTransformer(tp=self.tp, num_layers=a.num_layers, **layer_kwargs(a))
         if a.final_layernorm:
-            self.layernorm = LayerNormShard(self.tp, h, a.layernorm_epsilon, sharded=self.tp.optimize == "memory")
+            self.layernorm = LayerNormShard(
+                self.tp, h, a.layernorm_epsilon, sharded=self.tp.optimize == "memory"
+            )
 
     def _embedding(self, rows: int, dim: int, init_range: float) -> nn.Embedding:
         emb = nn.Embedding(rows, dim // self.tp_size)
@@ -135,7 +164,9 @@ class DistributedTransformerLMHead(DistributedModule):
         f = split_lm_inputs(inputs, a.add_cross_attention)
         ids: Tensor = f["ids"]
         if ids.dim() != 2:
-            raise TPInputError(f"{type(self).__name__} got input_ids of shape {tuple(ids.shape)}; expected [N, S].")
+            raise TPInputError(
+                f"{type(self).__name__} got input_ids of shape {tuple(ids.shape)}; expected [N, S]."
+            )
         batch, seq = ids.shape
         if f["tt"] is not None and a.num_token_types == 0:
             raise DistTransformerConfigError(
@@ -165,7 +196,11 @@ class DistributedTransformerLMHead(DistributedModule):
         channels = hidden if memory else replicated_to_sharded(hidden, ctx)
         logits = F.linear(channels, self.word_embedding.weight)
         if ctx.distributed and ctx.group is not None:
-            logits = col.all_reduce(logits, ctx.group) if ctx.prescaled_batch else col.reduce_scatter(logits, 0, ctx.group)
+            logits = (
+                col.all_reduce(logits, ctx.group)
+                if ctx.prescaled_batch
+                else col.reduce_scatter(logits, 0, ctx.group)
+            )
         if f["labels"] is None:
             return logits
         return lm_loss(logits, f["labels"], a.causal_mask_size is not None), logits

@@ -37,7 +37,7 @@ def activate(x: Tensor, activation: str) -> Tensor:
 class DistributedTransformerOutputLayer(DistributedModule):
     """Tensor-parallel MLP block; functionally the reference ``TransformerOutputLayer`` (seed 004)."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0917
         self,
         hidden_size: int = 1024,
         intermediate_size: int = 4096,

@@ -1,4 +1,4 @@
-"""``DistributedTransformerLayer`` and ``DistributedTransformer`` (seed 004's ``TransformerLayer``/``Transformer``).
+"""The transformer layer and the transformer (seed 004: ``TransformerLayer``, ``Transformer``).
 
 A layer is an attention block, an optional cross-attention block and an output (MLP) block. The
 outermost module moves its inputs into the working layout once (an all-to-all in "memory" mode, an
@@ -67,7 +67,7 @@ class DistributedTransformerLayer(DistributedModule):
     4-tuple with ``hidden`` replaced by the output.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0917
         self,
         num_attention_heads: int = 32,
         attention_head_size: int = 32,
@@ -99,7 +99,11 @@ class DistributedTransformerLayer(DistributedModule):
         self.output = DistributedTransformerOutputLayer(tp=self.tp, **layer_kwargs(a, _OUTPUT_KEYS))
 
     def forward_layout(
-        self, hidden: Tensor, mask: Tensor | None, cross: Tensor | None = None, cross_mask: Tensor | None = None
+        self,
+        hidden: Tensor,
+        mask: Tensor | None,
+        cross: Tensor | None = None,
+        cross_mask: Tensor | None = None,
     ) -> Tensor:
         """The layer on the working layout."""
         out = self.attention.forward_layout(hidden, mask)
@@ -114,7 +118,7 @@ class DistributedTransformerLayer(DistributedModule):
 class DistributedTransformer(DistributedModule):
     """``num_layers`` tensor-parallel transformer layers in sequence (reference: ``Transformer``)."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0917
         self,
         num_layers: int = 12,
         num_attention_heads: int = 32,
@@ -145,10 +149,14 @@ class DistributedTransformer(DistributedModule):
         return list(self.seq_layers)  # type: ignore[arg-type]
 
     def forward_layout(
-        self, hidden: Tensor, mask: Tensor | None, cross: Tensor | None = None, cross_mask: Tensor | None = None
+        self,
+        hidden: Tensor,
+        mask: Tensor | None,
+        cross: Tensor | None = None,
+        cross_mask: Tensor | None = None,
     ) -> Tensor:
         """Every layer on the working layout."""
-        for layer in self.seq_layers:
+        for layer in self.layers:
             hidden = layer.forward_layout(hidden, mask, cross, cross_mask)
         return hidden
 
@@ -157,7 +165,9 @@ class DistributedTransformer(DistributedModule):
         return _run_layers(self, self.layers, inputs)
 
 
-def _run_layers(owner: DistributedModule, layers: list[DistributedTransformerLayer], inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+def _run_layers(
+    owner: DistributedModule, layers: list[DistributedTransformerLayer], inputs: tuple[Any, ...]
+) -> tuple[Any, ...]:
     cross_mode = layers[0].args.add_cross_attention if layers else False
     if cross_mode:
         hidden, cross, mask, cross_mask = inputs

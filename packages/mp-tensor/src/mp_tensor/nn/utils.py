@@ -63,7 +63,9 @@ class _Creation:
     initializer_range: float
 
 
-_creation: contextvars.ContextVar[_Creation | None] = contextvars.ContextVar("mp_tensor_creation", default=None)
+_creation: contextvars.ContextVar[_Creation | None] = contextvars.ContextVar(
+    "mp_tensor_creation", default=None
+)
 
 
 def full_linear_weight(
@@ -124,7 +126,9 @@ def parameter_creation_scope(
                 p.data = p.data.to(target)
 
 
-def _partition(module: DistributedModule, kind: Literal["input", "output"]) -> contextlib.AbstractContextManager[None]:
+def _partition(
+    module: DistributedModule, kind: Literal["input", "output"]
+) -> contextlib.AbstractContextManager[None]:
     @contextlib.contextmanager
     def scope() -> Iterator[None]:
         before_params = {id(p) for p in module.parameters()}
@@ -141,14 +145,18 @@ def _partition(module: DistributedModule, kind: Literal["input", "output"]) -> c
                     continue
                 out_l, in_l = sub.weight.shape
                 if kind == "input":
-                    w = full_linear_weight(out_l, in_l * n, use_normal=use_normal, initializer_range=init_range)
+                    w = full_linear_weight(
+                        out_l, in_l * n, use_normal=use_normal, initializer_range=init_range
+                    )
                     sub.weight.copy_(w.narrow(1, r * in_l, in_l))
                     set_param_spec(sub.weight, ParamSpec(1, scaled))
                     if sub.bias is not None:
                         sub.bias.copy_(full_linear_bias(out_l, in_l * n, use_normal=use_normal))
                         set_param_spec(sub.bias, ParamSpec(None, scaled))
                 else:
-                    w = full_linear_weight(out_l * n, in_l, use_normal=use_normal, initializer_range=init_range)
+                    w = full_linear_weight(
+                        out_l * n, in_l, use_normal=use_normal, initializer_range=init_range
+                    )
                     sub.weight.copy_(w.narrow(0, r * out_l, out_l))
                     set_param_spec(sub.weight, ParamSpec(0, scaled))
                     if sub.bias is not None:

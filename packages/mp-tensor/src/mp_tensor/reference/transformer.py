@@ -92,7 +92,7 @@ class AttentionLayer(nn.Module):
         attention_probs = self.dropout1(F.softmax(attention_scores, dim=-1))
         context_layer = torch.matmul(attention_probs, value_layer).permute(0, 2, 1, 3)
         context_layer = torch.reshape(context_layer, (*context_layer.size()[:-2], a.all_head_size))
-        self_attention = self.dropout2(self.dense(context_layer))
+        self_attention: Tensor = self.dropout2(self.dense(context_layer))
         if a.post_layernorm:
             return self.layernorm(self_attention + hidden_states)  # type: ignore[no-any-return]
         return self_attention + hidden_states
@@ -117,7 +117,7 @@ class TransformerOutputLayer(nn.Module):
     def forward(self, inp: Tensor) -> Tensor:
         a = self.args
         norm_inp = self.pre_layernorm(inp) if a.pre_layernorm else inp
-        output = self.dropout(self.dense2(_act(self.dense1(norm_inp), a.activation)))
+        output: Tensor = self.dropout(self.dense2(_act(self.dense1(norm_inp), a.activation)))
         if a.post_layernorm:
             return self.layernorm(inp + output)  # type: ignore[no-any-return]
         return inp + output
@@ -157,7 +157,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = TransformerArgs.parse(type(self).__name__, 1, dict(kwargs))
         layer_kwargs = {k: v for k, v in kwargs.items() if k != "num_layers"}
-        self.seq_layers = nn.Sequential(*[TransformerLayer(**layer_kwargs) for _ in range(self.args.num_layers)])
+        self.seq_layers = nn.Sequential(
+            *[TransformerLayer(**layer_kwargs) for _ in range(self.args.num_layers)]
+        )
 
     def forward(self, inp: tuple[Any, ...]) -> tuple[Any, ...]:
         for layer in self.seq_layers:
@@ -168,7 +170,14 @@ class Transformer(nn.Module):
 class TransformerLMHead(nn.Module):
     """Reference for ``DistributedTransformerLMHead`` (see :mod:`mp_tensor.nn.lm_head` for the contract)."""
 
-    _LM_ONLY = ("vocab_size", "num_positions", "num_token_types", "add_lm_head", "final_layernorm", "embedding_dropout_prob")
+    _LM_ONLY = (
+        "vocab_size",
+        "num_positions",
+        "num_token_types",
+        "add_lm_head",
+        "final_layernorm",
+        "embedding_dropout_prob",
+    )
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()

@@ -1,0 +1,206 @@
+"""The mailbox: complete messages waiting to be taken, by (source, tag), in each sender's order.
+
+Transports deliver into a :class:`Mailbox` from their progress threads; any number of threads take from
+it with timeouts. The transports of a router share one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final
+
+import torch
+
+from mp_comm.errors import PeerTimeoutError
+from mp_comm.message import Tag
+
+if TYPE_CHECKING:
+    from mp_comm.transport.base import TransportConfig
+
+__all__ = ["ANY_SOURCE", "ANY_TAG", "Arrival", "Mailbox"]
+
+log = logging.getLogger(__name__)
+
+#: Receive from whichever rank's message comes first.
+ANY_SOURCE: Final = -1
+
+
+class _AnyTag:
+    _instance: _AnyTag | None = None
+
+    def __new__(cls) -> _AnyTag:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "ANY_TAG"
+
+    def __reduce__(self) -> str:
+        return "ANY_TAG"
+
+
+#: Receive a message of any tag.
+ANY_TAG: Final = _AnyTag()
+
+
+@dataclass(slots=True)
+class Arrival:
+    """A message that reached this rank: its body still pickled, its tensors filled (or its error)."""
+
+    source: int
+    tag: Tag
+    order: int
+    body: bytes = b""
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+def _matches(a: Arrival, source: int, tag: object) -> bool:
+    return source in (ANY_SOURCE, a.source) and (tag is ANY_TAG or a.tag == tag)
+
+
+class Mailbox:
+    """Complete messages waiting to be taken, delivered in each sender's order.
+
+    Transports deliver into it from their progress threads; any number of threads take from it by
+    (source, tag) with a timeout. Arrivals carry the sender's per-destination order number, so a
+    message that overtakes an earlier one of the same sender (over another transport, or because its
+    payload was shorter) is held back until the earlier one is delivered.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._ready: list[Arrival] = []
+        self._early: dict[int, dict[int, Arrival]] = {}
+        self._expect: dict[int, int] = {}
+        self._peer_errors: dict[int, BaseException] = {}
+        self._fatal: BaseException | None = None
+        self.waiters = 0
+        """Threads blocked in `take` now (progress threads poll faster while it is non-zero)."""
+
+    def deliver(self, arrival: Arrival) -> None:
+        with self._cond:
+            src = arrival.source
+            expect = self._expect.get(src, 0)
+            if arrival.order != expect:
+                if arrival.order < expect:
+                    log.error("dropping a duplicate message %d from rank %d", arrival.order, src)
+                    return
+                self._early.setdefault(src, {})[arrival.order] = arrival
+                return
+            self._ready.append(arrival)
+            expect += 1
+            early = self._early.get(src)
+            while early and expect in early:
+                self._ready.append(early.pop(expect))
+                expect += 1
+            self._expect[src] = expect
+            self._cond.notify_all()
+
+    def fail_peer(self, peer: int, error: BaseException) -> None:
+        """Receives from `peer` (and from any source) raise `error` once its delivered messages are taken."""
+        with self._cond:
+            self._peer_errors.setdefault(peer, error)
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """Every present and future take raises `error` (the transport stopped)."""
+        with self._cond:
+            if self._fatal is None:
+                self._fatal = error
+            self._cond.notify_all()
+
+    def pending(self) -> list[tuple[int, Tag]]:
+        """(source, tag) of the messages delivered and not yet taken."""
+        with self._cond:
+            return [(a.source, a.tag) for a in self._ready]
+
+    def take(
+        self,
+        source: int,
+        tag: object,
+        timeout: float,
+        *,
+        drive: Callable[[], bool] | None = None,
+        config: TransportConfig | None = None,
+    ) -> Arrival:
+        """The first delivered message matching (source, tag); waits at most `timeout` seconds.
+
+        `drive`, when given, makes progress on the transport from this thread (returns whether it did
+        any work): a waiting thread then sees its message without a hand-off from the progress thread.
+        While it finds work, or for `config.spin_time` after, it polls; then it sleeps on the mailbox
+        (woken by deliveries), from `config.poll_min` up to `config.poll_max` at a time, driving
+        between naps so that it keeps helping.
+        """
+        deadline = time.monotonic() + timeout
+        spin = config.spin_time if config is not None else 0.0
+        first_nap = config.poll_min if config is not None else 1e-3
+        longest_nap = config.poll_max if config is not None else 1e-3
+        nap = first_nap
+        last_work = time.monotonic()
+        with self._cond:
+            self.waiters += 1
+        try:
+            while True:
+                with self._cond:
+                    found = self._find(source, tag, timeout, deadline)
+                if found is not None:
+                    return found
+                if drive is not None and drive():
+                    last_work = time.monotonic()
+                    nap = first_nap
+                    continue
+                now = time.monotonic()
+                if drive is not None and now - last_work < spin:
+                    os.sched_yield()  # releases the GIL; time.sleep(0) would cost a timer-slack period
+                    continue
+                with self._cond:
+                    found = self._find(source, tag, timeout, deadline)
+                    if found is not None:
+                        return found
+                    left = deadline - time.monotonic()
+                    self._cond.wait(min(left, nap) if drive is not None else left)
+                nap = min(longest_nap, nap * 2)  # a long wait polls less and less often
+        finally:
+            with self._cond:
+                self.waiters -= 1
+
+    def _find(self, source: int, tag: object, timeout: float, deadline: float) -> Arrival | None:
+        # Called with the condition held: a match, or raise the failure / timeout that applies.
+        for i, a in enumerate(self._ready):
+            if _matches(a, source, tag):
+                return self._ready.pop(i)
+        if self._fatal is not None:
+            raise self._fatal
+        lost = self._lost(source)
+        if lost is not None:
+            raise lost
+        if time.monotonic() >= deadline:
+            raise self._timeout(source, tag, timeout)
+        return None
+
+    def _lost(self, source: int) -> BaseException | None:
+        if source == ANY_SOURCE:
+            return next(iter(self._peer_errors.values()), None)
+        return self._peer_errors.get(source)
+
+    def _timeout(self, source: int, tag: object, waited: float) -> PeerTimeoutError:
+        who = "any rank" if source == ANY_SOURCE else f"rank {source}"
+        others = [(a.source, a.tag) for a in self._ready][:8]
+        held = sum(len(v) for v in self._early.values())
+        extra = f"; messages waiting here: {others}" if others else "; no other message is waiting here"
+        if held:
+            extra += f" ({held} more held back behind an earlier message of their sender)"
+        return PeerTimeoutError(
+            f"no message from {who} with tag {tag!r} within {waited:g} s{extra}. Is the sender alive, "
+            "and does it send this tag? Raise TransportConfig.timeout for longer steps.",
+            peer=None if source == ANY_SOURCE else source,
+            tag=tag,
+            waited=waited,
+        )

@@ -1,0 +1,72 @@
+"""Tensor parallelism composed with data parallelism through the smp API: 4 ranks, tp 2 x rdp 2.
+
+Gradients of distributed parameters are reduced over the reduced-data-parallel group, all others over
+the data-parallel group; after one SGD step every parameter equals single-process training on the
+global batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mp as smp
+from mp_tensor import reference as ref
+from tests.mp_tensor._tp_util import SMALL
+
+LOCAL_B, S, V = 2, 5, 24
+
+
+class Model(nn.Module):
+    def __init__(self, transformer: nn.Module) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, 16)
+        self.transformer = transformer
+        self.head = nn.Linear(16, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.transformer((self.embed(ids), None))[0]
+        return self.head(h)  # type: ignore[no-any-return]
+
+
+def _train_step(world: Any, optimize: str, prescaled: bool) -> dict[str, float]:
+    import mp.nn
+    import mp.tensor_api as tapi
+
+    smp.init({"tensor_parallel_degree": 2, "ddp": True, "optimize": optimize, "prescaled_batch": prescaled})
+    kw = {**SMALL, "num_layers": 2, "causal_mask_size": 8}
+    torch.manual_seed(0)
+    reference = Model(ref.Transformer(**kw))
+    with tapi.tensor_parallelism():
+        model = Model(mp.nn.DistributedTransformer(**kw))
+    tapi.load_original_state_dict(model, reference.state_dict())
+    model = tapi.replace_tp_modules(model)  # the head (a marked nn.Linear) becomes a DistributedLinear
+    assert type(model.head).__name__ == "DistributedLinear"
+
+    batches = smp.rdp_size() if prescaled else smp.dp_size()
+    which = smp.rdp_rank() if prescaled else smp.dp_rank()
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, V, (batches * LOCAL_B, S), generator=gen)
+    labels = torch.randint(0, V, (batches * LOCAL_B, S), generator=gen)
+    mine = slice(which * LOCAL_B, (which + 1) * LOCAL_B)
+
+    F.cross_entropy(reference(ids).flatten(0, 1), labels.flatten()).backward()
+    F.cross_entropy(model(ids[mine]).flatten(0, 1), labels[mine].flatten()).backward()
+    tapi.reduce_tp_gradients(list(model.parameters()))
+    for m in (reference, model):
+        torch.optim.SGD(m.parameters(), lr=0.5).step()
+    after = tapi.gather_state_dict(model)
+    expected = reference.state_dict()
+    return {k: (after[k] - v).abs().max().item() for k, v in expected.items()}
+
+
+@pytest.mark.parametrize(("optimize", "prescaled"), [("memory", False), ("speed", True)])
+def test_tp_with_dp_matches_single_process(worlds: Any, optimize: str, prescaled: bool) -> None:
+    results = worlds.run(4, _train_step, optimize, prescaled, timeout=120)
+    for rank, diffs in enumerate(results):
+        bad = {k: v for k, v in diffs.items() if not v < 2e-6}
+        assert not bad, (rank, bad)
