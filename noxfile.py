@@ -43,7 +43,9 @@ def _editable(*dists: str) -> list[str]:
 
 
 def _install_all(session: nox.Session, *extra: str) -> None:
-    session.install(*CONSTRAINTS, *_editable(*PACKAGES), *TEST_TOOLS, *ALL_TEST_EXTRAS, *extra)
+    # mp-comm[ucx] too, so that the UCX transport's tests run for real (over tcp/shared memory on CPU).
+    ucx = ("-e", f"{ROOT / 'packages' / 'mp-comm'}[ucx]")
+    session.install(*CONSTRAINTS, *_editable(*PACKAGES), *ucx, *TEST_TOOLS, *ALL_TEST_EXTRAS, *extra)
 
 
 @nox.session(python="3.11")

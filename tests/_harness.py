@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,7 @@ class Pool:
         cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "tests._worker", host, str(port), authkey.hex()]
         self._proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
         self._conns: list[Connection] = []
+        self._pids: dict[int, int] = {}
         ready: queue.Queue[tuple[int, Connection] | BaseException] = queue.Queue()
         threading.Thread(target=self._accept, args=(ready,), daemon=True).start()
         by_rank: dict[int, Connection] = {}
@@ -81,8 +82,9 @@ class Pool:
         try:
             for _ in range(self.n):
                 conn = self._listener.accept()
-                tag, rank = conn.recv()
+                tag, rank, pid = conn.recv()
                 assert tag == "ready", tag
+                self._pids[rank] = pid
                 ready.put((rank, conn))
         except BaseException as exc:  # the listener was closed because the start failed
             ready.put(exc)
@@ -125,6 +127,8 @@ class Pool:
                     errors.setdefault(by_conn[id(conn)], "rank died (mpiexec exited)")
                 break
         if errors or pending:
+            if pending:
+                self._dump_stacks(by_conn[id(c)] for c in pending)
             self.kill()
             parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
             hung = sorted(by_conn[id(c)] for c in pending if by_conn[id(c)] not in errors)
@@ -133,6 +137,13 @@ class Pool:
                 parts.append(f"--- ranks {hung} did not answer {reason} ---")
             raise WorldFailure(f"{fn.__qualname__} failed on {self.n} ranks:\n" + "\n".join(parts))
         return [results[r] for r in range(self.n)]
+
+    def _dump_stacks(self, ranks: Iterable[int]) -> None:
+        # faulthandler in each stuck rank writes all its threads' stacks to stderr (see _worker.py)
+        for rank in ranks:
+            with contextlib.suppress(ProcessLookupError, KeyError):
+                os.kill(self._pids[rank], signal.SIGUSR1)
+        time.sleep(1.0)
 
     def close(self) -> None:
         if not self.alive():
@@ -170,6 +181,13 @@ class Worlds:
         if pool is None or not pool.alive():
             pool = self._pools[n] = Pool(n)
         return pool.run(fn, *args, timeout=timeout, **kwargs)
+
+    def _dump_stacks(self, ranks: Iterable[int]) -> None:
+        # faulthandler in each stuck rank writes all its threads' stacks to stderr (see _worker.py)
+        for rank in ranks:
+            with contextlib.suppress(ProcessLookupError, KeyError):
+                os.kill(self._pids[rank], signal.SIGUSR1)
+        time.sleep(1.0)
 
     def close(self) -> None:
         for pool in self._pools.values():

@@ -6,8 +6,11 @@ each called as fn(world, *args, **kwargs), and sends back the result or the form
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
+import os
 import pickle
+import signal
 import sys
 import traceback
 from multiprocessing.connection import Client
@@ -35,7 +38,10 @@ def main() -> None:
 
     world = init_world()
     conn = Client((host, port), authkey=authkey)
-    conn.send(("ready", world.rank))
+    # The harness sends SIGUSR1 to a rank that does not answer in time: every thread's stack goes to
+    # stderr, so a hang is reported with where each rank was stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    conn.send(("ready", world.rank, os.getpid()))
     while True:
         task = pickle.loads(conn.recv_bytes())
         if task is None:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mp as smp
+from mp import DistributedModel, DistributedOptimizer, step
 from mp.errors import (
     BwdExecutionNotInStepFnError,
     FwdExecutionNotInStepFnError,
@@ -17,9 +18,6 @@ from mp.errors import (
     MultipleDistributedModelError,
     TensorSplitError,
 )
-from mp.model import DistributedModel
-from mp.optimizer import DistributedOptimizer
-from mp.step import step
 from mp_partition import set_partition
 from mp_pipeline import StepOutput
 

@@ -14,9 +14,7 @@ import pytest
 import torch
 
 import mp as smp
-from mp.model import DistributedModel
-from mp.optimizer import DistributedOptimizer
-from mp.step import step
+from mp import DistributedModel, DistributedOptimizer, step
 from tests.mp_pipeline.models import (
     STEPS,
     batch,

@@ -702,7 +702,6 @@ def test_exception_hierarchy() -> None:
     for name in (
         "NotInitializedError",
         "CommGroupConfigError",
-        "InvalidStepOutputError",
         "SMPCheckpointError",
     ):
         assert issubclass(getattr(e, name), SMPValidationError)

@@ -2,7 +2,20 @@
 
 from mp_comm import collectives
 from mp_comm.collectives import CollectiveHandle
-from mp_comm.errors import CollectiveError, MPCommError, TopologyError, WorldError
+from mp_comm.errors import (
+    CollectiveError,
+    MessageDecodeError,
+    MessageEncodeError,
+    MPCommError,
+    PeerLostError,
+    PeerTimeoutError,
+    TopologyError,
+    TransportClosedError,
+    TransportError,
+    TransportUnavailableError,
+    WorldError,
+)
+from mp_comm.router import Route, Router, RouterConfig
 from mp_comm.topology import (
     PLACEMENT_ALIASES,
     GroupKind,
@@ -11,20 +24,53 @@ from mp_comm.topology import (
     build_topology,
     normalize_placement,
 )
+from mp_comm.transport import (
+    ANY_SOURCE,
+    ANY_TAG,
+    LoopbackHub,
+    LoopbackTransport,
+    MPITransport,
+    Received,
+    SendHandle,
+    Transport,
+    TransportConfig,
+    UCXConfig,
+    ucx_available,
+)
 from mp_comm.world import Launcher, World, WorldInfo, detect_launcher, init_world
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ANY_SOURCE",
+    "ANY_TAG",
     "PLACEMENT_ALIASES",
     "CollectiveError",
     "CollectiveHandle",
     "GroupKind",
     "Launcher",
+    "LoopbackHub",
+    "LoopbackTransport",
     "MPCommError",
+    "MPITransport",
+    "MessageDecodeError",
+    "MessageEncodeError",
+    "PeerLostError",
+    "PeerTimeoutError",
     "RankCoords",
+    "Received",
+    "Route",
+    "Router",
+    "RouterConfig",
+    "SendHandle",
     "Topology",
     "TopologyError",
+    "Transport",
+    "TransportClosedError",
+    "TransportConfig",
+    "TransportError",
+    "TransportUnavailableError",
+    "UCXConfig",
     "World",
     "WorldError",
     "WorldInfo",
@@ -33,4 +79,5 @@ __all__ = [
     "detect_launcher",
     "init_world",
     "normalize_placement",
+    "ucx_available",
 ]

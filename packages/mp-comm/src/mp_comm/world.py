@@ -144,6 +144,9 @@ def _choose_backend(requested: str | None) -> tuple[str, torch.device]:
 
 
 def _mpi_coordinates() -> tuple[Any, WorldInfo, str]:
+    from mp_comm.transport.ucx_setup import preload_before_mpi
+
+    preload_before_mpi()  # UCX's libraries before MPICH's bundled older copy (no-op without ucxx)
     try:
         from mpi4py import MPI
     except ImportError as exc:  # pragma: no cover - mpi4py is a declared dependency

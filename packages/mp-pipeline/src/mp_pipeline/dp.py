@@ -63,15 +63,27 @@ def agree_any(flags: Sequence[bool], group: dist.ProcessGroup) -> list[bool]:
 
 
 def reduce_gradients(
-    params: Sequence[nn.Parameter], group: dist.ProcessGroup, *, bucket_bytes: int = 25 << 20
+    params: Sequence[nn.Parameter],
+    group: dist.ProcessGroup,
+    *,
+    bucket_bytes: int = 25 << 20,
+    divisor: float | None = None,
 ) -> None:
-    """Average the gradients of ``params`` over the group.
+    """Sum the gradients of ``params`` over the group and divide by ``divisor`` (default: its size).
 
     A parameter that has a gradient on some member but not on others counts as zero there; one that
-    has none anywhere keeps None (as plain PyTorch on the whole batch would).
+    has none anywhere keeps None (as plain PyTorch on the whole batch would). A divisor other than
+    the group's size serves parameters whose gradients already cover several members' samples
+    (tensor-parallel shards, reduced over a smaller group than the samples they saw).
     """
     size = dist.get_world_size(group)
+    scale = float(size if divisor is None else divisor)
     if size == 1:
+        if scale != 1.0:
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.div_(scale)
         return
     have = agree_any([p.grad is not None for p in params], group)
     live: list[torch.Tensor] = []
@@ -85,7 +97,7 @@ def reduce_gradients(
         for bucket in buckets(live, bucket_bytes):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat, group=group)
-            flat /= size
+            flat /= scale
             offset = 0
             for g in bucket:
                 n = g.numel()

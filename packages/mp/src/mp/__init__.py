@@ -56,6 +56,8 @@ from mp.errors import (  # smp's exception names, so scripts can catch them as s
     WorkerSizeError,
 )
 from mp.init import init, is_initialized, reset, shutdown
+from mp.model import DistributedModel
+from mp.optimizer import DistributedOptimizer
 from mp.ranks import (
     dp_rank,
     dp_size,
@@ -85,8 +87,10 @@ from mp.ranks import (
     tp_size,
 )
 from mp.state import state
+from mp.step import step
 from mp.tensor_api import set_tensor_parallelism, tensor_parallelism, tp_register, tp_register_with_module
-from mp_partition import partition, set_partition
+from mp_partition import is_tracing, partition, set_partition
+from mp_pipeline import PipelineAbortedError, PipelineTimeoutError, RemoteExecutionError, StepOutput
 
 __version__ = "0.1.0"
 
@@ -114,8 +118,10 @@ __all__ = [
     "DelayedParamDeviceError",
     "DistEmbeddingConfigError",
     "DistTransformerConfigError",
+    "DistributedModel",
     "DistributedModelNotWrappedError",
     "DistributedModelWrappedError",
+    "DistributedOptimizer",
     "FwdExecutionNotInStepFnError",
     "IncompatibleCheckpointFoundError",
     "IncompatibleCheckpointRankFoundError",
@@ -128,7 +134,10 @@ __all__ = [
     "MultipleDtypeOptShardingError",
     "NotInitializedError",
     "NotSupportedByFastModeError",
+    "PipelineAbortedError",
+    "PipelineTimeoutError",
     "RankType",
+    "RemoteExecutionError",
     "SMPCheckpointError",
     "SMPConfigError",
     "SMPInvalidArgumentError",
@@ -136,6 +145,7 @@ __all__ = [
     "SMPUnsupportedError",
     "SMPValidationError",
     "StepFunctionCalledError",
+    "StepOutput",
     "TPModuleRegisterError",
     "TensorSplitError",
     "UnsupportedTPModuleError",
@@ -161,6 +171,7 @@ __all__ = [
     "get_world_process_group",
     "init",
     "is_initialized",
+    "is_tracing",
     "load_config",
     "local_rank",
     "local_size",
@@ -184,6 +195,7 @@ __all__ = [
     "shutdown",
     "size",
     "state",
+    "step",
     "tensor_parallelism",
     "tp_barrier",
     "tp_rank",

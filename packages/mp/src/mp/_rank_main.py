@@ -7,6 +7,9 @@ waiting for it in a collective.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import importlib.util
 import json
 import os
 import runpy
@@ -56,6 +59,10 @@ def main() -> None:
     if not argv:
         raise SystemExit("usage: python _rank_main.py (script | -m module) [args...]")
     rank = _rank()
+    if importlib.util.find_spec("libucx") is not None:
+        # ucxx's UCX libraries must be loaded before MPICH's bundled older copy (see mp_comm.transport)
+        with contextlib.suppress(Exception):
+            importlib.import_module("libucx").load_library()
     from mpi4py import MPI  # initialize MPI before user code, so Abort is always available
 
     del MPI

@@ -17,6 +17,7 @@ from __future__ import annotations
 # Raised by the packages below the facade, which cannot import mp; re-exported under smp's names so
 # `except smp.InvalidPartitionIDError` works. They subclass ValueError / RuntimeError as smp's do.
 from mp_partition.errors import InvalidPartitionIDError
+from mp_pipeline.errors import InvalidStepOutputError
 from mp_tensor.errors import (
     DistEmbeddingConfigError,
     DistTransformerConfigError,
@@ -124,10 +125,6 @@ class WorkerSizeError(SMPValidationError):
 
 class CommGroupConfigError(SMPValidationError):
     """A communication group argument is not a ``CommGroup``."""
-
-
-class InvalidStepOutputError(SMPValidationError):
-    """A ``StepOutput`` was built from something other than a list or tuple of microbatch outputs."""
 
 
 class MultipleDistributedModelError(SMPValidationError):

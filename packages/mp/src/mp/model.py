@@ -35,6 +35,7 @@ from mp.errors import (
 )
 from mp.optimizer import keep_local_parameters
 from mp.state import state
+from mp.tensor_api import replace_tp_modules
 from mp_comm import GroupKind
 from mp_partition import PartitionPlan, Tracer, auto_partition, manual_partition
 from mp_pipeline import (
@@ -50,6 +51,7 @@ from mp_pipeline import (
     reduce_gradients,
     task_context,
 )
+from mp_tensor import is_distributed_parameter, is_scaled_batch_parameter
 
 __all__ = ["DistributedModel"]
 
@@ -108,7 +110,9 @@ class DistributedModel(nn.Module):
                 f"backward_passes_per_step={backward_passes_per_step!r}; expected an int >= 1"
             )
         super().__init__()
-        self.module = module
+        # Tensor parallelism: marked modules become their distributed versions now, at wrap time
+        # (smp's order), copying the original weights into this rank's shards.
+        self.module = replace_tp_modules(module) if cfg.tp > 1 else module
         self._pp: int = cfg.pipeline_parallel_degree
         self._rank = world.rank
         self._pp_rank = topo.coords(world.rank).pp_rank
@@ -226,7 +230,9 @@ class DistributedModel(nn.Module):
                     cfg.resolved_pipeline,
                     len(inputs),
                     min(cfg.resolved_active_microbatches, len(inputs)),
-                    deterministic=cfg.deterministic_server,
+                    # Tensor-parallel modules issue collectives in their TP group, so every TP rank
+                    # must run the same requests in the same order: only the fixed order ensures it.
+                    deterministic=cfg.deterministic_server or cfg.tp > 1,
                 )
                 results = self._runtime.run_step(body, scheduler, exec_state)
         except BaseException as exc:
@@ -260,10 +266,24 @@ class DistributedModel(nn.Module):
                 first = next(t for t in texts if t is not None)
                 raise SMPRuntimeError(f"the step failed on a data-parallel replica:\n{first}")
             if any_backward and (self._step_count + 1) % self._bpps == 0:
-                params = [p for p in self._local_params() if p.requires_grad]
-                reduce_gradients(params, group, bucket_bytes=self._bucket_bytes)
+                self._reduce_gradients([p for p in self._local_params() if p.requires_grad], group)
         elif error is not None:
             raise error
+
+    def _reduce_gradients(self, params: list[nn.Parameter], dp_group: dist.ProcessGroup) -> None:
+        cfg = state.require()[0]
+        if cfg.tp == 1:
+            reduce_gradients(params, dp_group, bucket_bytes=self._bucket_bytes)
+            return
+        # Tensor-parallel shards (and what distributed modules apply to the TP group's exchanged
+        # batch) already saw every TP rank's samples: they are summed over the reduced DP group only.
+        scaled = [p for p in params if is_scaled_batch_parameter(p)]
+        others = [p for p in params if not is_scaled_batch_parameter(p)]
+        reduce_gradients(others, dp_group, bucket_bytes=self._bucket_bytes)
+        rdp = state.process_groups[GroupKind.RDP]
+        rdp_size = dist.get_world_size(rdp)
+        divisor = rdp_size if cfg.prescaled_batch else rdp_size * cfg.tp
+        reduce_gradients(scaled, rdp, bucket_bytes=self._bucket_bytes, divisor=divisor)
 
     def _sync_replicas(self, *, first: bool) -> None:
         group = state.process_groups.get(GroupKind.DP)
@@ -271,7 +291,14 @@ class DistributedModel(nn.Module):
             return
         tensors: list[torch.Tensor] = []
         if first:
-            tensors += [p.data for p in self._local_params()]
+            local = list(self._local_params())
+            # Shards differ between TP ranks by design: only replicas of the same shard (RDP) agree.
+            shards = [p.data for p in local if is_distributed_parameter(p)]
+            if shards:
+                broadcast_tensors(
+                    shards, state.process_groups[GroupKind.RDP], bucket_bytes=self._bucket_bytes
+                )
+            tensors += [p.data for p in local if not is_distributed_parameter(p)]
         if first or self._broadcast_buffers:
             tensors += [b for b in self.module.buffers() if not getattr(b, _PLACEHOLDER, False)]
         if tensors:
@@ -282,6 +309,15 @@ class DistributedModel(nn.Module):
         world = state.require()[1]
         if self._pp > 1:
             payload: tuple[str, Any] = ("error", "rank 0 did not compute a partition")
+            # The trace runs the model's forward: with tensor parallelism its distributed modules run
+            # collectives in rank 0's TP group, so every member of that group traces (its own first
+            # microbatch) and rank 0's plan is the one everybody uses.
+            tracers = state.require()[2].group(GroupKind.TP, 0)
+            if world.rank in tracers and world.rank != 0:
+                try:
+                    self._compute_plan(body)
+                except Exception:
+                    log.exception("tracing on rank %d (a TP peer of rank 0) failed", world.rank)
             if world.rank == 0:
                 try:
                     self.plan = self._compute_plan(body)

@@ -1,0 +1,116 @@
+"""Tensor parallelism through smp.DistributedModel: a HuggingFace GPT-2 built under
+`smp.tensor_parallelism()` trains exactly like single-process PyTorch, with tp=2 alone and with
+tp=2 x pp=2, each tp rank holding different samples (TP across data-parallel ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import mp as smp
+
+transformers = pytest.importorskip("transformers")
+
+STEPS, PER_RANK, SEQ, VOCAB = 3, 4, 16, 64
+
+
+def _config() -> Any:
+    return transformers.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
+
+
+def _data(dp_size: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, VOCAB, (STEPS, dp_size * PER_RANK, SEQ), generator=g)
+
+
+def _optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _reference(dp_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(_config())
+    opt = _optimizer(model.parameters())
+    losses = []
+    for ids in _data(dp_size):
+        opt.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train(world: Any, pp: int, microbatches: int) -> dict[str, Any]:
+    smp.init(
+        {
+            "tensor_parallel_degree": 2,
+            "pipeline_parallel_degree": pp,
+            "microbatches": microbatches,
+            "ddp": True,
+        }
+    )
+    torch.manual_seed(0)
+    with smp.tensor_parallelism():
+        model = transformers.GPT2LMHeadModel(_config())
+    model = smp.DistributedModel(model)
+    opt = smp.DistributedOptimizer(_optimizer(model.parameters()))
+
+    @smp.step
+    def train_step(model: Any, ids: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids).loss
+        model.backward(loss)
+        return loss
+
+    dp, rank = smp.dp_size(), smp.dp_rank()
+    losses = []
+    for ids in _data(dp):
+        opt.zero_grad()
+        out = train_step(model, ids[rank * PER_RANK : (rank + 1) * PER_RANK])
+        opt.step()
+        # every rank's mean over its samples; the global loss is their mean over the DP group
+        losses.append(sum(smp.allgather(out.reduce_mean().item(), smp.DP_GROUP)) / dp)
+    result: dict[str, Any] = {"losses": losses, "dp": dp}
+    if pp == 1:
+        from mp_tensor import gather_state_dict
+
+        result["state"] = {k: v.detach().clone() for k, v in gather_state_dict(model.module).items()}
+    return result
+
+
+@pytest.mark.parametrize(("n", "pp", "microbatches"), [(2, 1, 1), (2, 1, 2), (4, 2, 2)])
+def test_tensor_parallel_gpt2_trains_like_single_process(
+    worlds: Any, n: int, pp: int, microbatches: int
+) -> None:
+    results = worlds.run(n, _train, pp, microbatches, timeout=240)
+    ref_losses, ref_state = _reference(results[0]["dp"])
+    for r, res in enumerate(results):
+        torch.testing.assert_close(
+            torch.tensor(res["losses"]),
+            torch.tensor(ref_losses),
+            rtol=1e-5,
+            atol=1e-6,
+            msg=lambda m, r=r: f"rank {r} losses: {m}",
+        )
+        if "state" in res:
+            assert set(res["state"]) == set(ref_state)
+            for key, value in ref_state.items():
+                torch.testing.assert_close(
+                    res["state"][key],
+                    value,
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=lambda m, r=r, key=key: f"rank {r} parameter {key}: {m}",
+                )
