@@ -3,7 +3,8 @@
 The pipeline runtime of seed 001 §4: every rank runs a module server; a call to a module owned by
 another rank becomes a request to that rank, with autograd wired across ranks; pp_rank 0 drives the
 microbatches of the step function by a schedule ("simple" or "interleaved"). The umbrella ``mp``
-builds ``smp.step``, ``smp.DistributedModel`` and ``smp.DistributedOptimizer`` on it.
+builds ``smp.step``, ``smp.DistributedModel`` and ``smp.DistributedOptimizer`` on it. While
+``RECORDER`` is enabled, every rank records its executions, requests and waits (``Timeline``).
 """
 
 from mp_pipeline.context import ExecState, TaskContext, applied, capture, current, task_context
@@ -25,12 +26,15 @@ from mp_pipeline.schedule import Phase, Scheduler, SimResult, Task, fixed_order,
 from mp_pipeline.server import Baton, Server, WorkerState
 from mp_pipeline.step_output import StepOutput, merge_microbatch_results
 from mp_pipeline.structure import Slot, flatten, map_structure, unflatten
-from mp_pipeline.transport import process_transport
+from mp_pipeline.timeline import RECORDER, Event, EventKind, ProcessTrace, Recorder, Timeline
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "RECORDER",
     "Baton",
+    "Event",
+    "EventKind",
     "ExecState",
     "Failure",
     "InvalidStepOutputError",
@@ -40,6 +44,8 @@ __all__ = [
     "PipelineError",
     "PipelineRuntime",
     "PipelineTimeoutError",
+    "ProcessTrace",
+    "Recorder",
     "Remote",
     "RemoteExecutionError",
     "Request",
@@ -57,6 +63,7 @@ __all__ = [
     "StepOutput",
     "Task",
     "TaskContext",
+    "Timeline",
     "WorkerState",
     "__version__",
     "agree_any",
@@ -71,7 +78,6 @@ __all__ = [
     "map_structure",
     "merge_microbatch_results",
     "pipelined_backward",
-    "process_transport",
     "reduce_gradients",
     "remote_error",
     "simulate",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from mp_pipeline.errors import NotInStepError, PipelineError, RemoteExecutionErr
 from mp_pipeline.messages import Failure, Request, Response, StepId
 from mp_pipeline.schedule import Phase
 from mp_pipeline.structure import flatten, unflatten
+from mp_pipeline.timeline import RECORDER, EventKind
 
 __all__ = ["Remote", "remote_error"]
 
@@ -265,7 +267,7 @@ class Remote:
             tensors.append(t)
         args, kwargs = unflatten(request.payload, tensors)
         task = TaskContext(request.microbatch, request.position)
-        with task_context(task), applied(request.state):
+        with self._recorded(EventKind.FWD, request), task_context(task), applied(request.state):
             if request.checkpoint and request.state.grad_enabled:
                 out = torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
             else:
@@ -278,6 +280,12 @@ class Remote:
             self.saved[(request.requester, request.request_id)] = _Saved(leaves, kept)
         return Response(
             request.step, request.request_id, self.rank, skeleton, [t.detach() for t in outs], out_requires
+        )
+
+    def _recorded(self, kind: EventKind, request: Request) -> AbstractContextManager[None]:
+        """The execution as a timeline event (a no-op unless the timeline is recording)."""
+        return RECORDER.span(
+            kind, rank=self.rank, step=request.step.step, module=request.module, microbatch=request.microbatch
         )
 
     def _backward(self, request: Request) -> Response:
@@ -293,7 +301,7 @@ class Remote:
         pairs = [(o, g) for o, g in zip(saved.outputs, request.tensors, strict=True) if g is not None]
         task = TaskContext(request.microbatch, request.position)
         if pairs:
-            with task_context(task), applied(request.state):
+            with self._recorded(EventKind.BWD, request), task_context(task), applied(request.state):
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         grads: list[torch.Tensor | None] = [leaf.grad for leaf in saved.inputs]
         return Response(request.step, request.request_id, self.rank, tensors=grads)

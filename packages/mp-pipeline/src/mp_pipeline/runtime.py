@@ -27,6 +27,7 @@ from mp_pipeline.remote import Remote
 from mp_pipeline.schedule import Phase, Scheduler, Task
 from mp_pipeline.server import Server, ServerClosed
 from mp_pipeline.structure import map_structure
+from mp_pipeline.timeline import RECORDER, STEP_MODULE, EventKind
 
 __all__ = ["PipelineRuntime", "StepDriver", "default_timeout", "pipelined_backward"]
 
@@ -86,14 +87,34 @@ class StepDriver:
         ]
 
     def _job(self, mb: int) -> Callable[[], None]:
+        # Timeline: the step function's forward of this microbatch runs until it pauses at
+        # model.backward, its backward from the schedule's resume to the end of the body.
+        kind, start = EventKind.FWD, 0
+
+        def record() -> None:
+            RECORDER.add(
+                kind,
+                rank=self.server.rank,
+                step=self.server.step.step,
+                module=STEP_MODULE,
+                microbatch=mb,
+                start_ns=start,
+                end_ns=RECORDER.now(),
+            )
+
         def on_backward() -> None:
+            nonlocal kind, start
             token = object()
             self.scheduler.backward_ready(mb)
             self._paused[mb] = token
+            record()
             self.server.pause(token)
+            kind, start = EventKind.BWD, RECORDER.now()
 
         def job() -> None:
-            task = TaskContext(mb, ("<step>",), on_backward=on_backward)
+            nonlocal start
+            start = RECORDER.now()
+            task = TaskContext(mb, (STEP_MODULE,), on_backward=on_backward)
             try:
                 with task_context(task), applied(self.state):
                     out = self.body(mb)
@@ -105,6 +126,7 @@ class StepDriver:
                         exc._mp_microbatch = mb  # type: ignore[attr-defined]
                     self.failure = exc
                 return
+            record()
             self.results[mb] = out
             self.scheduler.finished(mb)
 
@@ -154,14 +176,18 @@ class PipelineRuntime:
             early=self._early,
         )
         self.remote.server = server
+        recorded = RECORDER.span(
+            EventKind.STEP, rank=self.rank, step=step.step, module=STEP_MODULE, microbatch=-1
+        )
         try:
-            if self.pp_rank == 0:
-                driver = StepDriver(server, scheduler, body, state)
-                server.serve(driver)
-                results = [driver.results[m] for m in range(scheduler.microbatches)]
-                log.debug("step %d: schedule %s", self._step, " ".join(map(str, scheduler.issued)))
-            else:
-                results = list(server.serve(None))
+            with recorded:
+                if self.pp_rank == 0:
+                    driver = StepDriver(server, scheduler, body, state)
+                    server.serve(driver)
+                    results = [driver.results[m] for m in range(scheduler.microbatches)]
+                    log.debug("step %d: schedule %s", self._step, " ".join(map(str, scheduler.issued)))
+                else:
+                    results = list(server.serve(None))
         finally:
             self.remote.server = None
             self.remote.saved.clear()

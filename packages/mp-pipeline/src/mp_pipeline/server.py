@@ -24,6 +24,7 @@ from mp_comm.transport.base import ANY_SOURCE, SendHandle, Transport
 from mp_pipeline.errors import PipelineAbortedError, PipelineTimeoutError
 from mp_pipeline.messages import TAG, Failure, Request, Response, StepAbort, StepEnd, StepId
 from mp_pipeline.schedule import Phase, Task
+from mp_pipeline.timeline import RECORDER, EventKind
 
 __all__ = ["MAIN", "Baton", "Server", "ServerClosed", "WorkerState"]
 
@@ -181,15 +182,34 @@ class Server:
         """Send ``request`` and give the rank to other work until its response arrives."""
         slot = _Slot()
         self._pending[request.request_id] = slot
+        sent = RECORDER.now()
         self.send(dest, request)
         worker: _Worker | None = getattr(_LOCAL, "worker", None)
         if worker is not None:
             worker.state = WorkerState.PENDING
         self.baton.switch(MAIN, slot)
+        if RECORDER.enabled:
+            self._record_wait(request, dest, sent)
         if worker is not None:
             worker.state = WorkerState.EXECUTING
         assert slot.response is not None
         return slot.response
+
+    def _record_wait(self, request: Request, dest: int, sent: int) -> None:
+        """Timeline: the request sent at ``sent`` (an instant) and this thread's wait for its response."""
+        phase = request.phase.value if isinstance(request.phase, Phase) else str(request.phase)
+        for kind, end in ((EventKind.REQUEST, sent), (EventKind.WAIT, RECORDER.now())):
+            RECORDER.add(
+                kind,
+                rank=self.rank,
+                step=self.step.step,
+                module=request.module,
+                microbatch=request.microbatch,
+                start_ns=sent,
+                end_ns=end,
+                phase=phase,
+                peer=dest,
+            )
 
     def pause(self, token: object) -> None:
         """Give the rank back to the main thread until it hands the baton to ``token``."""

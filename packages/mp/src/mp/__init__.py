@@ -4,7 +4,7 @@ import mp as smp
 smp.init({"pipeline_parallel_degree": 2, "microbatches": 4})
 """
 
-from mp import nn
+from mp import nn, timeline
 from mp.comm import (
     CommGroup,
     RankType,
@@ -197,6 +197,7 @@ __all__ = [
     "state",
     "step",
     "tensor_parallelism",
+    "timeline",
     "tp_barrier",
     "tp_rank",
     "tp_register",

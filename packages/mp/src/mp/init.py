@@ -71,6 +71,8 @@ def is_initialized() -> bool:
 def reset() -> None:
     """Forget the current initialization: destroy mp's groups and release the world it started."""
     world = state.world
+    if state.transport is not None:
+        state.transport.close()  # collective, like everything in reset
     if state.atp_mesh is not None:
         from mp_tensor import atp
 

@@ -36,7 +36,7 @@ from mp.errors import (
 from mp.optimizer import keep_local_parameters
 from mp.state import state
 from mp.tensor_api import replace_tp_modules
-from mp_comm import GroupKind
+from mp_comm import GroupKind, LoopbackTransport, MPITransport, Transport, TransportConfig, World
 from mp_partition import PartitionPlan, Tracer, auto_partition, manual_partition
 from mp_pipeline import (
     PipelineRuntime,
@@ -47,10 +47,10 @@ from mp_pipeline import (
     capture,
     current,
     pipelined_backward,
-    process_transport,
     reduce_gradients,
     task_context,
 )
+from mp_pipeline.timeline import RECORDER, EventKind
 from mp_tensor import is_distributed_parameter, is_scaled_batch_parameter
 
 __all__ = ["DistributedModel"]
@@ -71,6 +71,19 @@ def _free(t: torch.Tensor) -> None:
     setattr(t, _PLACEHOLDER, True)
     if isinstance(t, nn.Parameter):
         t.grad = None
+
+
+def _pipeline_transport(world: World) -> Transport:
+    """The transport pipelined models run on: opened by the first one (collective), closed by smp.reset."""
+    transport: Transport | None = state.transport
+    if transport is None or transport.closed:
+        config = TransportConfig(timeout=3600.0)
+        if world.size == 1:
+            transport = LoopbackTransport.single(config=config)
+        else:
+            transport = MPITransport.from_world(world, config=config)
+        state.transport = transport
+    return transport
 
 
 class DistributedModel(nn.Module):
@@ -143,7 +156,7 @@ class DistributedModel(nn.Module):
                 "responses as in the default mode (same results, no speed-up)"
             )
         if self._pp > 1:
-            transport = process_transport(world)  # collective the first time in the process
+            transport = _pipeline_transport(world)
             self._runtime = PipelineRuntime(
                 transport=transport, rank=world.rank, peers=self._pp_peers, model_id=self._model_id
             )
@@ -266,7 +279,10 @@ class DistributedModel(nn.Module):
                 first = next(t for t in texts if t is not None)
                 raise SMPRuntimeError(f"the step failed on a data-parallel replica:\n{first}")
             if any_backward and (self._step_count + 1) % self._bpps == 0:
-                self._reduce_gradients([p for p in self._local_params() if p.requires_grad], group)
+                with RECORDER.span(
+                    EventKind.REDUCE, rank=self._rank, step=self._step_count + 1, module="", microbatch=-1
+                ):
+                    self._reduce_gradients([p for p in self._local_params() if p.requires_grad], group)
         elif error is not None:
             raise error
 

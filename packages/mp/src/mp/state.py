@@ -27,6 +27,8 @@ class State:
     created_groups: list[dist.ProcessGroup] = field(default_factory=list)
     atp_mesh: Any = None
     """The mp_tensor.atp DeviceMesh built from the config's atp_mesh, if any."""
+    transport: Any = None
+    """The point-to-point transport of the pipeline (mp_comm), opened by the first pipelined model."""
     model: Any = None
     optimizer: Any = None
 

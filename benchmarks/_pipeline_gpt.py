@@ -1,0 +1,146 @@
+"""The GPT model of benchmarks/pipeline_vs_torch.py, built so that both pipelines hold the same split.
+
+A GPT-2-style decoder (pre-LayerNorm blocks, causal ``scaled_dot_product_attention``, GELU MLP, learned
+positions, untied LM head, no dropout) whose top level is two containers: ``front`` (token and position
+embeddings and the first ``split`` blocks) and ``back`` (the other blocks, the final LayerNorm, the head
+and the loss). ``GPT.forward(idx, targets)`` is ``back(front(idx), targets)``. The head is not tied to the
+embedding: a shared weight would have to live on both stages, which torch.distributed.pipelining's manual
+stages do not support.
+
+* mp marks ``front`` with partition 0 and ``back`` with partition 1 (``smp.set_partition``; manual
+  partitioning), so a microbatch makes one forward and one backward request to rank 1 carrying the
+  activation and its gradient, and the loss (a scalar) comes back: the same traffic as
+  torch.distributed.pipelining's stages.
+* torch.distributed.pipelining gets ``model.front`` as stage 0 and ``BackStage(model.back)`` (the logits)
+  as stage 1, with :func:`lm_loss` as the schedule's ``loss_fn``: the same modules, the same arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPT", "Back", "BackStage", "Block", "Front", "GPTConfig", "lm_loss", "make_batch"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    vocab: int = 2048
+    """Vocabulary size (embedding rows, head outputs)."""
+    seq: int = 128
+    """Sequence length (positions)."""
+    hidden: int = 256
+    """Model width."""
+    heads: int = 8
+    """Attention heads (``hidden`` must divide by it)."""
+    layers: int = 8
+    """Transformer blocks."""
+    split: int = 4
+    """Blocks in ``front`` (stage 0); the other ``layers - split`` are in ``back``."""
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} does not divide into heads={self.heads}")
+        if not 0 <= self.split <= self.layers:
+            raise ValueError(f"split={self.split}; expected 0 <= split <= layers={self.layers}")
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.ln1 = nn.LayerNorm(cfg.hidden)
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.ln2 = nn.LayerNorm(cfg.hidden)
+        self.fc = nn.Linear(cfg.hidden, 4 * cfg.hidden)
+        self.out = nn.Linear(4 * cfg.hidden, cfg.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        shape = (b, t, self.heads, c // self.heads)
+        q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class Front(nn.Module):
+    """Stage 0: embeddings and the first ``split`` blocks."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.wpe = nn.Embedding(cfg.seq, cfg.hidden)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.split))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class Back(nn.Module):
+    """Stage 1: the other blocks, the final LayerNorm, the head; the loss when targets are given."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers - cfg.split))
+        self.ln_f = nn.LayerNorm(cfg.hidden)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))  # type: ignore[no-any-return]
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(self.logits(x), targets)
+
+
+class BackStage(nn.Module):
+    """``back`` as torch.distributed.pipelining's last stage: logits out, the schedule applies the loss."""
+
+    def __init__(self, back: Back) -> None:
+        super().__init__()
+        self.back = back
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.back.logits(x)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.front = Front(cfg)
+        self.back = Back(cfg)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear | nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.back(self.front(idx), targets)  # type: ignore[no-any-return]
+
+
+def make_batch(cfg: GPTConfig, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and next-token targets, (batch, seq) int64 each, from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -1,0 +1,216 @@
+"""The three systems of benchmarks/pipeline_vs_torch.py, each as a runner of training steps.
+
+Every runner starts from the same initial weights (``base``), trains on the same global batch with AdamW
+and is built and closed on both ranks (collectively where the system needs it).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from _pipeline_gpt import GPT, BackStage, GPTConfig, lm_loss
+
+if TYPE_CHECKING:
+    from pipeline_vs_torch import Runner, Spec
+
+__all__ = ["MpRunner", "SingleRunner", "TorchRunner", "make_runner"]
+
+
+def _model(cfg: GPTConfig, base: dict[str, torch.Tensor]) -> GPT:
+    model = GPT(cfg)
+    model.load_state_dict(base)
+    return model
+
+
+def _grads(named: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    return {prefix + n: p.grad.detach().clone() for n, p in named if p.grad is not None}
+
+
+class SingleRunner:
+    """Plain PyTorch on rank 0 (rank 1 does nothing): the full batch at once (m = 1), or ``m``
+    accumulated microbatches run stage by stage with each stage timed."""
+
+    def __init__(
+        self, cfg: GPTConfig, base: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, *,
+        rank: int, m: int, threads: int, lr: float,
+    ) -> None:  # fmt: skip
+        self.active = rank == 0
+        self.m = m
+        self.stage_times: dict[str, list[float]] = {k: [] for k in ("f0", "f1", "b1", "b0", "opt")}
+        self.x, self.y = x, y
+        self.xs, self.ys = x.chunk(m), y.chunk(m)
+        self._threads = torch.get_num_threads()
+        if self.active:
+            torch.set_num_threads(threads)
+            self.model = _model(cfg, base)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
+
+    def _forward_backward(self) -> float:
+        if self.m == 1:
+            loss = self.model(self.x, self.y)
+            loss.backward()
+            return float(loss)
+        total = 0.0
+        parts = {k: 0.0 for k in ("f0", "f1", "b1", "b0")}
+        for xm, ym in zip(self.xs, self.ys, strict=True):
+            t0 = time.perf_counter()
+            h = self.model.front(xm)
+            t1 = time.perf_counter()
+            h_in = h.detach().requires_grad_()
+            loss = self.model.back(h_in, ym) / self.m
+            t2 = time.perf_counter()
+            loss.backward()
+            t3 = time.perf_counter()
+            h.backward(h_in.grad)
+            t4 = time.perf_counter()
+            total += float(loss)
+            for k, v in (("f0", t1 - t0), ("f1", t2 - t1), ("b1", t3 - t2), ("b0", t4 - t3)):
+                parts[k] += v / self.m
+        for k, v in parts.items():
+            self.stage_times[k].append(v)
+        return total
+
+    def _optimize(self) -> None:
+        t0 = time.perf_counter()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.m > 1:
+            self.stage_times["opt"].append(time.perf_counter() - t0)
+
+    def first_step(self) -> tuple[float | None, dict[str, torch.Tensor]]:
+        if not self.active:
+            return None, {}
+        loss = self._forward_backward()
+        grads = _grads(self.model.named_parameters())
+        self._optimize()
+        return loss, grads
+
+    def step(self) -> None:
+        if self.active:
+            self._forward_backward()
+            self._optimize()
+
+    def close(self) -> None:
+        torch.set_num_threads(self._threads)
+
+
+class MpRunner:
+    """mp: smp.init / DistributedModel / DistributedOptimizer / @smp.step, front on pp_rank 0 and back
+    on pp_rank 1 by manual partitioning."""
+
+    def __init__(
+        self, cfg: GPTConfig, base: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, *,
+        m: int, schedule: str, lr: float,
+    ) -> None:  # fmt: skip
+        import mp as smp
+
+        self.stage_times: dict[str, list[float]] = {}
+        smp.init(
+            {
+                "pipeline_parallel_degree": 2,
+                "microbatches": m,
+                "pipeline": schedule,
+                "auto_partition": False,
+                "default_partition": 0,
+            }
+        )
+        net = _model(cfg, base)
+        smp.set_partition(net.front, 0)
+        smp.set_partition(net.back, 1)
+        self.model = smp.DistributedModel(net)
+        self.opt = smp.DistributedOptimizer(torch.optim.AdamW(self.model.parameters(), lr=lr))
+        self.x, self.y = x, y
+
+        @smp.step
+        def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = model(x, y)
+            model.backward(loss)
+            return loss  # type: ignore[no-any-return]
+
+        self.train_step = train_step
+
+    def first_step(self) -> tuple[float | None, dict[str, torch.Tensor]]:
+        out = self.train_step(self.model, self.x, self.y)
+        loss = float(out.reduce_mean())
+        net = self.model.module
+        grads = _grads((n, p) for n, p in net.named_parameters() if self.model.is_local_parameter(p))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss, grads
+
+    def step(self) -> None:
+        self.train_step(self.model, self.x, self.y)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        import mp as smp
+
+        smp.reset()
+
+
+class TorchRunner:
+    """torch.distributed.pipelining: PipelineStage on front (rank 0) / back (rank 1), ScheduleGPipe or
+    Schedule1F1B, the loss as the schedule's loss_fn; each rank steps AdamW on its stage."""
+
+    def __init__(
+        self, cfg: GPTConfig, base: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, *,
+        rank: int, m: int, schedule: str, lr: float,
+    ) -> None:  # fmt: skip
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.stage_times: dict[str, list[float]] = {}
+        self.rank = rank
+        net = _model(cfg, base)
+        self.module: torch.nn.Module = net.front if rank == 0 else BackStage(net.back)
+        self.prefix = "front." if rank == 0 else ""  # BackStage's parameters are already back.*
+        stage = PipelineStage(self.module, rank, 2, torch.device("cpu"))
+        kind = ScheduleGPipe if schedule == "GPipe" else Schedule1F1B
+        self.schedule = kind(stage, m, loss_fn=lm_loss)
+        self.opt = torch.optim.AdamW(self.module.parameters(), lr=lr)
+        self.x, self.y = x, y
+
+    def _run(self) -> float | None:
+        if self.rank == 0:
+            self.schedule.step(self.x)
+            return None
+        losses: list[torch.Tensor] = []
+        self.schedule.step(target=self.y, losses=losses)
+        return float(torch.stack([t.detach() for t in losses]).mean())
+
+    def first_step(self) -> tuple[float | None, dict[str, torch.Tensor]]:
+        loss = self._run()
+        grads = _grads(self.module.named_parameters(), self.prefix)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss, grads
+
+    def step(self) -> None:
+        self._run()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        pass
+
+
+def make_runner(
+    spec: Spec,
+    *,
+    cfg: GPTConfig,
+    base: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    rank: int,
+    lr: float,
+) -> Runner:
+    if spec.system == "single":
+        return SingleRunner(cfg, base, x, y, rank=rank, m=spec.m, threads=spec.threads, lr=lr)
+    if spec.system == "mp":
+        return MpRunner(cfg, base, x, y, m=spec.m, schedule=spec.schedule, lr=lr)
+    if spec.system == "torch":
+        return TorchRunner(cfg, base, x, y, rank=rank, m=spec.m, schedule=spec.schedule, lr=lr)
+    raise ValueError(f"unknown system {spec.system!r}; expected single, mp or torch")

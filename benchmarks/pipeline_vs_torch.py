@@ -1,0 +1,272 @@
+"""mp's pipeline against torch.distributed.pipelining and single-process training (2 ranks, CPU).
+
+One GPT model (benchmarks/_pipeline_gpt.py: 8 pre-LN blocks, hidden 256, 8 heads, vocab 2048, seq 128,
+untied head), one global batch of token ids (16 sequences) and the same initial weights for every
+system; the model is split by hand into the same two stages for both pipelines (``front``: embeddings
+and blocks 0-3 on rank 0; ``back``: blocks 4-7, final LayerNorm, head and loss on rank 1). A training
+step is forward, backward and AdamW's step; variants:
+
+* ``single``: one process (rank 0; rank 1 sleeps), no pipeline: the full batch at once with 1 and with
+  2 threads, and the batch as ``m`` accumulated microbatches on 1 thread, run stage by stage (front,
+  back, back's backward, front's backward) so that the time of each stage is known;
+* ``mp``: ``smp.init({"pipeline_parallel_degree": 2, "microbatches": m, "pipeline": ...})`` with the
+  ``simple`` (all forwards, then all backwards: GPipe's order) and ``interleaved`` (a ready backward
+  first: 1F1B-like) schedules; manual partitioning (``smp.set_partition(model.front, 0)``,
+  ``smp.set_partition(model.back, 1)``, ``auto_partition: false``); ``@smp.step`` with
+  ``model.backward(loss)``; ``smp.DistributedOptimizer``;
+* ``torch``: ``torch.distributed.pipelining.PipelineStage`` on ``model.front`` / ``model.back`` (its
+  manual stage API: no tracing) with ``ScheduleGPipe`` and ``Schedule1F1B``, the same ``m``, the loss as
+  the schedule's ``loss_fn``, gradients averaged over microbatches (``scale_grads``) as mp does.
+
+Every rank runs with one torch thread (OMP_NUM_THREADS=1): the 2 ranks of a pipeline share the 2 cores.
+Each variant is set up from the initial weights and runs a first step (partitioning, shape inference,
+optimizer state) whose loss and gradients are compared with single-process PyTorch on the same batch
+(the fairness check), then ``--steps`` timed steps without synchronization between them; the time per
+step is the window between two barriers (barriers that sleep while they wait, so that a waiting rank
+does not take a core from a computing one) over the steps. Repetitions run every variant in a rotating
+order (the host is shared and noisy), and every ratio is paired within a repetition, then the median
+over repetitions is taken.
+
+Pipeline efficiency = ideal / measured step time, with two ideals:
+
+* the bubble bound of the brief: ``T1 / p * (m + p - 1) / m`` where ``T1`` is the single-process step
+  on the same ``m`` microbatches (same per-microbatch work) on one core, ``p`` = 2;
+* the split bound: ``(m - 1) * max(s0, s1) + s0 + s1 + max(o0, o1)`` from the measured per-microbatch
+  stage times ``s`` (forward + backward) and optimizer times ``o`` of the single-process run, i.e. the
+  bubble bound for the actual, not perfectly balanced, split.
+
+Also measured (benchmarks/_pipeline_overhead.py): the per-request cost of mp's module server (a remote
+``nn.Identity`` call on a small tensor, FWD and BWD, against the same call held locally), and the CPU
+each rank spends per step (in all, in its main thread, in mp's MPI progress thread).
+
+    python benchmarks/pipeline_vs_torch.py [--reps 3 --steps 2 --micro 4 8 --batch 16]
+
+starts itself under ``mpiexec -n 2`` (or ``mpiexec -n 2 python benchmarks/pipeline_vs_torch.py``).
+Writes benchmarks/results/pipeline_vs_torch.json and .md (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+RANKS = 2
+LR = 1e-4
+SEED = 1234
+
+
+def _under_mpi() -> bool:
+    return any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+
+
+def _relaunch() -> int:
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    if mpiexec is None:
+        print("mpiexec not found; install it with `pip install mpich`", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # 2 ranks share 2 cores
+    cmd = [mpiexec, "-n", str(RANKS), sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
+    return subprocess.call(cmd, env=env)
+
+
+@dataclass(frozen=True)
+class Spec:
+    system: str
+    """single, mp or torch."""
+    schedule: str
+    """single: full batch / accumulate; mp: simple / interleaved; torch: GPipe / 1F1B."""
+    m: int
+    """Microbatches."""
+    threads: int = 1
+    """torch threads (single process only)."""
+
+    @property
+    def key(self) -> str:
+        return f"{self.system}/{self.schedule}/m{self.m}/t{self.threads}"
+
+
+def make_specs(micro: list[int]) -> list[Spec]:
+    out = [Spec("single", "full batch", 1, 1), Spec("single", "full batch", 1, 2)]
+    for m in micro:
+        out += [
+            Spec("single", "accumulate", m),
+            Spec("mp", "simple", m),
+            Spec("mp", "interleaved", m),
+            Spec("torch", "GPipe", m),
+            Spec("torch", "1F1B", m),
+        ]
+    return out
+
+
+class Runner(Protocol):
+    stage_times: dict[str, list[float]]
+
+    def first_step(self) -> tuple[float | None, dict[str, Any]]:
+        """One training step; (the loss where this rank knows it, this rank's gradients before the
+        optimizer step)."""
+
+    def step(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per variant and repetition")
+    parser.add_argument("--micro", type=int, nargs="+", default=[4, 8], help="microbatch counts")
+    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--calls", type=int, default=64, help="remote calls per step (overhead part)")
+    parser.add_argument("--overhead-reps", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="a small model and one repetition")
+    parser.add_argument(
+        "--overhead-only", action="store_true", help="only the module-server overhead (printed, not saved)"
+    )
+    args = parser.parse_args()
+    if not _under_mpi():
+        sys.exit(_relaunch())
+    if args.quick:
+        args.reps, args.steps, args.layers, args.hidden, args.batch = 1, 1, 4, 128, 8
+        args.overhead_reps = 2
+    sys.path.insert(0, str(HERE))
+
+    import torch
+
+    from _pipeline_common import CpuMeter, idle_barrier
+    from _pipeline_gpt import GPT, GPTConfig, make_batch
+    from _pipeline_overhead import measure_overhead
+    from _pipeline_runners import make_runner
+    from mp_comm.world import init_world
+
+    world = init_world()  # owns torch.distributed's default group; smp.init adopts it
+    comm = world.mpi_comm.Dup()
+    rank = comm.Get_rank()
+    torch.set_num_threads(1)
+    cfg = GPTConfig(hidden=args.hidden, layers=args.layers, split=args.layers // 2)
+    torch.manual_seed(SEED)
+    base = {k: v.clone() for k, v in GPT(cfg).state_dict().items()}
+    x, y = make_batch(cfg, args.batch, SEED)
+    checksum = float(sum(v.double().sum() for v in base.values()))
+    sums = comm.allgather(checksum)
+    assert sums[0] == sums[1], f"the ranks built different initial weights: {sums}"
+
+    # Reference: single-process loss and gradients of the first step on the full batch.
+    ref = GPT(cfg)
+    ref.load_state_dict(base)
+    ref_loss_t = ref(x, y)
+    ref_loss_t.backward()
+    ref_loss = float(ref_loss_t)
+    ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
+    del ref
+    n_params = {
+        "front": sum(v.numel() for k, v in base.items() if k.startswith("front.")),
+        "back": sum(v.numel() for k, v in base.items() if k.startswith("back.")),
+    }
+
+    if args.overhead_only:
+        out = measure_overhead(comm, world, calls=args.calls, steps=20, reps=args.overhead_reps)
+        if rank == 0:
+            print(json.dumps(out, indent=2))
+        comm.Free()
+        return
+    specs = make_specs(args.micro)
+    samples: dict[str, list[dict[str, Any]]] = {s.key: [] for s in specs}
+    checks: dict[str, list[dict[str, Any]]] = {s.key: [] for s in specs}
+    load = [os.getloadavg()[0]]
+    started = time.monotonic()
+    meter = CpuMeter()
+    for rep in range(args.reps):
+        order = specs[rep % len(specs) :] + specs[: rep % len(specs)]
+        for spec in order:
+            runner: Runner = make_runner(spec, cfg=cfg, base=base, x=x, y=y, rank=rank, lr=LR)
+            loss, grads = runner.first_step()
+            diff = max((float((g - ref_grads[n]).abs().max()) for n, g in grads.items()), default=0.0)
+            scale = max((float(ref_grads[n].abs().max()) for n in grads), default=0.0)
+            got = comm.gather((loss, diff, scale, len(grads)), root=0)
+            if rank == 0:
+                losses = [g[0] for g in got if g[0] is not None]
+                checks[spec.key].append(
+                    {
+                        "loss": losses[0],
+                        "loss_abs_diff": abs(losses[0] - ref_loss),
+                        "grad_max_abs_diff": max(g[1] for g in got),
+                        "grad_max_abs": max(g[2] for g in got),
+                        "grads_compared": sum(g[3] for g in got),
+                    }
+                )
+            idle_barrier(comm)
+            meter.start()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                runner.step()
+            idle_barrier(comm)
+            elapsed = (time.perf_counter() - t0) / args.steps
+            cpu = meter.stop()
+            stage_times = {k: statistics.median(v) for k, v in runner.stage_times.items() if v}
+            runner.close()
+            del runner
+            gc.collect()
+            cpus = comm.gather(asdict(cpu), root=0)
+            elapsed = comm.bcast(elapsed, root=0)
+            if rank == 0:
+                samples[spec.key].append(
+                    {
+                        "step_s": elapsed,
+                        "cpu_per_step": [{k: v / args.steps for k, v in c.items()} for c in cpus],
+                        "stage_s": stage_times,
+                    }
+                )
+                print(
+                    f"rep {rep} {spec.key:32s} {elapsed * 1e3:8.1f} ms/step  "
+                    f"{args.batch / elapsed:6.2f} samples/s  loss {checks[spec.key][-1]['loss']:.6f}",
+                    flush=True,
+                )
+        load.append(os.getloadavg()[0])
+    elapsed_main = time.monotonic() - started
+    overhead = measure_overhead(comm, world, calls=args.calls, steps=20, reps=args.overhead_reps)
+    load.append(os.getloadavg()[0])
+    if rank == 0:
+        from _pipeline_report import report
+
+        report(
+            args=vars(args),
+            cfg=asdict(cfg),
+            specs=specs,
+            samples=samples,
+            checks=checks,
+            ref_loss=ref_loss,
+            n_params=n_params,
+            overhead=overhead,
+            host={
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "load_average_1min": load,
+            },
+            elapsed_s=elapsed_main,
+            results=RESULTS,
+        )
+    comm.Free()
+
+
+if __name__ == "__main__":
+    main()
