@@ -66,7 +66,8 @@ class Block(nn.Module):
         q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        out: torch.Tensor = x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return out
 
 
 class Front(nn.Module):
@@ -80,7 +81,7 @@ class Front(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+        x: torch.Tensor = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
             x = block(x)
         return x

@@ -24,9 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from _pipeline_common import idle_barrier
+from torch import nn
 
 __all__ = ["Chain", "measure_overhead"]
 
@@ -194,8 +193,6 @@ def measure_overhead(comm: Any, world: Any, *, calls: int, steps: int, reps: int
         "local_fwd_call_us": statistics.median(f / calls * 1e6 for f in lf),
         "plain_fwd_call_us": statistics.median(f / calls * 1e6 for f in pf),
         "local_bwd_call_us": statistics.median(b / calls * 1e6 for b in local_bwd),
-        "plain_bwd_call_us": statistics.median(
-            (t - f) / calls * 1e6 for t, f in zip(pt, pf, strict=True)
-        ),
+        "plain_bwd_call_us": statistics.median((t - f) / calls * 1e6 for t, f in zip(pt, pf, strict=True)),
         "wire_round_trip_us": wire,
     }

@@ -39,7 +39,7 @@ def report(
     args: dict[str, Any],
     cfg: dict[str, Any],
     specs: list[Spec],
-    samples: dict[str, list[dict[str, Any]]],
+    records: list[dict[str, Any]],
     checks: dict[str, list[dict[str, Any]]],
     ref_loss: float,
     n_params: dict[str, int],
@@ -49,19 +49,29 @@ def report(
     results: Path,
 ) -> None:
     batch = args["batch"]
-    reps = args["reps"]
-    t = {k: [s["step_s"] for s in v] for k, v in samples.items()}
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    index: dict[tuple[int, int, str], dict[str, Any]] = {}
+    for r in records:
+        by_key.setdefault(r["key"], []).append(r)
+        index[(r["group"], r["round"], r["key"])] = r
     single = "single/full batch/m1/t1"
 
-    def paired(key: str, other: str, f: Callable[[float, float, int], float]) -> float | None:
-        if other not in t:
-            return None
-        return _median([f(a, b, r) for r, (a, b) in enumerate(zip(t[key], t[other], strict=True))])
+    def paired(key: str, other: str, f: Callable[[dict[str, Any], dict[str, Any]], float]) -> float | None:
+        """Median over the rounds that ran both: f(record of key, record of other in the same round)."""
+        values = []
+        for r in by_key.get(key, []):
+            o = index.get((r["group"], r["round"], other))
+            if o is not None:
+                values.append(f(r, o))
+        return _median(values)
+
+    def speedup(a: dict[str, Any], b: dict[str, Any]) -> float:
+        return float(b["step_s"] / a["step_s"])
 
     rows: list[dict[str, Any]] = []
     for spec in specs:
-        key = spec.key
-        m = spec.m
+        key, m = spec.key, spec.m
+        mine = by_key[key]
         gpipe = f"torch/GPipe/m{m}/t1"
         accum = f"single/accumulate/m{m}/t1"
         row: dict[str, Any] = {
@@ -69,64 +79,64 @@ def report(
             "schedule": spec.schedule,
             "microbatches": m,
             "threads": spec.threads,
-            "step_ms": _median([v * 1e3 for v in t[key]]),
-            "samples_per_s": _median([batch / v for v in t[key]]),
-            "vs_torch_gpipe": paired(key, gpipe, lambda a, b, r: b / a) if m > 1 else None,
-            "vs_single": paired(key, single, lambda a, b, r: b / a),
+            "steps_timed": len(mine),
+            "step_ms": _median([r["step_s"] * 1e3 for r in mine]),
+            "samples_per_s": _median([batch / r["step_s"] for r in mine]),
+            "vs_torch_gpipe": paired(key, gpipe, speedup) if m > 1 else None,
+            "vs_single": paired(key, single, speedup),
             "efficiency_bubble": None,
             "efficiency_split": None,
         }
         if spec.system in ("mp", "torch"):
-            row["efficiency_bubble"] = paired(key, accum, lambda a, b, r: (b / P * (m + P - 1) / m) / a)
-            row["efficiency_split"] = _median(
-                [
-                    _split_bound(samples[accum][r]["stage_s"], m, n_params) / a
-                    for r, a in enumerate(t[key])
-                ]
-            )
-        cpu = samples[key]
+
+            def bubble(a: dict[str, Any], b: dict[str, Any], m: int = m) -> float:
+                return float(b["step_s"] / P * (m + P - 1) / m / a["step_s"])
+
+            def split(a: dict[str, Any], b: dict[str, Any], m: int = m) -> float:
+                return float(_split_bound(b["stage_s"], m, n_params) / a["step_s"])
+
+            row["efficiency_bubble"] = paired(key, accum, bubble)
+            row["efficiency_split"] = paired(key, accum, split)
         row["cpu_per_step_s"] = [
-            {
-                part: _median([s["cpu_per_step"][rank][part] for s in cpu])
-                for part in ("total", "main", "progress")
-            }
+            {part: _median([r["cpu"][rank][part] for r in mine]) for part in ("total", "main", "progress")}
             for rank in range(P)
         ]
         row["cpu_busy"] = [
-            _median([s["cpu_per_step"][rank]["total"] / s["step_s"] for s in cpu]) for rank in range(P)
+            _median([r["cpu"][rank]["total"] / r["step_s"] for r in mine]) for rank in range(P)
         ]
         c = checks[key]
         row["first_step"] = {
+            "runs": len(c),
             "loss": c[0]["loss"],
             "loss_abs_diff_max": max(x["loss_abs_diff"] for x in c),
             "grad_max_abs_diff_max": max(x["grad_max_abs_diff"] for x in c),
             "grad_max_abs": c[0]["grad_max_abs"],
             "grads_compared": c[0]["grads_compared"],
         }
-        row["stage_ms"] = (
-            {k: _median([s["stage_s"][k] * 1e3 for s in cpu]) for k in cpu[0]["stage_s"]}
-            if cpu[0]["stage_s"]
-            else None
-        )
-        row["raw_step_s"] = t[key]
+        stages = [r["stage_s"] for r in mine if r["stage_s"]]
+        row["stage_ms"] = {k: _median([s[k] * 1e3 for s in stages]) for k in stages[0]} if stages else None
+        row["raw_step_s"] = [r["step_s"] for r in mine]
         rows.append(row)
 
     by = {(r["system"], r["schedule"], r["microbatches"], r["threads"]): r for r in rows}
     targets: dict[str, Any] = {"mp_vs_torch": [], "mp_efficiency": []}
     for m in args["micro"]:
-        for ours, theirs in (("simple", "GPipe"), ("interleaved", "1F1B")):
-            key, other = f"mp/{ours}/m{m}/t1", f"torch/{theirs}/m{m}/t1"
-            ratio = paired(key, other, lambda a, b, r: b / a)
+        for ours, theirs in (
+            ("simple", "GPipe"),
+            ("interleaved", "1F1B"),
+            ("simple", "1F1B"),
+            ("interleaved", "GPipe"),
+        ):
+            ratio = paired(f"mp/{ours}/m{m}/t1", f"torch/{theirs}/m{m}/t1", speedup)
             targets["mp_vs_torch"].append(
-                {"m": m, "mp": ours, "torch": theirs, "throughput_ratio": ratio, "met": ratio is not None
-                 and ratio >= 1.0}  # fmt: skip
+                {
+                    "m": m,
+                    "mp": ours,
+                    "torch": theirs,
+                    "throughput_ratio": ratio,
+                    "met": ratio is not None and ratio >= 1.0,
+                }
             )
-        best_mp = min(by[("mp", s, m, 1)]["step_ms"] for s in ("simple", "interleaved"))
-        best_torch = min(by[("torch", s, m, 1)]["step_ms"] for s in ("GPipe", "1F1B"))
-        targets["mp_vs_torch"].append(
-            {"m": m, "mp": "best", "torch": "best", "throughput_ratio": best_torch / best_mp,
-             "met": best_torch >= best_mp}  # fmt: skip
-        )
         for s in ("simple", "interleaved"):
             eff = by[("mp", s, m, 1)]["efficiency_bubble"]
             targets["mp_efficiency"].append(
@@ -137,8 +147,9 @@ def report(
         "benchmark": "pipeline_vs_torch",
         "method": "same GPT, weights and global batch; 2 ranks x 1 torch thread on a 2-core host; mp "
         "(manual partition front/back) vs torch.distributed.pipelining (PipelineStage, ScheduleGPipe, "
-        "Schedule1F1B) vs single-process PyTorch; step = forward + backward + AdamW; interleaved "
-        "repetitions, paired ratios, medians",
+        "Schedule1F1B) vs single-process PyTorch; step = forward + backward + AdamW; each mp session runs "
+        "beside live torch and single-process runners of the same m, one step of each per round in a "
+        "rotating order; ratios paired within a round; medians",
         "host": host,
         "args": args,
         "model": cfg,
@@ -148,50 +159,63 @@ def report(
         "rows": rows,
         "targets": targets,
         "overhead": overhead,
+        "records": records,
     }
     results.mkdir(exist_ok=True)
     (results / "pipeline_vs_torch.json").write_text(json.dumps(payload, indent=2) + "\n")
-    md = _markdown(payload, reps)
+    md = _markdown(payload)
     (results / "pipeline_vs_torch.md").write_text(md)
     print(md)
 
 
-def _markdown(p: dict[str, Any], reps: int) -> str:
+def _markdown(p: dict[str, Any]) -> str:
     a, cfg, host = p["args"], p["model"], p["host"]
     load = host["load_average_1min"]
+    front, back = p["parameters"]["front"] / 1e6, p["parameters"]["back"] / 1e6
+    split, layers = cfg["split"], cfg["layers"]
     lines = [
         "# pipeline_vs_torch: mp vs torch.distributed.pipelining vs single process (GPT, CPU, 2 ranks)",
         "",
-        f"GPT: {cfg['layers']} blocks, hidden {cfg['hidden']}, {cfg['heads']} heads, vocab {cfg['vocab']}, "
-        f"seq {cfg['seq']}, untied head ({p['parameters']['front'] / 1e6:.2f} M parameters in front = "
-        f"embeddings + blocks 0-{cfg['split'] - 1} on rank 0, {p['parameters']['back'] / 1e6:.2f} M in back = "
-        f"blocks {cfg['split']}-{cfg['layers'] - 1} + ln_f + head + loss on rank 1). Global batch {a['batch']} "
-        "sequences; step = forward + backward + AdamW. Both pipelines hold the same split (mp: manual "
-        "partition with `smp.set_partition`; torch: `PipelineStage` on the same two modules). Each rank "
-        "uses 1 torch thread; the host has "
-        f"{host['cpus']} cores (1-minute load average {', '.join(f'{v:.1f}' for v in load)} at the start, "
-        "after each repetition and at the end: other jobs shared the host).",
+        f"GPT: {cfg['layers']} blocks, hidden {cfg['hidden']}, {cfg['heads']} heads, "
+        f"vocab {cfg['vocab']}, seq {cfg['seq']}, untied head ({front:.2f} M parameters in front = "
+        f"embeddings + blocks 0-{split - 1} on rank 0, {back:.2f} M in back = blocks {split}-{layers - 1} "
+        f"+ ln_f + head + loss on rank 1). Global batch {a['batch']} sequences; step = forward + "
+        "backward + AdamW. Both pipelines hold the same split (mp: manual partition with "
+        "`smp.set_partition`; torch: `PipelineStage` on the same two modules). Each rank uses 1 torch "
+        f"thread; the host has {host['cpus']} cores (1-minute load average "
+        f"{', '.join(f'{v:.1f}' for v in load)} at the start, after each repetition and at the end: "
+        "other jobs shared the host).",
         "",
-        f"Median of {reps} interleaved repetitions of {a['steps']} steps each; ratios paired within a "
-        "repetition. *vs torch GPipe*: throughput over torch's GPipe at the same m; *vs single*: over the "
-        "single process (1 thread, full batch); *eff. bubble*: (T1/p·(m+p−1)/m) / measured, T1 = single "
-        "process on the same m microbatches, p = 2; *eff. split*: the bound for the measured (imperfectly "
-        "balanced) stages, (m−1)·max(s0,s1)+s0+s1+max(o0,o1), over measured. "
+        f"{a['reps']} repetitions; in each, per m, two groups (one per mp schedule) of {a['steps']} "
+        "rounds; a round runs one step of every variant in the group (mp, torch GPipe and 1F1B, single "
+        "process) in a rotating order. Medians over all timed steps (*n*); ratios are paired within a "
+        "round, then the median is taken. *vs torch GPipe*: throughput over torch's GPipe at the same m; "
+        "*vs single*: over the single process (1 thread, full batch); *eff. bubble*: (T1/p·(m+p−1)/m) / "
+        "measured, T1 = single process on the same m microbatches, p = 2; *eff. split*: the bound for the "
+        "measured (imperfectly balanced) stages, (m−1)·max(s0,s1)+s0+s1+max(o0,o1), over measured. "
         "`python benchmarks/pipeline_vs_torch.py` regenerates this file.",
         "",
-        "| system | schedule | m | samples/s | ms/step | vs torch GPipe | vs single | eff. bubble | "
+        "| system | schedule | m | samples/s | ms/step | n | vs torch GPipe | vs single | eff. bubble | "
         "eff. split | CPU busy r0/r1 |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in p["rows"]:
         sched = r["schedule"] + (f", {r['threads']} threads" if r["system"] == "single" else "")
         busy = "/".join(_fmt(v, ".2f") for v in r["cpu_busy"])
-        lines.append(
-            f"| {r['system']} | {sched} | {r['microbatches']} | {r['samples_per_s']:.2f} | "
-            f"{r['step_ms']:.0f} | {_fmt(r['vs_torch_gpipe'], '.2f', 'x')} | {_fmt(r['vs_single'], '.2f', 'x')} | "
-            f"{_fmt(_pct(r['efficiency_bubble']), '.0f', '%')} | {_fmt(_pct(r['efficiency_split']), '.0f', '%')} | "
-            f"{busy} |"
-        )
+        cells = [
+            r["system"],
+            sched,
+            str(r["microbatches"]),
+            f"{r['samples_per_s']:.2f}",
+            f"{r['step_ms']:.0f}",
+            str(r["steps_timed"]),
+            _fmt(r["vs_torch_gpipe"], ".2f", "x"),
+            _fmt(r["vs_single"], ".2f", "x"),
+            _fmt(_pct(r["efficiency_bubble"]), ".0f", "%"),
+            _fmt(_pct(r["efficiency_split"]), ".0f", "%"),
+            busy,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Targets:", ""]
     for tgt in p["targets"]["mp_vs_torch"]:
         lines.append(
@@ -231,9 +255,7 @@ def _markdown(p: dict[str, Any], reps: int) -> str:
     for r in p["rows"]:
         if r["system"] == "single":
             continue
-        cells = [
-            f"{c['total']:.2f} / {c['main']:.2f} / {c['progress']:.3f}" for c in r["cpu_per_step_s"]
-        ]
+        cells = [f"{c['total']:.2f} / {c['main']:.2f} / {c['progress']:.3f}" for c in r["cpu_per_step_s"]]
         lines.append(f"| {r['system']} | {r['schedule']} | {r['microbatches']} | {cells[0]} | {cells[1]} |")
     o = p["overhead"]
     wire = o["wire_round_trip_us"]

@@ -10,7 +10,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from _pipeline_gpt import GPT, BackStage, GPTConfig, lm_loss
 
 if TYPE_CHECKING:
@@ -34,17 +33,24 @@ class SingleRunner:
     accumulated microbatches run stage by stage with each stage timed."""
 
     def __init__(
-        self, cfg: GPTConfig, base: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, *,
-        rank: int, m: int, threads: int, lr: float,
-    ) -> None:  # fmt: skip
+        self,
+        cfg: GPTConfig,
+        base: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        rank: int,
+        m: int,
+        threads: int,
+        lr: float,
+    ) -> None:
         self.active = rank == 0
         self.m = m
         self.stage_times: dict[str, list[float]] = {k: [] for k in ("f0", "f1", "b1", "b0", "opt")}
         self.x, self.y = x, y
         self.xs, self.ys = x.chunk(m), y.chunk(m)
-        self._threads = torch.get_num_threads()
+        self.threads = threads
         if self.active:
-            torch.set_num_threads(threads)
             self.model = _model(cfg, base)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
 
@@ -83,18 +89,29 @@ class SingleRunner:
     def first_step(self) -> tuple[float | None, dict[str, torch.Tensor]]:
         if not self.active:
             return None, {}
-        loss = self._forward_backward()
-        grads = _grads(self.model.named_parameters())
-        self._optimize()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            loss = self._forward_backward()
+            grads = _grads(self.model.named_parameters())
+            self._optimize()
+        finally:
+            torch.set_num_threads(threads)
         return loss, grads
 
     def step(self) -> None:
-        if self.active:
+        if not self.active:
+            return
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
             self._forward_backward()
             self._optimize()
+        finally:
+            torch.set_num_threads(threads)
 
     def close(self) -> None:
-        torch.set_num_threads(self._threads)
+        pass
 
 
 class MpRunner:
@@ -102,9 +119,16 @@ class MpRunner:
     on pp_rank 1 by manual partitioning."""
 
     def __init__(
-        self, cfg: GPTConfig, base: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, *,
-        m: int, schedule: str, lr: float,
-    ) -> None:  # fmt: skip
+        self,
+        cfg: GPTConfig,
+        base: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        m: int,
+        schedule: str,
+        lr: float,
+    ) -> None:
         import mp as smp
 
         self.stage_times: dict[str, list[float]] = {}
@@ -157,9 +181,17 @@ class TorchRunner:
     Schedule1F1B, the loss as the schedule's loss_fn; each rank steps AdamW on its stage."""
 
     def __init__(
-        self, cfg: GPTConfig, base: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, *,
-        rank: int, m: int, schedule: str, lr: float,
-    ) -> None:  # fmt: skip
+        self,
+        cfg: GPTConfig,
+        base: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        rank: int,
+        m: int,
+        schedule: str,
+        lr: float,
+    ) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         self.stage_times: dict[str, list[float]] = {}

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from mp_partition import (
     ModuleNode,
     assign_costs,

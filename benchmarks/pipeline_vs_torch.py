@@ -53,7 +53,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -129,7 +128,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per variant and repetition")
+    parser.add_argument("--steps", type=int, default=2, help="rounds (timed steps of each variant) per group")
     parser.add_argument("--micro", type=int, nargs="+", default=[4, 8], help="microbatch counts")
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     parser.add_argument("--layers", type=int, default=8)
@@ -149,14 +148,15 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
 
     import torch
-
     from _pipeline_common import CpuMeter, idle_barrier
     from _pipeline_gpt import GPT, GPTConfig, make_batch
     from _pipeline_overhead import measure_overhead
     from _pipeline_runners import make_runner
+
     from mp_comm.world import init_world
 
     world = init_world()  # owns torch.distributed's default group; smp.init adopts it
+    assert world.mpi_comm is not None, "started by mpiexec: the world has an MPI communicator"
     comm = world.mpi_comm.Dup()
     rank = comm.Get_rank()
     torch.set_num_threads(1)
@@ -188,57 +188,83 @@ def main() -> None:
         comm.Free()
         return
     specs = make_specs(args.micro)
-    samples: dict[str, list[dict[str, Any]]] = {s.key: [] for s in specs}
+    records: list[dict[str, Any]] = []
     checks: dict[str, list[dict[str, Any]]] = {s.key: [] for s in specs}
     load = [os.getloadavg()[0]]
     started = time.monotonic()
     meter = CpuMeter()
+
+    def build(spec: Spec) -> Runner:
+        runner: Runner = make_runner(spec, cfg=cfg, base=base, x=x, y=y, rank=rank, lr=LR)
+        loss, grads = runner.first_step()  # also the warm-up: partitioning, shapes, optimizer state
+        diff = max((float((g - ref_grads[n]).abs().max()) for n, g in grads.items()), default=0.0)
+        scale = max((float(ref_grads[n].abs().max()) for n in grads), default=0.0)
+        got = comm.gather((loss, diff, scale, len(grads)), root=0)
+        if rank == 0:
+            first = next(g[0] for g in got if g[0] is not None)
+            checks[spec.key].append(
+                {
+                    "loss": first,
+                    "loss_abs_diff": abs(first - ref_loss),
+                    "grad_max_abs_diff": max(g[1] for g in got),
+                    "grad_max_abs": max(g[2] for g in got),
+                    "grads_compared": sum(g[3] for g in got),
+                }
+            )
+        return runner
+
+    def timed(spec: Spec, runner: Runner, group: int, rnd: int) -> None:
+        idle_barrier(comm)
+        meter.start()
+        t0 = time.perf_counter()
+        runner.step()
+        idle_barrier(comm)
+        elapsed = time.perf_counter() - t0
+        cpus = comm.gather(asdict(meter.stop()), root=0)
+        if rank == 0:
+            stages = {k: v[-1] for k, v in runner.stage_times.items() if v}
+            records.append(
+                {
+                    "key": spec.key,
+                    "group": group,
+                    "round": rnd,
+                    "step_s": elapsed,
+                    "cpu": cpus,
+                    "stage_s": stages,
+                }
+            )
+            print(f"{spec.key:28s} group {group:2d} round {rnd}: {elapsed * 1e3:7.0f} ms", flush=True)
+
+    # A group: one mp session (m, schedule) beside live torch and single-process runners of the same m;
+    # rounds run one step of each, in a rotating order, so that every ratio compares adjacent steps.
+    group = 0
     for rep in range(args.reps):
-        order = specs[rep % len(specs) :] + specs[: rep % len(specs)]
-        for spec in order:
-            runner: Runner = make_runner(spec, cfg=cfg, base=base, x=x, y=y, rank=rank, lr=LR)
-            loss, grads = runner.first_step()
-            diff = max((float((g - ref_grads[n]).abs().max()) for n, g in grads.items()), default=0.0)
-            scale = max((float(ref_grads[n].abs().max()) for n in grads), default=0.0)
-            got = comm.gather((loss, diff, scale, len(grads)), root=0)
-            if rank == 0:
-                losses = [g[0] for g in got if g[0] is not None]
-                checks[spec.key].append(
-                    {
-                        "loss": losses[0],
-                        "loss_abs_diff": abs(losses[0] - ref_loss),
-                        "grad_max_abs_diff": max(g[1] for g in got),
-                        "grad_max_abs": max(g[2] for g in got),
-                        "grads_compared": sum(g[3] for g in got),
-                    }
-                )
-            idle_barrier(comm)
-            meter.start()
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                runner.step()
-            idle_barrier(comm)
-            elapsed = (time.perf_counter() - t0) / args.steps
-            cpu = meter.stop()
-            stage_times = {k: statistics.median(v) for k, v in runner.stage_times.items() if v}
-            runner.close()
-            del runner
+        micro = args.micro[rep % len(args.micro) :] + args.micro[: rep % len(args.micro)]
+        for m in micro:
+            others = [
+                Spec("torch", "GPipe", m),
+                Spec("torch", "1F1B", m),
+                Spec("single", "accumulate", m),
+                Spec("single", "full batch", 1, 1),
+            ]
+            if m == args.micro[0]:
+                others.append(Spec("single", "full batch", 1, 2))
+            live = [(spec, build(spec)) for spec in others]
+            for schedule in ("simple", "interleaved")[rep % 2 :] + ("simple", "interleaved")[: rep % 2]:
+                spec = Spec("mp", schedule, m)
+                members = [(spec, build(spec)), *live]
+                for rnd in range(args.steps):
+                    k = (rnd + group) % len(members)
+                    for s, runner in members[k:] + members[:k]:
+                        timed(s, runner, group, rnd)
+                members[0][1].close()
+                del members
+                gc.collect()
+                group += 1
+            for _, runner in live:
+                runner.close()
+            del live
             gc.collect()
-            cpus = comm.gather(asdict(cpu), root=0)
-            elapsed = comm.bcast(elapsed, root=0)
-            if rank == 0:
-                samples[spec.key].append(
-                    {
-                        "step_s": elapsed,
-                        "cpu_per_step": [{k: v / args.steps for k, v in c.items()} for c in cpus],
-                        "stage_s": stage_times,
-                    }
-                )
-                print(
-                    f"rep {rep} {spec.key:32s} {elapsed * 1e3:8.1f} ms/step  "
-                    f"{args.batch / elapsed:6.2f} samples/s  loss {checks[spec.key][-1]['loss']:.6f}",
-                    flush=True,
-                )
         load.append(os.getloadavg()[0])
     elapsed_main = time.monotonic() - started
     overhead = measure_overhead(comm, world, calls=args.calls, steps=20, reps=args.overhead_reps)
@@ -250,7 +276,7 @@ def main() -> None:
             args=vars(args),
             cfg=asdict(cfg),
             specs=specs,
-            samples=samples,
+            records=records,
             checks=checks,
             ref_loss=ref_loss,
             n_params=n_params,

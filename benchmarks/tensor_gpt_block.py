@@ -40,7 +40,7 @@ slowest rank's wall time per step; tokens/s = ``batch * seq`` (global tokens) / 
 medians, quartiles and ranges over rounds; ours/peer = median over rounds of the peer's step time
 over ours in the same round (> 1: ours faster).
 
-    python benchmarks/tensor_gpt_block.py [--hidden 512 --heads 8 --batch 8 --seq 128 --rounds 12]
+    python benchmarks/tensor_gpt_block.py [--hidden 512 --heads 8 --batch 8 --seq 128 --rounds 20 --steps 2]
 
 starts itself under ``mpiexec -n 2``. Writes ``benchmarks/results/tensor_gpt_block.{json,md}`` (rank 0).
 """
@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -90,7 +91,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _atp_comm import CommProbe  # noqa: E402
+from _atp_comm import CommProbe, Replay  # noqa: E402
 from _tensor_gpt_peer import PeerBlock, parallelize_peer, peer_full_grads  # noqa: E402
 
 import mp as smp  # noqa: E402
@@ -118,7 +119,11 @@ class Variant:
     check: dict[str, Any] = field(default_factory=dict)
     collectives: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per collective: calls per step and MB this rank passes in (the input tensors)."""
+    replay: Replay | None = None
+    """Ours: the recorded collectives of one step, to issue again without the computation."""
     step_s: list[float] = field(default_factory=list)
+    replay_s: list[float] = field(default_factory=list)
+    """Per replay round: the slowest rank's seconds per replay of one step's collectives."""
 
 
 def block_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -277,7 +282,9 @@ def count_collectives(v: Variant) -> None:
     """Record the collectives of one step of ``v`` (ours: every ``torch.distributed`` call, with sizes;
     the peer: DTensor's functional collectives, counts only, as ``CommDebugMode`` sees them)."""
     if v.kind == "ours":
-        for call in CommProbe().record(v.step):
+        calls = CommProbe().record(v.step)
+        v.replay = Replay(calls)
+        for call in calls:
             entry = v.collectives.setdefault(call.name, {"calls": 0, "input_mb": 0.0})
             entry["calls"] += 1
             entry["input_mb"] += call.nbytes / 2**20
@@ -311,15 +318,26 @@ def run(v: Variant, steps: int) -> float:
     return _slowest(elapsed)
 
 
+def replay(v: Variant, steps: int) -> float:
+    """``steps`` replays of ``v``'s recorded collectives; the slowest rank's seconds per replay."""
+    assert v.replay is not None
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        v.replay.run()
+    return _slowest((time.perf_counter() - start) / steps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--replays", type=int, default=5, help="rounds of communication-only replays")
     args = parser.parse_args()
     torch.set_num_threads(1)
     smp.init({"tensor_parallel_degree": 2, "optimize": "speed", "prescaled_batch": True})
@@ -332,11 +350,18 @@ def main() -> None:
     load = [os.getloadavg()[0]]
     start = time.perf_counter()
     for r in range(args.rounds):
+        if r:
+            load.append(os.getloadavg()[0])
         k = r % len(variants)
         for v in variants[k:] + variants[:k]:
             v.step_s.append(run(v, args.steps))
     seconds = time.perf_counter() - start
     load.append(os.getloadavg()[0])
+    ours = [v for v in variants if v.replay is not None]
+    for r in range(args.replays):  # the communication alone, interleaved the same way
+        k = r % len(ours)
+        for v in ours[k:] + ours[:k]:
+            v.replay_s.append(replay(v, args.steps))
     if dist.get_rank() == 0:
         report(args, variants, info, seconds, load)
     smp.shutdown()
@@ -357,10 +382,23 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "q1": q1, "q3": q3, "min": min(values), "max": max(values)}
 
 
-def _paired(ours: Variant, other: Variant) -> dict[str, float]:
-    """Per round: ``other``'s step time over ``ours`` (= our tokens/s over theirs); summary over rounds."""
+def _sign_test(k: int, n: int) -> float:
+    """Two-sided sign-test p-value of ``k`` wins in ``n`` rounds if neither side were faster."""
+    tail = sum(math.comb(n, i) for i in range(min(k, n - k) + 1)) / (1 << n)
+    return min(1.0, 2 * tail)
+
+
+def _paired(ours: Variant, other: Variant) -> dict[str, Any]:
+    """Per round: ``other``'s step time over ``ours`` (= our tokens/s over theirs); summary over rounds.
+
+    Verdict: "faster" / "slower" when a two-sided sign test over the rounds rejects "neither is faster"
+    (p < 0.05), else "within noise".
+    """
     ratios = [o / s for s, o in zip(ours.step_s, other.step_s, strict=True)]
-    return {**_summary(ratios), "rounds_ours_faster": sum(r > 1 for r in ratios), "rounds": len(ratios)}
+    wins, n = sum(r > 1 for r in ratios), len(ratios)
+    p = _sign_test(wins, n)
+    verdict = "within noise" if p >= 0.05 else ("faster" if wins > n - wins else "slower")
+    return {**_summary(ratios), "rounds_faster": wins, "rounds": n, "sign_test_p": p, "verdict": verdict}
 
 
 def report(
@@ -387,6 +425,7 @@ def report(
                 "over_single_2_threads": _paired(v, two),
                 "check_max_rel_diff": v.check or None,
                 "collectives_per_step": v.collectives or None,
+                "comm_replay_ms": _summary([1e3 * t for t in v.replay_s]) if v.replay_s else None,
                 "step_ms_rounds": [1e3 * t for t in v.step_s],
             }
         )
@@ -402,7 +441,7 @@ def report(
         "check_tolerance_rel": TOL,
         "config_memory_prescaled": info["config_memory_prescaled"],
         "timing_seconds": seconds,
-        "load_average_1min_before_after": load,
+        "load_average_1min_before_rounds_after": load,
         "rows": rows,
     }
     RESULTS.mkdir(exist_ok=True)
@@ -415,22 +454,26 @@ def report(
         f"{tokens} tokens per step; 2 ranks on gloo, 1 thread each, {os.cpu_count()} cores. Median of "
         f"{args.rounds} interleaved rounds (order rotated) of {args.steps} steps; step time = slowest rank. "
         "*ours / peer*: median over rounds of the peer's step time over ours in the same round (> 1: ours "
-        "faster), q1-q3 in brackets. *vs 1 proc*: the same against the single-process block (1 thread; "
-        f"2 threads). Host load average (1 min) {load[0]:.1f} before, {load[1]:.1f} after.",
+        "faster), q1-q3 in brackets; *rounds faster, p*: rounds in which ours was faster than the peer and "
+        "the two-sided sign-test p-value (verdict at p < 0.05). *vs 1 proc*: the single-process block's "
+        "step time over this variant's, paired the same way (1 thread; 2 threads). Host load average "
+        f"(1 min) {load[0]:.1f} before the timing, {statistics.median(load):.1f} median over the run, "
+        f"{load[-1]:.1f} after, on {os.cpu_count()} cores: other jobs shared the machine.",
         "",
-        "| variant | batch / rank | tokens/s (q1-q3) | min-max | ours / peer | vs 1 proc 1 thr "
-        "| vs 1 proc 2 thr |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| variant | batch / rank | tokens/s (q1-q3) | min-max | ours / peer (q1-q3) | rounds faster, p "
+        "| vs 1 proc 1 thr | vs 1 proc 2 thr |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         t = r["tokens_per_s"]
         p = r["over_peer"]
         peer_cell = f"**{p['median']:.2f}** ({p['q1']:.2f}-{p['q3']:.2f})" if p else "-"
+        sign = f"{p['rounds_faster']}/{p['rounds']}, {p['sign_test_p']:.3f} ({p['verdict']})" if p else "-"
         s1, s2 = r["over_single_1_thread"], r["over_single_2_threads"]
         lines.append(
             f"| {r['variant']} | {r['per_rank_batch']} | "
             f"{t['median']:,.0f} ({t['q1']:,.0f}-{t['q3']:,.0f}) | {t['min']:,.0f}-{t['max']:,.0f} | "
-            f"{peer_cell} | {s1['median']:.2f} | {s2['median']:.2f} |"
+            f"{peer_cell} | {sign} | {s1['median']:.2f} | {s2['median']:.2f} |"
         )
     lines += [
         "",
@@ -458,18 +501,26 @@ def report(
         "`torch.distributed` call, recorded; the peer: DTensor's functional collectives as `CommDebugMode` "
         "counts them (no sizes).",
         "",
-        "| variant | collectives per step |",
-        "|---|---|",
+        f"*replay*: the same collectives issued back to back without the computation, median of "
+        f"{args.replays} interleaved rounds after the timing (slowest rank), and its share of the median "
+        "step; the peer's four all-reduces have the sizes of ours in speed/prescaled_batch.",
+        "",
+        "| variant | collectives per step | replay ms (share of step) |",
+        "|---|---|---:|",
     ]
     for r in rows:
         c = r["collectives_per_step"]
         if not c:
             continue
+        rep = r["comm_replay_ms"]
+        rep_cell = (
+            f"{rep['median']:.1f} ({100 * rep['median'] / r['ms_per_step']['median']:.0f} %)" if rep else "-"
+        )
         cells = [
             f"{op} x{e['calls']}" + (f" ({e['input_mb']:.1f} MB)" if "input_mb" in e else "")
             for op, e in sorted(c.items())
         ]
-        lines.append(f"| {r['variant']} | {', '.join(cells)} |")
+        lines.append(f"| {r['variant']} | {', '.join(cells)} | {rep_cell} |")
     lines += [
         "",
         f"smp's config with optimize 'memory' and prescaled_batch: {info['config_memory_prescaled']}",

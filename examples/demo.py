@@ -26,7 +26,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -152,8 +151,9 @@ def main() -> int:
 
     losses: list[float] = []
     seconds: list[float] = []
-    recording: Any = None
+    recording: smp.timeline.Recording | None = None
     first = smp.dp_rank() * BATCH_PER_REPLICA
+    began = time.perf_counter()
     for step in tqdm(range(args.steps), desc="training", unit="step", disable=not rank0, file=sys.stdout):
         ids = global_batch(step, dp * BATCH_PER_REPLICA)[first : first + BATCH_PER_REPLICA]
         timeline = step + 1 == args.timeline_step
@@ -167,6 +167,7 @@ def main() -> int:
             recording = rec
         # the loss of the whole global batch: the mean over the data-parallel replicas
         losses.append(sum(smp.allgather(loss.item(), smp.DP_GROUP)) / dp)
+    training = time.perf_counter() - began
 
     held = smp.allgather(
         (smp.rank(), smp.pp_rank(), smp.dp_rank(), sum(p.numel() for p in model.local_parameters())),
@@ -174,7 +175,7 @@ def main() -> int:
     )
     ok = True
     if rank0:
-        ok = report(args, out, layout, model, losses, seconds, held, recording, dp)
+        ok = report(args, out, layout, model, losses, seconds, training, held, recording, dp)
         smp.broadcast(ok, smp.WORLD)
     else:
         ok = smp.recv_from(0, smp.RankType.WORLD_RANK)
@@ -189,20 +190,24 @@ def report(  # noqa: PLR0917 - one call site
     model: smp.DistributedModel,
     losses: list[float],
     seconds: list[float],
+    training: float,
     held: list[tuple[int, int, int, int]],
-    recording: Any,
+    recording: smp.timeline.Recording | None,
     dp: int,
 ) -> bool:
     tokens = dp * BATCH_PER_REPLICA * SEQ
     timed = [s for i, s in enumerate(seconds) if i > 0 and i + 1 != args.timeline_step] or seconds
     per_step = sum(timed) / len(timed)
-    print("\npartition (computed on rank 0 in the first step):")
-    assert model.plan is not None
-    print(model.plan.report())
+    if model.plan is not None:
+        print("\npartition (computed on rank 0 in the first step):")
+        print(model.plan.report())
+    else:
+        print("\npipeline_parallel_degree=1: the model is not partitioned")
     total = sum(p.numel() for p in model.parameters())
     for rank, pp_rank, dp_rank, n in held:
         print(f"  rank {rank}: pp_rank {pp_rank}, dp_rank {dp_rank}, holds {n:,} of {total:,} parameters")
-    print(f"\nloss: {losses[0]:.4f} (step 1) -> {losses[-1]:.4f} (step {len(losses)})")
+    print(f"\ntraining: {len(losses)} steps in {training:.1f} s (the first includes partitioning)")
+    print(f"loss: {losses[0]:.4f} (step 1) -> {losses[-1]:.4f} (step {len(losses)})")
     print(
         f"throughput ({layout}): {tokens / per_step:,.0f} tokens/s, {dp * BATCH_PER_REPLICA / per_step:.1f} "
         f"sequences/s, {1000 * per_step:.0f} ms/step (mean over {len(timed)} steps; the first, which "
@@ -219,7 +224,7 @@ def report(  # noqa: PLR0917 - one call site
     worst = max(diffs)
     ok = worst < TOLERANCE
     print(
-        f"plain PyTorch: loss {plain[0]:.4f} -> {plain[-1]:.4f}, {1000 * plain_step:.0f} ms/step in one process"
+        f"plain PyTorch: loss {plain[0]:.4f} -> {plain[-1]:.4f}, {1000 * plain_step:.0f} ms/step (1 process)"
     )
     print(
         f"max |loss difference| over {len(diffs)} steps: {worst:.2e} (step {diffs.index(worst) + 1}) "

@@ -21,6 +21,7 @@ caches agree as long as one sender's headers are processed in order, which every
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import io
 import logging
@@ -51,6 +52,7 @@ __all__ = [
     "default_device_map",
     "encode_header",
     "encode_object",
+    "host_bytes",
     "inline_payloads",
     "is_dense",
     "land_inline",
@@ -70,6 +72,13 @@ _PICKLE_PROTOCOL: Final = pickle.HIGHEST_PROTOCOL
 _DTYPES: Final[dict[str, torch.dtype]] = {
     str(dt).removeprefix("torch."): dt for dt in vars(torch).values() if isinstance(dt, torch.dtype)
 }
+_DTYPE_NAMES: Final[dict[torch.dtype, str]] = {dt: name for name, dt in _DTYPES.items()}
+_CPU: Final = torch.device("cpu")
+_META: Final = torch.device("meta")
+# Parsed metadata by its wire form: a pipeline repeats its shapes, and building a frozen dataclass costs
+# more than the lookup. Bounded: cleared when full.
+_FROM_WIRE: dict[tuple[Any, ...], TensorMeta] = {}
+_FROM_WIRE_MAX: Final = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +110,8 @@ class TensorMeta:
         return self.numel * _itemsize(self.dtype)
 
     def to_wire(self) -> tuple[Any, ...]:
-        return (self.shape, self.stride, str(self.dtype).removeprefix("torch."), self.device, self.flags)
+        name = _DTYPE_NAMES.get(self.dtype) or str(self.dtype).removeprefix("torch.")
+        return (self.shape, self.stride, name, self.device, self.flags)
 
     @property
     def flags(self) -> int:
@@ -109,6 +119,22 @@ class TensorMeta:
 
     @classmethod
     def from_wire(cls, raw: Sequence[Any]) -> TensorMeta:
+        if type(raw) is tuple and cls is TensorMeta:
+            try:
+                cached = _FROM_WIRE.get(raw)
+            except TypeError:  # something unhashable inside: parse it below (and fail there if bad)
+                cached = None
+            if cached is not None:
+                return cached
+            meta = cls._parse(raw)
+            if len(_FROM_WIRE) >= _FROM_WIRE_MAX:
+                _FROM_WIRE.clear()
+            _FROM_WIRE[raw] = meta
+            return meta
+        return cls._parse(raw)
+
+    @classmethod
+    def _parse(cls, raw: Sequence[Any]) -> TensorMeta:
         shape, stride, dtype_name, device, flags = raw
         dtype = _DTYPES.get(dtype_name)
         if dtype is None:
@@ -153,7 +179,8 @@ def _stubbed(obj: object) -> bool:
 
 
 def _wire_tensor(t: torch.Tensor) -> torch.Tensor:
-    w = t.detach()
+    # Detaching builds a new tensor object: only needed to leave autograd (or the Parameter type) behind.
+    w = t.detach() if t.requires_grad or type(t) is not torch.Tensor else t
     if w.is_conj():
         w = w.resolve_conj()
     if w.is_neg():
@@ -167,10 +194,20 @@ def _wire_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     """The dense memory of `t` as a flat uint8 tensor, without a copy (`t` must be dense)."""
+    if t.is_contiguous():
+        if t.numel() == 0:
+            return torch.empty(0, dtype=torch.uint8, device=t.device)
+        return t.view(-1).view(torch.uint8)
     assert is_dense(t), "byte_view needs a dense tensor"
-    if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8, device=t.device)
     return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
+
+
+def host_bytes(t: torch.Tensor) -> bytes:
+    """A copy of a dense CPU tensor's memory as bytes (one memcpy from its address)."""
+    assert t.is_cpu and is_dense(t), "host_bytes needs a dense CPU tensor"
+    n = t.numel() * t.element_size()
+    # A dense tensor's elements span [data_ptr, data_ptr + nbytes): strides are never negative.
+    return ctypes.string_at(t.data_ptr(), n) if n else b""
 
 
 def numpy_bytes(t: torch.Tensor) -> Any:
@@ -236,14 +273,18 @@ def wire_tensors(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], l
         w = _wire_tensor(t)
         wires.append(w)
         stride = tuple(w.stride()) if w.numel() else _contiguous_strides(w.shape)
+        # `type(t) is ...` first: isinstance on Parameter goes through its metaclass (slow).
+        parameter = type(t) is torch.nn.Parameter or (
+            type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter)
+        )
         metas.append(
             TensorMeta(
                 tuple(w.shape),
                 stride,
                 w.dtype,
-                w.device.type,
+                "cpu" if w.is_cpu else w.device.type,
                 t.requires_grad,
-                isinstance(t, torch.nn.Parameter),
+                parameter,
             )
         )
     return wires, metas
@@ -266,10 +307,10 @@ def default_device_map(meta: TensorMeta) -> torch.device:
     if meta.device == "cuda":
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return _CPU
     if meta.device == "meta":
-        return torch.device("meta")
-    return torch.device("cpu")
+        return _META
+    return _CPU
 
 
 def allocate(
@@ -358,24 +399,32 @@ def inline_payloads(
     index: list[int] = []
     parts: list[bytes] = []
     for i, (t, m) in enumerate(zip(tensors, metas, strict=True)):
-        if 0 < m.nbytes <= limit and t.device.type == "cpu":
+        if t.is_cpu and 0 < m.nbytes <= limit:
             index.append(i)
-            parts.append(numpy_bytes(t).tobytes())
+            parts.append(host_bytes(t))
+    if len(parts) == 1:
+        return tuple(index), parts[0]
     return tuple(index), b"".join(parts)
 
 
 def land_inline(header: Header, metas: Sequence[TensorMeta], tensors: Sequence[torch.Tensor]) -> None:
     """Copy the header's inline payloads into their destination tensors."""
     offset = 0
+    blob = header.blob if type(header.blob) is bytes else bytes(header.blob)
     for i in header.inline:
         n = metas[i].nbytes
-        src = np.frombuffer(header.blob, dtype=np.uint8, count=n, offset=offset)
-        offset += n
+        if offset + n > len(blob):
+            raise ValueError(
+                f"the header's inline payloads hold {len(blob)} bytes, tensor {i} needs {n} at {offset}"
+            )
         dst = tensors[i]
-        if dst.device.type == "cpu":
-            numpy_bytes(dst)[:] = src
+        if dst.is_cpu and is_dense(dst) and dst.numel() * dst.element_size() == n:
+            # One memcpy into the freshly allocated, dense destination.
+            ctypes.memmove(dst.data_ptr(), blob if n == len(blob) else blob[offset : offset + n], n)
         else:
+            src = np.frombuffer(blob, dtype=np.uint8, count=n, offset=offset)
             byte_view(dst).copy_(torch.from_numpy(src.copy()).to(dst.device))
+        offset += n
 
 
 def decode_header(data: bytes | bytearray | memoryview, *, source: int) -> Header:

@@ -1,3 +1,8 @@
-"""Memory savers for mp: activation checkpointing and offloading, sharding, delayed initialization, mixed precision, checkpoints."""
+"""mp-memory: the memory savers of mp.
+
+Activation checkpointing and offloading, optimizer-state and parameter sharding, delayed parameter
+initialization, mixed precision, and checkpoint save/load with resharding (not built yet: this
+distribution holds only its name and version so far).
+"""
 
 __version__ = "0.1.0"

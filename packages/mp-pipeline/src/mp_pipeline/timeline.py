@@ -23,6 +23,7 @@ import contextlib
 import enum
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -441,9 +442,11 @@ class Timeline:
         handles = [
             Patch(facecolor="white", edgecolor="0.15", label="forward (Req::FWD)"),
             Patch(facecolor="white", edgecolor="0.15", hatch="///", label="backward (Req::BWD)"),
-            Patch(facecolor="0.6", edgecolor="0.3", label="data-parallel allreduce"),
             Patch(facecolor="0.94", edgecolor="0.8", label="step (idle where empty)"),
-        ] + [Patch(facecolor=color(m), label=f"microbatch {m}") for m in mbs]
+        ]
+        if self.select(EventKind.REDUCE):
+            handles.append(Patch(facecolor="0.6", edgecolor="0.3", label="data-parallel allreduce (dp)"))
+        handles += [Patch(facecolor=color(m), label=f"microbatch {m}") for m in mbs]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
         steps = sorted({e.step for e in self.events})
         ax.set_title(
@@ -461,9 +464,11 @@ class Timeline:
         return self.write_chrome(prefix + ".json"), self.render(prefix + ".png", title=title)
 
 
-def _thread_order(key: tuple[int, str]) -> tuple[int, int, str]:
+def _thread_order(key: tuple[int, str]) -> tuple[int, int, list[str | int]]:
+    """Rank, then its main thread, then the others in natural order (w2 before w10)."""
     rank, thread = key
-    return rank, 0 if thread == "MainThread" else 1, thread
+    natural: list[str | int] = [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", thread)]
+    return rank, 0 if thread == "MainThread" else 1, natural
 
 
 def _event_name(e: Event) -> str:

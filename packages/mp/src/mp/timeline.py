@@ -8,7 +8,7 @@
 or ``smp.timeline.start()`` ... ``smp.timeline.stop("out/timeline")``. Every rank records its own events
 (mp_pipeline.timeline); at the end of the block (or at ``stop``) they are gathered to global rank 0
 over the world group, which merges them and writes the files. Recording costs a few microseconds per
-request; outside a recording the hooks cost one attribute check.
+event; outside a recording each hook returns after one attribute check.
 """
 
 from __future__ import annotations
