@@ -12,7 +12,8 @@ stages do not support.
   activation and its gradient, and the loss (a scalar) comes back: the same traffic as
   torch.distributed.pipelining's stages.
 * torch.distributed.pipelining gets ``model.front`` as stage 0 and ``BackStage(model.back)`` (the logits)
-  as stage 1, with :func:`lm_loss` as the schedule's ``loss_fn``: the same modules, the same arithmetic.
+  as stage 1, with ``model.back.loss`` as the schedule's ``loss_fn``: the same modules, the same
+  arithmetic.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "Back", "BackStage", "Block", "Front", "GPTConfig", "lm_loss", "make_batch"]
+__all__ = ["GPT", "Back", "BackStage", "Block", "Front", "GPTConfig", "LMLoss", "lm_loss", "make_batch"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +93,13 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+class LMLoss(nn.Module):
+    """:func:`lm_loss` as a module, so that module hooks can time it (benchmarks/_pipeline_probe.py)."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, targets)
+
+
 class Back(nn.Module):
     """Stage 1: the other blocks, the final LayerNorm, the head; the loss when targets are given."""
 
@@ -100,6 +108,7 @@ class Back(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers - cfg.split))
         self.ln_f = nn.LayerNorm(cfg.hidden)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self.loss = LMLoss()
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -107,7 +116,7 @@ class Back(nn.Module):
         return self.head(self.ln_f(x))  # type: ignore[no-any-return]
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return lm_loss(self.logits(x), targets)
+        return self.loss(self.logits(x), targets)  # type: ignore[no-any-return]
 
 
 class BackStage(nn.Module):

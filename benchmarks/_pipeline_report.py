@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 __all__ = ["report"]
 
 P = 2  # pipeline stages
+_THREADS = ("main thread", "fresh thread", "long-lived thread")
 
 
 def _median(values: list[float]) -> float | None:
@@ -30,6 +31,43 @@ def _split_bound(stage: dict[str, float], m: int, n_params: dict[str, int]) -> f
     return (m - 1) * max(s0, s1) + s0 + s1 + max(o0, o1)
 
 
+def _stage_sums(pipe: dict[str, Any]) -> tuple[float, float]:
+    c = pipe["stage_compute_s"]
+    return c["f0"] + c["b0"], c["f1"] + c["b1"]
+
+
+def _time_split(
+    mine: list[dict[str, Any]],
+    paired: Callable[[str, str, Callable[[dict[str, Any], dict[str, Any]], float]], float | None],
+    key: str,
+    accum: str,
+) -> dict[str, Any] | None:
+    """Medians over the steps of one pipelined variant: the window of stage compute, its zero-overhead
+    replay, the time outside it, the compute on each rank, and that compute over the single process's
+    compute of the same stages in the same round (> 1: the stages ran slower inside the pipeline)."""
+    runs = [r for r in mine if r["pipe"]]
+    if not runs:
+        return None
+
+    def slowdown(rank: int) -> Callable[[dict[str, Any], dict[str, Any]], float]:
+        def f(a: dict[str, Any], b: dict[str, Any]) -> float:
+            if not a["pipe"] or not b["pipe"]:
+                return float("nan")
+            return _stage_sums(a["pipe"])[rank] / _stage_sums(b["pipe"])[rank]
+
+        return f
+
+    return {
+        "window_ms": _median([r["pipe"]["window_s"] * 1e3 for r in runs]),
+        "makespan_ms": _median([r["pipe"]["makespan_s"] * 1e3 for r in runs]),
+        "schedule_efficiency": _median([r["pipe"]["makespan_s"] / r["pipe"]["window_s"] for r in runs]),
+        "idle_in_window_ms": _median([(r["pipe"]["window_s"] - r["pipe"]["makespan_s"]) * 1e3 for r in runs]),
+        "outside_window_ms": _median([(r["step_s"] - r["pipe"]["window_s"]) * 1e3 for r in runs]),
+        "compute_ms": [_median([r["pipe"]["compute_s"][i] * 1e3 for r in runs]) for i in range(P)],
+        "compute_slowdown": [paired(key, accum, slowdown(i)) for i in range(P)],
+    }
+
+
 def _fmt(v: float | None, spec: str = ".2f", suffix: str = "") -> str:
     return "–" if v is None else f"{v:{spec}}{suffix}"
 
@@ -44,6 +82,7 @@ def report(
     ref_loss: float,
     n_params: dict[str, int],
     overhead: dict[str, Any],
+    threads: dict[str, Any] | None,
     host: dict[str, Any],
     elapsed_s: float,
     results: Path,
@@ -56,14 +95,19 @@ def report(
         index[(r["group"], r["round"], r["key"])] = r
     single = "single/full batch/m1/t1"
 
-    def paired(key: str, other: str, f: Callable[[dict[str, Any], dict[str, Any]], float]) -> float | None:
-        """Median over the rounds that ran both: f(record of key, record of other in the same round)."""
+    def paired_values(
+        key: str, other: str, f: Callable[[dict[str, Any], dict[str, Any]], float]
+    ) -> list[float]:
+        """f(record of key, record of other in the same round), for the rounds that ran both."""
         values = []
         for r in by_key.get(key, []):
             o = index.get((r["group"], r["round"], other))
             if o is not None:
                 values.append(f(r, o))
-        return _median(values)
+        return values
+
+    def paired(key: str, other: str, f: Callable[[dict[str, Any], dict[str, Any]], float]) -> float | None:
+        return _median(paired_values(key, other, f))
 
     def speedup(a: dict[str, Any], b: dict[str, Any]) -> float:
         return float(b["step_s"] / a["step_s"])
@@ -113,6 +157,7 @@ def report(
             "grad_max_abs": c[0]["grad_max_abs"],
             "grads_compared": c[0]["grads_compared"],
         }
+        row["time_split"] = _time_split(mine, paired, key, accum) if spec.system != "single" else None
         stages = [r["stage_s"] for r in mine if r["stage_s"]]
         row["stage_ms"] = {k: _median([s[k] * 1e3 for s in stages]) for k in stages[0]} if stages else None
         row["raw_step_s"] = [r["step_s"] for r in mine]
@@ -127,13 +172,15 @@ def report(
             ("simple", "1F1B"),
             ("interleaved", "GPipe"),
         ):
-            ratio = paired(f"mp/{ours}/m{m}/t1", f"torch/{theirs}/m{m}/t1", speedup)
+            values = paired_values(f"mp/{ours}/m{m}/t1", f"torch/{theirs}/m{m}/t1", speedup)
+            ratio = _median(values)
             targets["mp_vs_torch"].append(
                 {
                     "m": m,
                     "mp": ours,
                     "torch": theirs,
                     "throughput_ratio": ratio,
+                    "rounds": values,
                     "met": ratio is not None and ratio >= 1.0,
                 }
             )
@@ -142,6 +189,22 @@ def report(
             targets["mp_efficiency"].append(
                 {"m": m, "mp": s, "efficiency_bubble": eff, "met": eff is not None and eff >= 0.9}
             )
+    # All rounds of the like-for-like pairs (simple vs GPipe, interleaved vs 1F1B) at every m, pooled.
+    pool = [
+        x
+        for t in targets["mp_vs_torch"]
+        if (t["mp"], t["torch"]) in (("simple", "GPipe"), ("interleaved", "1F1B"))
+        for x in t["rounds"]
+    ]
+    if pool:
+        geo = statistics.geometric_mean(pool)
+        targets["mp_vs_torch_pooled"] = {
+            "rounds": len(pool),
+            "median": statistics.median(pool),
+            "geometric_mean": geo,
+            "mp_faster": sum(x > 1 for x in pool),
+            "met": geo >= 1.0,
+        }
 
     payload = {
         "benchmark": "pipeline_vs_torch",
@@ -159,6 +222,7 @@ def report(
         "rows": rows,
         "targets": targets,
         "overhead": overhead,
+        "fresh_threads": threads,
         "records": records,
     }
     results.mkdir(exist_ok=True)
@@ -192,15 +256,20 @@ def _markdown(p: dict[str, Any]) -> str:
         "round, then the median is taken. *vs torch GPipe*: throughput over torch's GPipe at the same m; "
         "*vs single*: over the single process (1 thread, full batch); *eff. bubble*: (T1/p·(m+p−1)/m) / "
         "measured, T1 = single process on the same m microbatches, p = 2; *eff. split*: the bound for the "
-        "measured (imperfectly balanced) stages, (m−1)·max(s0,s1)+s0+s1+max(o0,o1), over measured. "
-        "`python benchmarks/pipeline_vs_torch.py` regenerates this file.",
+        "measured (imperfectly balanced) stages, (m−1)·max(s0,s1)+s0+s1+max(o0,o1), over measured; "
+        "*CPU busy*: CPU seconds of all of a rank's threads per second of step (1.00: a core of its own). "
+        f"`python benchmarks/pipeline_vs_torch.py --reps {a['reps']} --steps {a['steps']}` regenerated "
+        f"this file (commit {host['code']['commit'][:8]}"
+        + (", with local changes under packages/" if host["code"]["modified_under_packages"] else "")
+        + ").",
         "",
         "| system | schedule | m | samples/s | ms/step | n | vs torch GPipe | vs single | eff. bubble | "
         "eff. split | CPU busy r0/r1 |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in p["rows"]:
-        sched = r["schedule"] + (f", {r['threads']} threads" if r["system"] == "single" else "")
+        plural = "s" if r["threads"] > 1 else ""
+        sched = r["schedule"] + (f", {r['threads']} thread{plural}" if r["system"] == "single" else "")
         busy = "/".join(_fmt(v, ".2f") for v in r["cpu_busy"])
         cells = [
             r["system"],
@@ -218,9 +287,20 @@ def _markdown(p: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Targets:", ""]
     for tgt in p["targets"]["mp_vs_torch"]:
+        v = tgt["rounds"]
+        spread = f" (rounds: {min(v):.2f}–{max(v):.2f}x, mp faster in {sum(x > 1 for x in v)} of {len(v)})"
         lines.append(
             f"* m={tgt['m']}: mp {tgt['mp']} / torch {tgt['torch']} throughput "
-            f"{_fmt(tgt['throughput_ratio'], '.2f', 'x')}: {'met' if tgt['met'] else '**not met**'} (≥ 1)"
+            f"{_fmt(tgt['throughput_ratio'], '.2f', 'x')}{spread if v else ''}: "
+            f"{'met' if tgt['met'] else '**not met**'} (≥ 1)"
+        )
+    pooled = p["targets"].get("mp_vs_torch_pooled")
+    if pooled:
+        lines.append(
+            f"* pooled, mp simple vs torch GPipe and mp interleaved vs torch 1F1B, every m: geometric mean "
+            f"{pooled['geometric_mean']:.2f}x, median {pooled['median']:.2f}x, mp faster in "
+            f"{pooled['mp_faster']} of {pooled['rounds']} rounds: "
+            f"{'met' if pooled['met'] else '**not met**'} (≥ 1)"
         )
     for tgt in p["targets"]["mp_efficiency"]:
         lines.append(
@@ -257,8 +337,44 @@ def _markdown(p: dict[str, Any]) -> str:
             continue
         cells = [f"{c['total']:.2f} / {c['main']:.2f} / {c['progress']:.3f}" for c in r["cpu_per_step_s"]]
         lines.append(f"| {r['system']} | {r['schedule']} | {r['microbatches']} | {cells[0]} | {cells[1]} |")
+    lines += [
+        "",
+        "Where a pipelined step's time goes (medians, ms; benchmarks/_pipeline_probe.py): *window* = "
+        "first stage operation's start to last one's end; *no-overhead replay* = the same operations, "
+        "same order and measured durations, with no gap between dependent ones; *sched. eff.* = replay / "
+        "window (what the runtime lost inside the pipeline: messages, thread hand-offs, waiting); "
+        "*outside* = step − window (step start and end, optimizer); *compute* = stage compute on each "
+        "rank and, in brackets, over the single process's compute of the same stages in the same round "
+        "(above 1: the stage ran slower inside the pipeline, i.e. the ranks did not get a core each).",
+        "",
+        "| system | schedule | m | step | window | no-overhead replay | sched. eff. | idle in window | "
+        "outside | compute r0 | compute r1 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in p["rows"]:
+        ts = r["time_split"]
+        if ts is None:
+            continue
+        comp = [
+            f"{c:.0f} ({_fmt(sd, '.2f', 'x')})"
+            for c, sd in zip(ts["compute_ms"], ts["compute_slowdown"], strict=True)
+        ]
+        cells = [
+            r["system"],
+            r["schedule"],
+            str(r["microbatches"]),
+            f"{r['step_ms']:.0f}",
+            f"{ts['window_ms']:.0f}",
+            f"{ts['makespan_ms']:.0f}",
+            f"{100 * ts['schedule_efficiency']:.0f}%",
+            f"{ts['idle_in_window_ms']:.0f}",
+            f"{ts['outside_window_ms']:.0f}",
+            *comp,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     o = p["overhead"]
     wire = o["wire_round_trip_us"]
+    steps = o["step_ms"]
     lines += [
         "",
         f"Module-server overhead: {o['calls_per_step']} calls of an `nn.Identity` on a {o['tensor']} tensor "
@@ -269,19 +385,78 @@ def _markdown(p: dict[str, Any]) -> str:
         "|---|---:|",
         f"| FWD request round trip (remote − local, per call) | {o['fwd_request_us']:.0f} |",
         f"| BWD request round trip (remote − local, per call) | {o['bwd_request_us']:.0f} |",
-        f"| local call through mp's forward wrapper (fwd / bwd) | {o['local_fwd_call_us']:.1f} / "
-        f"{o['local_bwd_call_us']:.1f} |",
-        f"| plain PyTorch call (fwd / bwd) | {o['plain_fwd_call_us']:.1f} / {o['plain_bwd_call_us']:.1f} |",
+        f"| fixed cost of an mp step (pp 2, one microbatch; local step − plain step; fwd-only / train) | "
+        f"{(steps['local']['fwd'] - steps['plain']['fwd']) * 1e3:.0f} / "
+        f"{(steps['local']['train'] - steps['plain']['train']) * 1e3:.0f} |",
+        f"| plain PyTorch `nn.Identity` call (fwd / bwd) | {o['plain_fwd_call_us']:.1f} / "
+        f"{o['plain_bwd_call_us']:.1f} |",
         f"| raw round trip of the same tensor: mp MPI transport / gloo | {wire['mp_mpi_transport']:.0f} / "
         f"{wire['gloo']:.0f} |",
         "",
         "Step times of the overhead model (ms; fwd-only / train): "
-        + "; ".join(f"{n} {v['fwd']:.2f} / {v['train']:.2f}" for n, v in o["step_ms"].items())
+        + "; ".join(f"{n} {v['fwd']:.2f} / {v['train']:.2f}" for n, v in steps.items())
         + ".",
         "",
     ]
+    th = p["fresh_threads"]
+    if th is not None:
+        lines += [
+            f"Compute in a fresh thread (mp's workers live for one step): forward + backward of the GPT on "
+            f"{th['sequences']} sequences on rank 0, median of {th['repetitions']} interleaved repetitions "
+            f"(minor page faults of the computing thread): "
+            + "; ".join(
+                f"{n} {th[n]['ms']:.0f} ms (min {th[n]['min_ms']:.0f}; {th[n]['minor_faults']:.0f} faults)"
+                for n in _THREADS
+            )
+            + f". Time in a fresh over a long-lived thread, paired: {th['fresh_over_long_lived']:.2f}x.",
+            "",
+        ]
     return "\n".join(lines)
 
 
 def _pct(v: float | None) -> float | None:
     return None if v is None else 100 * v
+
+
+def rerender(path: Path) -> None:
+    """Rebuild the markdown (and the JSON's derived fields) from a saved JSON: ``python
+    benchmarks/_pipeline_report.py benchmarks/results/pipeline_vs_torch.json``."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from pipeline_vs_torch import Spec
+
+    d = json.loads(path.read_text())
+    specs = [Spec(r["system"], r["schedule"], r["microbatches"], r["threads"]) for r in d["rows"]]
+    checks = {
+        spec.key: [
+            {
+                "loss": r["first_step"]["loss"],
+                "loss_abs_diff": r["first_step"]["loss_abs_diff_max"],
+                "grad_max_abs_diff": r["first_step"]["grad_max_abs_diff_max"],
+                "grad_max_abs": r["first_step"]["grad_max_abs"],
+                "grads_compared": r["first_step"]["grads_compared"],
+            }
+        ]
+        for spec, r in zip(specs, d["rows"], strict=True)
+    }
+    report(
+        args=d["args"],
+        cfg=d["model"],
+        specs=specs,
+        records=d["records"],
+        checks=checks,
+        ref_loss=d["reference_first_loss"],
+        n_params=d["parameters"],
+        overhead=d["overhead"],
+        threads=d["fresh_threads"],
+        host=d["host"],
+        elapsed_s=d["elapsed_s"],
+        results=path.parent,
+    )
+
+
+if __name__ == "__main__":
+    import sys
+
+    rerender(Path(sys.argv[1]))

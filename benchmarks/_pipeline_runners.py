@@ -10,7 +10,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-from _pipeline_gpt import GPT, BackStage, GPTConfig, lm_loss
+from _pipeline_gpt import GPT, BackStage, GPTConfig
+from _pipeline_probe import StageProbe
 
 if TYPE_CHECKING:
     from pipeline_vs_torch import Runner, Spec
@@ -45,6 +46,7 @@ class SingleRunner:
         lr: float,
     ) -> None:
         self.active = rank == 0
+        self.probe: StageProbe | None = None
         self.m = m
         self.stage_times: dict[str, list[float]] = {k: [] for k in ("f0", "f1", "b1", "b0", "opt")}
         self.x, self.y = x, y
@@ -52,6 +54,8 @@ class SingleRunner:
         self.threads = threads
         if self.active:
             self.model = _model(cfg, base)
+            if m > 1:
+                self.probe = StageProbe(self.model)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
 
     def _forward_backward(self) -> float:
@@ -142,6 +146,7 @@ class MpRunner:
             }
         )
         net = _model(cfg, base)
+        self.probe: StageProbe | None = StageProbe(net)
         smp.set_partition(net.front, 0)
         smp.set_partition(net.back, 1)
         self.model = smp.DistributedModel(net)
@@ -178,7 +183,7 @@ class MpRunner:
 
 class TorchRunner:
     """torch.distributed.pipelining: PipelineStage on front (rank 0) / back (rank 1), ScheduleGPipe or
-    Schedule1F1B, the loss as the schedule's loss_fn; each rank steps AdamW on its stage."""
+    Schedule1F1B, ``back.loss`` as the schedule's loss_fn; each rank steps AdamW on its stage."""
 
     def __init__(
         self,
@@ -197,11 +202,12 @@ class TorchRunner:
         self.stage_times: dict[str, list[float]] = {}
         self.rank = rank
         net = _model(cfg, base)
+        self.probe: StageProbe | None = StageProbe(net)
         self.module: torch.nn.Module = net.front if rank == 0 else BackStage(net.back)
         self.prefix = "front." if rank == 0 else ""  # BackStage's parameters are already back.*
         stage = PipelineStage(self.module, rank, 2, torch.device("cpu"))
         kind = ScheduleGPipe if schedule == "GPipe" else Schedule1F1B
-        self.schedule = kind(stage, m, loss_fn=lm_loss)
+        self.schedule = kind(stage, m, loss_fn=net.back.loss)
         self.opt = torch.optim.AdamW(self.module.parameters(), lr=lr)
         self.x, self.y = x, y
 

@@ -12,6 +12,17 @@ The variants are interleaved (each repetition runs every variant at every size, 
 because this host is noisy; each cell is the median over repetitions of the mean one-way time of a
 batch of round trips. Results go to benchmarks/results/comm_p2p.json and .md.
 
+Per-message cost, reported beside the table:
+
+* object layer: CPU time (of the calling thread) of one send + recv of a 1 KB tensor through a one-rank
+  ``LoopbackTransport``: the whole message path (stubs, pickling, header, metadata, allocation, inline
+  copy, ordered delivery, mailbox, rebuild) without MPI and without threads;
+* per hop: mp-mpi's one-way time minus mpi4py's at the smallest size, paired within each repetition:
+  what the object layer, the MPI transport's own calls and its thread hand-offs add to MPI's latency.
+
+Targets (the issue's): at >= 1 MB, mp-mpi's bandwidth >= 0.9x the better raw path (mpi4py or gloo);
+object layer < 50 us per message for a small tensor. The report says whether each is met.
+
 Run: ``python benchmarks/comm_p2p.py`` (starts itself under ``mpiexec -n 2``), or
 ``mpiexec -n 2 python benchmarks/comm_p2p.py``. Options: ``--quick`` (fewer sizes and repetitions),
 ``--reps N``.
@@ -101,6 +112,7 @@ def main() -> None:
             if rank == 0:
                 print(f"UCX transport unavailable: {exc}", file=sys.stderr)
 
+    object_layer = _object_layer_us(reps=5 if args.quick else 15)
     sizes = QUICK_SIZES if args.quick else SIZES
     reps = args.reps or (3 if args.quick else 7)
     tensors = {n: torch.ones(n, dtype=torch.uint8) for n in sizes}
@@ -173,8 +185,30 @@ def main() -> None:
     ours_mpi.close()
     comm.Free()
     if rank == 0:
-        _report(samples, sizes, reps, elapsed, load)
+        _report(samples, sizes, reps, elapsed, load, object_layer=object_layer)
     world.shutdown()
+
+
+def _object_layer_us(reps: int, batch: int = 500) -> list[float]:
+    """CPU microseconds per send + recv of a 1 KB tensor over a one-rank loopback transport, per batch."""
+    import torch
+
+    from mp_comm.transport import LoopbackTransport
+
+    t = LoopbackTransport.single()
+    x = torch.ones(KB, dtype=torch.uint8)
+    for _ in range(batch):  # warm-up
+        t.send(x, 0, 5)
+        t.recv(0, 5)
+    out = []
+    for _ in range(reps):
+        t0 = time.thread_time()
+        for _ in range(batch):
+            t.send(x, 0, 5)
+            t.recv(0, 5)
+        out.append((time.thread_time() - t0) / batch * 1e6)
+    t.close()
+    return out
 
 
 def _report(
@@ -183,6 +217,8 @@ def _report(
     reps: int,
     elapsed: float,
     load: tuple[float, float],
+    *,
+    object_layer: list[float],
 ) -> None:
     results: dict[str, dict[str, dict[str, float]]] = {}
     for name, by_size in samples.items():
@@ -217,6 +253,27 @@ def _report(
             f"mp-ucx/mp-mpi bandwidth: geometric mean {geo:.2f} over {len(sizes)} sizes, UCX faster at "
             f"{wins} of them"
         )
+    small = sizes[0]
+    hop = [(m - r) * 1e6 for m, r in zip(samples["mp-mpi"][small], samples["mpi4py"][small], strict=True)]
+    per_message = {
+        "object_layer_cpu_us": statistics.median(object_layer),
+        "object_layer_cpu_us_range": [min(object_layer), max(object_layer)],
+        "hop_overhead_us": statistics.median(hop),
+        "hop_overhead_us_range": [min(hop), max(hop)],
+        "hop_size_bytes": small,
+    }
+    large = [n for n in sizes if n >= KB * KB]
+    raws = [v for v in ("mpi4py", "gloo") if v in results]
+    best_raw = {str(n): max(raws, key=lambda v: results[v][str(n)]["gb_per_s"]) for n in large}
+    vs_best = {str(n): paired("mp-mpi", best_raw[str(n)], n) for n in large}
+    targets = {
+        "bandwidth_ge_0.9x_best_raw_at_1MB_plus": {
+            "met": all(r >= 0.9 for r in vs_best.values()),
+            "ratio_by_size": vs_best,
+            "best_raw_by_size": best_raw,
+        },
+        "object_layer_lt_50us": {"met": per_message["object_layer_cpu_us"] < 50.0},
+    }
     payload = {
         "benchmark": "comm_p2p",
         "method": "ping-pong of one CPU uint8 tensor between 2 ranks on one host; one-way time = round "
@@ -234,6 +291,8 @@ def _report(
         "ratio_to_mpi4py": ratios,
         "cpu_default_route": decision,
         "cpu_default_reason": reason,
+        "per_message": per_message,
+        "targets": targets,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "comm_p2p.json").write_text(json.dumps(payload, indent=2) + "\n")
@@ -263,7 +322,25 @@ def _report(
             cells.append(f"{gbps:.2f}" if name == "mpi4py" else f"{gbps:.2f} ({ratio(name, n):.2f}x)")
         cells += [f"{results[name][str(n)]['one_way_us']:.0f}" for name in names]
         lines.append(f"| {_human(n)} | " + " | ".join(cells) + " |")
-    lines += ["", f"CPU default route: **{decision}** ({reason}).", ""]
+    lines += [
+        "",
+        f"CPU default route: **{decision}** ({reason}).",
+        "",
+        "Per message: object layer (1 KB tensor, send + recv over a one-rank loopback transport, CPU time "
+        f"of the thread) **{per_message['object_layer_cpu_us']:.0f} µs** (batches: "
+        f"{min(object_layer):.0f}-{max(object_layer):.0f}); per hop over MPI (mp-mpi minus mpi4py one-way "
+        f"at {_human(small)}) **{per_message['hop_overhead_us']:.0f} µs** (repetitions: "
+        f"{min(hop):.0f}-{max(hop):.0f}).",
+        "",
+        "Targets: mp-mpi >= 0.9x the better raw path at >= 1 MB: "
+        + ("**met**" if targets["bandwidth_ge_0.9x_best_raw_at_1MB_plus"]["met"] else "**not met**")
+        + " ("
+        + ", ".join(f"{_human(n)} {vs_best[str(n)]:.2f}x {best_raw[str(n)]}" for n in large)
+        + "); object layer < 50 µs: "
+        + ("**met**" if targets["object_layer_lt_50us"]["met"] else "**not met**")
+        + ".",
+        "",
+    ]
     (RESULTS / "comm_p2p.md").write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -20,12 +20,14 @@ step is forward, backward and AdamW's step; variants:
 
 Every rank runs with one torch thread (OMP_NUM_THREADS=1): the 2 ranks of a pipeline share the 2 cores.
 Each variant is set up from the initial weights and runs a first step (partitioning, shape inference,
-optimizer state) whose loss and gradients are compared with single-process PyTorch on the same batch
-(the fairness check), then ``--steps`` timed steps without synchronization between them; the time per
-step is the window between two barriers (barriers that sleep while they wait, so that a waiting rank
-does not take a core from a computing one) over the steps. Repetitions run every variant in a rotating
-order (the host is shared and noisy), and every ratio is paired within a repetition, then the median
-over repetitions is taken.
+optimizer state; the warm-up) whose loss and gradients are compared with single-process PyTorch on the
+same batch (the fairness check). Timing is interleaved at the step level, because the host is shared
+and noisy: per repetition and per ``m``, the torch (GPipe, 1F1B) and single-process runners stay alive
+while two mp sessions (``simple``, then ``interleaved``; only one smp session can exist at a time) run
+beside them in turn; each such group runs ``--steps`` rounds, a round being one step of every runner in
+a rotating order. A step is timed between two barriers that sleep while they wait (MPI's barrier spins
+and would take a core from the rank still computing). Ratios are paired within a round (adjacent
+steps), then the median over rounds is taken.
 
 Pipeline efficiency = ideal / measured step time, with two ideals:
 
@@ -35,9 +37,16 @@ Pipeline efficiency = ideal / measured step time, with two ideals:
   stage times ``s`` (forward + backward) and optimizer times ``o`` of the single-process run, i.e. the
   bubble bound for the actual, not perfectly balanced, split.
 
-Also measured (benchmarks/_pipeline_overhead.py): the per-request cost of mp's module server (a remote
-``nn.Identity`` call on a small tensor, FWD and BWD, against the same call held locally), and the CPU
-each rank spends per step (in all, in its main thread, in mp's MPI progress thread).
+Both assume each rank has a core to itself. Where the time goes instead is measured too:
+
+* benchmarks/_pipeline_probe.py: each stage's compute timed in place by module hooks (the same for every
+  system), replayed without communication to separate what the pipeline runtime loses (messages,
+  hand-offs, waiting) from compute that ran slower than in the single process (cores shared);
+* the CPU each rank spends per step (in all, in its main thread, in mp's MPI progress thread);
+* benchmarks/_pipeline_overhead.py: the per-request cost of mp's module server (a remote ``nn.Identity``
+  call on a small tensor, FWD and BWD, against the same call held locally) and the raw round trip;
+* benchmarks/_pipeline_threads.py: the same compute in a fresh thread (as mp's per-step workers) and
+  in a long-lived one.
 
     python benchmarks/pipeline_vs_torch.py [--reps 3 --steps 2 --micro 4 8 --batch 16]
 
@@ -58,7 +67,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from _pipeline_probe import StageProbe
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -80,6 +92,22 @@ def _relaunch() -> int:
     env.setdefault("OMP_NUM_THREADS", "1")  # 2 ranks share 2 cores
     cmd = [mpiexec, "-n", str(RANKS), sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
     return subprocess.call(cmd, env=env)
+
+
+def _code_state() -> dict[str, Any]:
+    """The commit measured and the files under packages/ that differed from it (shared working tree)."""
+
+    def git(*cmd: str) -> str:
+        try:
+            out = subprocess.run(["git", *cmd], cwd=HERE.parent, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return out.stdout.strip()
+
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "modified_under_packages": git("status", "--porcelain", "packages").splitlines(),
+    }
 
 
 @dataclass(frozen=True)
@@ -113,6 +141,7 @@ def make_specs(micro: list[int]) -> list[Spec]:
 
 class Runner(Protocol):
     stage_times: dict[str, list[float]]
+    probe: StageProbe | None
 
     def first_step(self) -> tuple[float | None, dict[str, Any]]:
         """One training step; (the loss where this rank knows it, this rank's gradients before the
@@ -135,6 +164,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--calls", type=int, default=64, help="remote calls per step (overhead part)")
     parser.add_argument("--overhead-reps", type=int, default=5)
+    parser.add_argument("--thread-reps", type=int, default=12, help="repetitions of the fresh-thread check")
     parser.add_argument("--quick", action="store_true", help="a small model and one repetition")
     parser.add_argument(
         "--overhead-only", action="store_true", help="only the module-server overhead (printed, not saved)"
@@ -144,14 +174,16 @@ def main() -> None:
         sys.exit(_relaunch())
     if args.quick:
         args.reps, args.steps, args.layers, args.hidden, args.batch = 1, 1, 4, 128, 8
-        args.overhead_reps = 2
+        args.overhead_reps, args.thread_reps = 2, 2
     sys.path.insert(0, str(HERE))
 
     import torch
     from _pipeline_common import CpuMeter, idle_barrier
     from _pipeline_gpt import GPT, GPTConfig, make_batch
     from _pipeline_overhead import measure_overhead
+    from _pipeline_probe import analyse
     from _pipeline_runners import make_runner
+    from _pipeline_threads import measure_fresh_threads
 
     from mp_comm.world import init_world
 
@@ -197,6 +229,8 @@ def main() -> None:
     def build(spec: Spec) -> Runner:
         runner: Runner = make_runner(spec, cfg=cfg, base=base, x=x, y=y, rank=rank, lr=LR)
         loss, grads = runner.first_step()  # also the warm-up: partitioning, shapes, optimizer state
+        if runner.probe is not None:
+            runner.probe.take()
         diff = max((float((g - ref_grads[n]).abs().max()) for n, g in grads.items()), default=0.0)
         scale = max((float(ref_grads[n].abs().max()) for n in grads), default=0.0)
         got = comm.gather((loss, diff, scale, len(grads)), root=0)
@@ -221,8 +255,10 @@ def main() -> None:
         idle_barrier(comm)
         elapsed = time.perf_counter() - t0
         cpus = comm.gather(asdict(meter.stop()), root=0)
+        events = comm.gather(runner.probe.take() if runner.probe is not None else [], root=0)
         if rank == 0:
             stages = {k: v[-1] for k, v in runner.stage_times.items() if v}
+            pipe = analyse(events) if runner.probe is not None else None
             records.append(
                 {
                     "key": spec.key,
@@ -231,6 +267,7 @@ def main() -> None:
                     "step_s": elapsed,
                     "cpu": cpus,
                     "stage_s": stages,
+                    "pipe": pipe,
                 }
             )
             print(f"{spec.key:28s} group {group:2d} round {rnd}: {elapsed * 1e3:7.0f} ms", flush=True)
@@ -269,6 +306,10 @@ def main() -> None:
     elapsed_main = time.monotonic() - started
     overhead = measure_overhead(comm, world, calls=args.calls, steps=20, reps=args.overhead_reps)
     load.append(os.getloadavg()[0])
+    probe_model = GPT(cfg)
+    probe_model.load_state_dict(base)
+    mb = args.batch // args.micro[0]
+    threads = measure_fresh_threads(comm, probe_model, x[:mb], y[:mb], reps=args.thread_reps)
     if rank == 0:
         from _pipeline_report import report
 
@@ -281,12 +322,14 @@ def main() -> None:
             ref_loss=ref_loss,
             n_params=n_params,
             overhead=overhead,
+            threads=threads,
             host={
                 "machine": platform.machine(),
                 "cpus": os.cpu_count(),
                 "python": platform.python_version(),
                 "torch": torch.__version__,
                 "load_average_1min": load,
+                "code": _code_state(),
             },
             elapsed_s=elapsed_main,
             results=RESULTS,

@@ -22,10 +22,11 @@ caches agree as long as one sender's headers are processed in order, which every
 from __future__ import annotations
 
 import ctypes
-import functools
 import io
 import logging
+import math
 import pickle
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -52,7 +53,6 @@ __all__ = [
     "default_device_map",
     "encode_header",
     "encode_object",
-    "host_bytes",
     "inline_payloads",
     "is_dense",
     "land_inline",
@@ -79,6 +79,7 @@ _META: Final = torch.device("meta")
 # more than the lookup. Bounded: cleared when full.
 _FROM_WIRE: dict[tuple[Any, ...], TensorMeta] = {}
 _FROM_WIRE_MAX: Final = 4096
+_LOCAL = threading.local()  # per thread: a pickler to reuse
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,17 +98,14 @@ class TensorMeta:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
         """Bytes of payload on the wire (0 for empty and meta tensors)."""
         if self.device == "meta":
             return 0
-        return self.numel * _itemsize(self.dtype)
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def to_wire(self) -> tuple[Any, ...]:
         name = _DTYPE_NAMES.get(self.dtype) or str(self.dtype).removeprefix("torch.")
@@ -140,11 +138,6 @@ class TensorMeta:
         if dtype is None:
             raise ValueError(f"unknown dtype {dtype_name!r} (the sender's torch has it, this one does not)")
         return cls(tuple(shape), tuple(stride), dtype, device, bool(flags & 1), bool(flags & 2))
-
-
-@functools.cache
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -202,14 +195,6 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
-def host_bytes(t: torch.Tensor) -> bytes:
-    """A copy of a dense CPU tensor's memory as bytes (one memcpy from its address)."""
-    assert t.is_cpu and is_dense(t), "host_bytes needs a dense CPU tensor"
-    n = t.numel() * t.element_size()
-    # A dense tensor's elements span [data_ptr, data_ptr + nbytes): strides are never negative.
-    return ctypes.string_at(t.data_ptr(), n) if n else b""
-
-
 def numpy_bytes(t: torch.Tensor) -> Any:
     """A writable numpy uint8 array over a dense CPU tensor's memory (no copy), for buffer APIs."""
     return byte_view(t).numpy()
@@ -218,8 +203,17 @@ def numpy_bytes(t: torch.Tensor) -> Any:
 class _StubPickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=_PICKLE_PROTOCOL)
+        self.file = file
         self.tensors: list[torch.Tensor] = []
         self._index: dict[int, int] = {}
+
+    def reset(self) -> None:
+        """Forget the last object (its memo, its tensors, its bytes), to pickle the next one."""
+        self.clear_memo()
+        self.tensors = []
+        self._index = {}
+        self.file.seek(0)
+        self.file.truncate()
 
     def persistent_id(self, obj: object) -> int | None:
         if not _stubbed(obj):
@@ -252,8 +246,11 @@ def encode_object(obj: object) -> tuple[bytes, list[torch.Tensor]]:
     Raises MessageEncodeError (at once, in the caller's thread) when something in `obj` cannot be
     pickled; the message names the type of the object and pickle's reason.
     """
-    buf = io.BytesIO()
-    pickler = _StubPickler(buf)
+    # Each thread reuses one pickler (creating one costs as much as pickling a small message). It is
+    # taken out while in use, so that an object whose pickling sends a message gets a fresh one.
+    pickler: _StubPickler | None = _LOCAL.__dict__.pop("pickler", None)
+    if pickler is None:
+        pickler = _StubPickler(io.BytesIO())
     try:
         pickler.dump(obj)
     except Exception as exc:
@@ -262,7 +259,10 @@ def encode_object(obj: object) -> tuple[bytes, list[torch.Tensor]]:
             "must be picklable apart from their tensors; replace the offending value (a lambda, a "
             "lock, an open file, a generator) by plain data."
         ) from exc
-    return buf.getvalue(), pickler.tensors
+    body, tensors = pickler.file.getvalue(), pickler.tensors
+    pickler.reset()
+    _LOCAL.pickler = pickler
+    return body, tensors
 
 
 def wire_tensors(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[TensorMeta]]:
@@ -324,15 +324,17 @@ def allocate(
     for m in metas:
         device = device_map(m)
         if pool is not None and device.type == "cpu":
-            out.append(pool.tensor(m.shape, m.stride, m.dtype, _storage_bytes(m)))
-        else:
-            out.append(torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=device))
+            nbytes = _storage_bytes(m)
+            if nbytes >= pool.min_bytes:  # the pool does not keep smaller buffers
+                out.append(pool.tensor(m.shape, m.stride, m.dtype, nbytes))
+                continue
+        out.append(torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=device))
     return out
 
 
 def _storage_bytes(m: TensorMeta) -> int:
     # A dense layout spans exactly numel elements; an empty tensor needs no storage.
-    return m.numel * _itemsize(m.dtype)
+    return math.prod(m.shape) * m.dtype.itemsize
 
 
 def finish_tensors(tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta]) -> list[torch.Tensor]:
@@ -373,7 +375,7 @@ class Header:
 
 
 def encode_header(h: Header) -> bytes:
-    metas = None if h.metas is None else tuple(m.to_wire() for m in h.metas)
+    metas = None if h.metas is None else tuple([m.to_wire() for m in h.metas])
     raw = (
         PROTOCOL_VERSION,
         h.tag,
@@ -399,9 +401,14 @@ def inline_payloads(
     index: list[int] = []
     parts: list[bytes] = []
     for i, (t, m) in enumerate(zip(tensors, metas, strict=True)):
-        if t.is_cpu and 0 < m.nbytes <= limit:
+        n = m.nbytes
+        if t.is_cpu and 0 < n <= limit:
+            assert (t.is_contiguous() or is_dense(t)) and t.numel() * t.element_size() == n, (
+                "inline payloads come from dense wire tensors that their metadata describes"
+            )
             index.append(i)
-            parts.append(host_bytes(t))
+            # A dense tensor's bytes span [data_ptr, data_ptr + nbytes): strides are never negative.
+            parts.append(ctypes.string_at(t.data_ptr(), n))
     if len(parts) == 1:
         return tuple(index), parts[0]
     return tuple(index), b"".join(parts)
@@ -438,7 +445,7 @@ def decode_header(data: bytes | bytearray | memoryview, *, source: int) -> Heade
                 "version on every rank"
             )
         _, tag, order, wire, body, metas, slot, channel, extra, inline, blob = raw
-        parsed = None if metas is None else tuple(TensorMeta.from_wire(m) for m in metas)
+        parsed = None if metas is None else tuple([TensorMeta.from_wire(m) for m in metas])
         return Header(
             tag,
             int(order),

@@ -359,7 +359,8 @@ class MPITransport(MessageTransport):
         self._fail_all(error)
 
     def _round(self) -> bool:
-        self._wake.clear()
+        if self._wake.is_set():
+            self._wake.clear()
         worked = self._post_sends()
         worked |= self._probe_headers()
         worked |= self._finish_headers()
@@ -386,6 +387,9 @@ class MPITransport(MessageTransport):
                     if nbytes and i not in inline:
                         keep.append(t)
                         reqs.append(comm.Isend(_buffer(mpi, t, nbytes, readonly=True), out.dest, tag))
+                if mpi.Request.Testall(reqs):  # small messages leave at once (MPI's eager protocol)
+                    out.handle._complete()
+                    continue
             except mpi.Exception as exc:
                 out.handle._fail(self._wrap_error(f"sending tag {out.tag!r}", exc, out.dest))
                 continue
@@ -404,7 +408,15 @@ class MPITransport(MessageTransport):
             source = status.Get_source()
             buf = bytearray(status.Get_count(mpi.BYTE))
             req = msg.Irecv([buf, mpi.BYTE])
-            self._headers.setdefault(source, collections.deque()).append(_HeaderOp(source, buf, req))
+            queue = self._headers.get(source)
+            if queue is None:
+                # Nothing of this sender waits before it: a header already here (a small one, always) is
+                # handled at once.
+                if req.Test():
+                    self._start_recv(source, buf)
+                    continue
+                queue = self._headers[source] = collections.deque()
+            queue.append(_HeaderOp(source, buf, req))
         return worked
 
     def _finish_headers(self) -> bool:
@@ -461,7 +473,10 @@ class MPITransport(MessageTransport):
                 )
                 op.staged.append((host, t))
             op.reqs.append(comm.Irecv(_buffer(mpi, host, nbytes, readonly=False), source, tag))
-        self._recvs.append(op)
+        if op.reqs:
+            self._recvs.append(op)
+        else:  # everything travelled in the header
+            self._arrived(source, header, tensors, metas)
 
     def _finish_recvs(self) -> bool:
         if not self._recvs:
