@@ -50,12 +50,14 @@ from mp_comm.message import (
     MetaCacheSender,
     Tag,
     TensorMeta,
+    allocate,
     decode_object,
     default_device_map,
     encode_header,
     encode_object,
     finish_tensors,
     inline_payloads,
+    land_inline,
     wire_tensors,
 )
 from mp_comm.transport.mailbox import ANY_SOURCE, ANY_TAG, Arrival, Mailbox
@@ -478,6 +480,33 @@ class MessageTransport(Transport):
             sink(source, header, done)
             return
         self.mailbox.deliver(Arrival(source, header.tag, header.order, header.body, done))
+
+    def _prepare_arrival(
+        self, source: int, header: Header
+    ) -> tuple[tuple[TensorMeta, ...], list[torch.Tensor]] | None:
+        """The metadata and landed buffers of an arriving message; None (and its waiter failed) if not.
+
+        Resolves the tensor metadata (from the header or the static-mode cache), allocates the receive
+        buffers and copies the payloads that travelled inside the header.
+        """
+        try:
+            metas = self.meta_in.resolve(source, header)
+            tensors = allocate(metas, self.device_map, self.pool)
+            land_inline(header, metas, tensors)
+        except Exception as exc:
+            error = (
+                exc
+                if isinstance(exc, MessageDecodeError)
+                else MessageDecodeError(
+                    f"the message from rank {source} with tag {header.tag!r} cannot be received on rank "
+                    f"{self.rank}: {type(exc).__name__}: {exc}",
+                    peer=source,
+                )
+            )
+            self.mailbox.fail_peer(source, error)
+            self._arrival_failed(source, header, error)
+            return None
+        return metas, tensors
 
     def _arrival_failed(self, source: int, header: Header, error: BaseException) -> None:
         if header.channel == 0:

@@ -49,10 +49,8 @@ from mp_comm.message import (
     DeviceMap,
     Header,
     TensorMeta,
-    allocate,
     decode_header,
     default_device_map,
-    land_inline,
 )
 from mp_comm.transport.base import (
     Mailbox,
@@ -441,23 +439,10 @@ class MPITransport(MessageTransport):
             log.error("rank %d: %s", self.rank, exc)
             self.mailbox.fail_peer(source, exc)
             return
-        try:
-            metas = self.meta_in.resolve(source, header)
-            tensors = allocate(metas, self.device_map, self.pool)
-            land_inline(header, metas, tensors)
-        except Exception as exc:
-            error = (
-                exc
-                if isinstance(exc, MessageDecodeError)
-                else MessageDecodeError(
-                    f"the message from rank {source} with tag {header.tag!r} cannot be received on rank "
-                    f"{self.rank}: {type(exc).__name__}: {exc}",
-                    peer=source,
-                )
-            )
-            self.mailbox.fail_peer(source, error)
-            self._arrival_failed(source, header, error)
+        prepared = self._prepare_arrival(source, header)
+        if prepared is None:
             return
+        metas, tensors = prepared
         op = _RecvOp(source, header, metas, tensors, [])
         mpi, comm = self._mpi, self._comm
         tag = self._data_tag(header.wire)

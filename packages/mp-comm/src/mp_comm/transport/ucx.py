@@ -59,12 +59,10 @@ from mp_comm.message import (
     DeviceMap,
     Header,
     TensorMeta,
-    allocate,
     byte_view,
     decode_header,
     decode_object,
     default_device_map,
-    land_inline,
     numpy_bytes,
 )
 from mp_comm.transport.base import Mailbox, MessageTransport, OrderCounter, Outgoing, TransportConfig
@@ -674,23 +672,10 @@ class UCXTransport(MessageTransport):
         return worked
 
     def _start_recv(self, source: int, header: Header) -> None:
-        try:
-            metas = self.meta_in.resolve(source, header)
-            tensors = allocate(metas, self.device_map, self.pool)
-            land_inline(header, metas, tensors)
-        except Exception as exc:
-            error = (
-                exc
-                if isinstance(exc, MessageDecodeError)
-                else MessageDecodeError(
-                    f"the message from rank {source} with tag {header.tag!r} cannot be received on rank "
-                    f"{self.rank}: {type(exc).__name__}: {exc}",
-                    peer=source,
-                )
-            )
-            self.mailbox.fail_peer(source, error)
-            self._arrival_failed(source, header, error)
+        prepared = self._prepare_arrival(source, header)
+        if prepared is None:
             return
+        metas, tensors = prepared
         modes: bytes = header.extra[0] if header.extra else b""
         peer_can_fallback = bool(header.extra[1]) if len(header.extra) > 1 else False
         op = _RecvOp(source, header, metas, tensors)
