@@ -41,9 +41,7 @@ import json
 import math
 import os
 import platform
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -51,28 +49,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from _launch import relaunch, under_mpi
+
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = 4
 PEER = "peer torch TP 1-D"
 
 
-def _under_mpi() -> bool:
-    return any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
-
-
-def _relaunch() -> int:
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-    if mpiexec is None:
-        print("mpiexec not found; install it with `pip install mpich`", file=sys.stderr)
-        return 2
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # 4 ranks share 2 cores
-    cmd = [mpiexec, "-n", str(RANKS), sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
-    return subprocess.call(cmd, env=env)
-
-
-if __name__ == "__main__" and not _under_mpi():
-    sys.exit(_relaunch())
+if __name__ == "__main__" and not under_mpi():
+    sys.exit(relaunch(__file__, RANKS))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

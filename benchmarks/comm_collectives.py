@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from _launch import mpiexec as find_mpiexec
+from _launch import under_mpi
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -48,14 +50,6 @@ QUICK_SIZES = [KB, 64 * KB, MB, 16 * MB]
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
 VARIANTS = ["mp", "gloo", "mpi4py"]
 RAW = ["gloo", "mpi4py"]
-
-
-def _under_mpi() -> bool:
-    return any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
-
-
-def _mpiexec() -> str | None:
-    return shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 
 
 def _iterations(nbytes: int) -> int:
@@ -77,7 +71,7 @@ def main() -> None:
     parser.add_argument("--ranks", default="2,4", help="world sizes to run, comma-separated")
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a child writes its samples here
     args = parser.parse_args()
-    if _under_mpi():
+    if under_mpi():
         part = _measure(args)
         if part is None:  # not rank 0
             return
@@ -90,7 +84,7 @@ def main() -> None:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    mpiexec = _mpiexec()
+    mpiexec = find_mpiexec()
     if mpiexec is None:
         print("mpiexec not found; install it with `pip install mpich`", file=sys.stderr)
         return 2

@@ -34,35 +34,20 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _launch import relaunch, under_mpi
+
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 KB = 1024
 SIZES = [KB, 4 * KB, 16 * KB, 64 * KB, 256 * KB, KB * KB, 4 * KB * KB, 16 * KB * KB, 64 * KB * KB]
 QUICK_SIZES = [KB, 64 * KB, KB * KB, 16 * KB * KB]
-
-
-def _under_mpi() -> bool:
-    return any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
-
-
-def _relaunch() -> int:
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-    if mpiexec is None:
-        print("mpiexec not found; install it with `pip install mpich`", file=sys.stderr)
-        return 2
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [mpiexec, "-n", "2", sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
-    return subprocess.call(cmd, env=env)
 
 
 def _iterations(nbytes: int) -> int:
@@ -83,8 +68,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=None, help="repetitions of the interleaved sweep")
     parser.add_argument("--no-ucx", action="store_true", help="skip the UCX transport")
     args = parser.parse_args()
-    if not _under_mpi():
-        sys.exit(_relaunch())
+    if not under_mpi():
+        sys.exit(relaunch(__file__, 2))
 
     # ucxx's UCX libraries must be loaded before MPI loads the mpich wheel's own copy.
     from mp_comm.transport.ucx import preload_before_mpi, ucx_available

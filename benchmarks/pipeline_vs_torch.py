@@ -61,13 +61,14 @@ import gc
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from _launch import relaunch, under_mpi
 
 if TYPE_CHECKING:
     from _pipeline_probe import StageProbe
@@ -77,21 +78,6 @@ RESULTS = HERE / "results"
 RANKS = 2
 LR = 1e-4
 SEED = 1234
-
-
-def _under_mpi() -> bool:
-    return any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
-
-
-def _relaunch() -> int:
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-    if mpiexec is None:
-        print("mpiexec not found; install it with `pip install mpich`", file=sys.stderr)
-        return 2
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # 2 ranks share 2 cores
-    cmd = [mpiexec, "-n", str(RANKS), sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
-    return subprocess.call(cmd, env=env)
 
 
 def _code_state() -> dict[str, Any]:
@@ -170,8 +156,8 @@ def main() -> None:
         "--overhead-only", action="store_true", help="only the module-server overhead (printed, not saved)"
     )
     args = parser.parse_args()
-    if not _under_mpi():
-        sys.exit(_relaunch())
+    if not under_mpi():
+        sys.exit(relaunch(__file__, RANKS))
     if args.quick:
         args.reps, args.steps, args.layers, args.hidden, args.batch = 1, 1, 4, 128, 8
         args.overhead_reps, args.thread_reps = 2, 2
