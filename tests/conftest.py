@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
+
+# The multi-rank tests start several ranks on one machine; on a machine with one GPU they share it
+# (smp would refuse that; mp allows it with MP_SHARE_GPUS=1, collectives then going through gloo).
+os.environ.setdefault("MP_SHARE_GPUS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -114,12 +114,16 @@ def choose_route(
 
 
 def detect_nvlink() -> bool:
-    """Whether every pair of this node's GPUs has peer access (NVLink or NVSwitch)."""
+    """Whether every pair of this node's GPUs has peer access (NVLink or NVSwitch).
+
+    With a single GPU, the ranks of the node share it and reach each other's memory through CUDA
+    IPC on that one device, which is the device-to-device path too.
+    """
     if not torch.cuda.is_available():
         return False
     n = torch.cuda.device_count()
-    if n < 2:
-        return False
+    if n == 1:
+        return True
     return all(torch.cuda.can_device_access_peer(a, b) for a in range(n) for b in range(n) if a != b)
 
 

@@ -126,7 +126,11 @@ class World:
             self.mpi_comm = None
 
 
-def _choose_backend(requested: str | None) -> tuple[str, torch.device]:
+def _choose_backend(requested: str | None, local_size: int = 1) -> tuple[str, torch.device]:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so a node with more ranks than
+    # GPUs cannot use it; gloo then carries the CUDA tensors too (it stages them through the host).
+    shares_gpu = gpus > 0 and local_size > gpus
     if requested is not None:
         if requested not in ("gloo", "nccl", "cpu:gloo,cuda:nccl"):
             raise WorldError(
@@ -134,10 +138,22 @@ def _choose_backend(requested: str | None) -> tuple[str, torch.device]:
                 "'cpu:gloo,cuda:nccl'. Leave it unset to choose automatically (gloo on CPU, NCCL on GPU)."
             )
         wants_cuda = "nccl" in requested
+        if wants_cuda and shares_gpu:
+            raise WorldError(
+                f"backend={requested!r} needs one GPU per rank, but {local_size} ranks share {gpus} GPU(s) "
+                "on this node; start at most one rank per GPU, or ask for backend='gloo'."
+            )
         return requested, torch.device("cuda", torch.cuda.current_device()) if wants_cuda else torch.device(
             "cpu"
         )
-    if torch.cuda.is_available():
+    if shares_gpu:
+        log.warning(
+            "%d ranks share %d GPU(s) on this node; NCCL needs one GPU per rank, so collectives use gloo",
+            local_size,
+            gpus,
+        )
+        return "gloo", torch.device("cuda", torch.cuda.current_device())
+    if gpus > 0:
         # NCCL carries CUDA tensors, gloo carries CPU tensors and pickled objects, in one group.
         return "cpu:gloo,cuda:nccl", torch.device("cuda", torch.cuda.current_device())
     return "gloo", torch.device("cpu")
@@ -233,7 +249,7 @@ def init_world(
     _set_thread_count(info.local_size, env)
     if torch.cuda.is_available():
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
-    chosen, device = _choose_backend(backend)
+    chosen, device = _choose_backend(backend, info.local_size)
 
     if dist.is_initialized():
         if dist.get_world_size() != info.size or dist.get_rank() != info.rank:

@@ -65,6 +65,7 @@ class _Link:
 
     __slots__ = (
         "dest",
+        "grads",
         "microbatch",
         "module",
         "n_inputs",
@@ -96,6 +97,7 @@ class _Link:
         self.position = position
         self.n_inputs = n_inputs
         self.outputs = outputs
+        self.grads: tuple[torch.Tensor | None, ...] | None = None
 
     def backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
         if all(g is None for g in grads):
@@ -132,20 +134,41 @@ class _Link:
 
 
 class _RemoteFunction(torch.autograd.Function):
-    """Joins a remote call's outputs to the requester's graph; backward asks the owner."""
+    """Joins a remote call to the requester's graph; its backward asks the owner for input gradients.
+
+    Its only output is a zero-size CPU token, which :class:`_Unpack` turns into the received outputs.
+    The autograd engine runs a node on the thread of its gradients' device: CUDA nodes all share one
+    device thread, CPU nodes run on the thread that called backward. This node waits for the owner's
+    response, so it must block only its own caller (a server worker, which hands the rank to others
+    meanwhile), never the device thread that every concurrent backward of this rank needs.
+    """
 
     @staticmethod
-    def forward(
-        ctx: Any, link: _Link, anchor: torch.Tensor, *inputs: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, link: _Link, anchor: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.link = link
+        ctx.set_materialize_grads(False)
+        return anchor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, token_grad: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        link: _Link = ctx.link
+        grads, link.grads = link.grads, None
+        return (None, None, *link.backward(grads or (None,) * len(link.outputs)))
+
+
+class _Unpack(torch.autograd.Function):
+    """The received outputs of a remote call; backward only hands their gradients to the link."""
+
+    @staticmethod
+    def forward(ctx: Any, link: _Link, token: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.link = link
         ctx.set_materialize_grads(False)
         return tuple(link.outputs)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        link: _Link = ctx.link
-        return (None, None, *link.backward(grads))
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, torch.Tensor]:
+        ctx.link.grads = grads
+        return None, torch.zeros(0)
 
 
 class Remote:
@@ -241,7 +264,8 @@ class Remote:
                 [outputs[i] for i in wire],
             )
             anchor = torch.empty(0, requires_grad=True)
-            wired = _RemoteFunction.apply(link, anchor, *grad_inputs)  # type: ignore[no-untyped-call]
+            token = _RemoteFunction.apply(link, anchor, *grad_inputs)  # type: ignore[no-untyped-call]
+            wired = _Unpack.apply(link, token)  # type: ignore[no-untyped-call]
             for i, t in zip(wire, wired, strict=True):
                 outputs[i] = t
         return unflatten(response.payload, outputs)

@@ -255,5 +255,6 @@ def validate_world(
         raise WorkerSizeError(
             f"{local_size} processes run on this host but it has only {local_gpus} GPUs. Allowed: at most "
             f"one process per GPU ({local_gpus} on this host). Fix: launch at most {local_gpus} processes "
-            "per host (processes_per_host), or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPU"
+            "per host (processes_per_host), hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPU, or set "
+            "MP_SHARE_GPUS=1 to let processes share a GPU (for testing: collectives then go through gloo)"
         )

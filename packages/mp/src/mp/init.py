@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,8 @@ def init(config: ConfigSource = None) -> None:
 
     def check(info: WorldInfo) -> None:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else None
+        if os.environ.get("MP_SHARE_GPUS") == "1":
+            gpus = None  # ranks may share GPUs (testing on one GPU); collectives then go through gloo
         validate_world(cfg, info.size, info.local_size, gpus)
 
     world = init_world(validate=check)

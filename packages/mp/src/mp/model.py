@@ -36,7 +36,7 @@ from mp.errors import (
 from mp.optimizer import keep_local_parameters
 from mp.state import state
 from mp.tensor_api import replace_tp_modules
-from mp_comm import GroupKind, LoopbackTransport, MPITransport, Transport, TransportConfig, World
+from mp_comm import GroupKind, LoopbackTransport, Router, Transport, TransportConfig, World
 from mp_partition import PartitionPlan, Tracer, auto_partition, manual_partition
 from mp_pipeline import (
     PipelineRuntime,
@@ -74,14 +74,19 @@ def _free(t: torch.Tensor) -> None:
 
 
 def _pipeline_transport(world: World) -> Transport:
-    """The transport pipelined models run on: opened by the first one (collective), closed by smp.reset."""
+    """The transport pipelined models run on: opened by the first one (collective), closed by smp.reset.
+
+    A router over MPI and, where CUDA and ucxx exist, UCX (device tensors then move GPU to GPU);
+    on CPU only MPI remains and is used directly.
+    """
     transport: Transport | None = state.transport
     if transport is None or transport.closed:
         config = TransportConfig(timeout=3600.0)
         if world.size == 1:
             transport = LoopbackTransport.single(config=config)
         else:
-            transport = MPITransport.from_world(world, config=config)
+            router = Router.create(world, transport_config=config)
+            transport = router if len(router.transports) > 1 else next(iter(router.transports.values()))
         state.transport = transport
     return transport
 

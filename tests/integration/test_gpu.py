@@ -1,0 +1,209 @@
+"""The CUDA paths, run where a GPU exists (skipped cleanly elsewhere; CI has none).
+
+On a machine with one GPU every rank shares it: the world then uses gloo (NCCL refuses two ranks on
+one GPU), the router sends CUDA tensors over UCX (CUDA IPC on the one device), and a pipelined model
+on the GPU still trains exactly like single-process PyTorch on the same GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def _world_on_gpu(world: Any) -> dict[str, Any]:
+    x = torch.full((4,), float(world.rank + 1), device="cuda")
+    dist.all_reduce(x)
+    return {
+        "backend": world.backend,
+        "device": str(world.device),
+        "current": torch.cuda.current_device(),
+        "sum": x.cpu().tolist(),
+    }
+
+
+def test_world_ranks_sharing_one_gpu_use_gloo_for_cuda_tensors(worlds: Any) -> None:
+    got = worlds.run(2, _world_on_gpu, timeout=120)
+    gpus = torch.cuda.device_count()
+    for info in got:
+        assert info["device"].startswith("cuda")
+        assert info["sum"] == [3.0] * 4
+        assert info["backend"] == ("gloo" if gpus < 2 else "cpu:gloo,cuda:nccl")
+
+
+def _router_cuda(world: Any) -> dict[str, Any]:
+    from mp_comm import Route, Router
+    from mp_comm.transport import ucx_available
+
+    if not ucx_available():
+        return {"skip": "ucxx is not installed"}
+    router = Router.create(world)
+    peer = 1 - world.rank
+    small = torch.arange(1000, device="cuda", dtype=torch.float32) + world.rank
+    nested = {"h": small, "ids": torch.arange(7, device="cuda"), "cpu": torch.ones(3), "n": None}
+    route = router.route({"cuda"}, peer, 3)
+    router.send(nested, peer, tag="d2d")
+    got = router.recv(peer, "d2d").obj
+    ok = (
+        got["h"].device.type == "cuda"
+        and torch.equal(got["h"].cpu(), (torch.arange(1000, dtype=torch.float32) + peer))
+        and torch.equal(got["ids"].cpu(), torch.arange(7))
+        and got["cpu"].device.type == "cpu"
+        and got["n"] is None
+    )
+    stats = dict(router.stats)
+    router.close()
+    return {"route": route.value, "ok": bool(ok), "stats": stats, "has_ucx": Route.UCX in router.transports}
+
+
+def test_router_sends_cuda_tensors_over_ucx(worlds: Any) -> None:
+    got = worlds.run(2, _router_cuda, timeout=180)
+    if "skip" in got[0]:
+        pytest.skip(got[0]["skip"])
+    for info in got:
+        assert info["has_ucx"] and info["route"] == "ucx" and info["ok"], info
+        assert info["stats"].get("ucx", 0) >= 1
+
+
+def _gpt2(seed: int = 0) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    config._attn_implementation = "eager"
+    return GPT2LMHeadModel(config).cuda()
+
+
+def _batches(steps: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 64, (8, 12), generator=g).cuda() for _ in range(steps)]
+
+
+def _pipelined_gpt2_on_gpu(world: Any, microbatches: int) -> dict[str, Any]:
+    import mp as smp
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    steps = 3
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": microbatches, "pipeline": "interleaved"})
+    try:
+        model = smp.DistributedModel(_gpt2())
+        opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+
+        @smp.step
+        def train_step(ids: torch.Tensor) -> torch.Tensor:
+            loss = model(input_ids=ids, labels=ids).loss
+            model.backward(loss)
+            return loss
+
+        losses = []
+        for ids in _batches(steps):
+            losses.append(train_step(ids).reduce_mean().item())
+            opt.step()
+            opt.zero_grad()
+        devices = {p.device.type for p in model.local_parameters()}
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    finally:
+        smp.reset()
+
+    ref = _gpt2()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    ref_losses = []
+    for ids in _batches(steps):
+        total = 0.0
+        for part in ids.chunk(microbatches):
+            loss = ref(input_ids=part, labels=part).loss
+            (loss / microbatches).backward()
+            total += loss.item()
+        ref_losses.append(total / microbatches)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    worst = max(
+        (state[k].float() - v.detach().cpu().float()).abs().max().item() for k, v in ref.state_dict().items()
+    )
+    return {
+        "devices": sorted(devices),
+        "loss_error": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+        "param_error": worst,
+    }
+
+
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_pipelined_gpt2_on_gpu_matches_single_process(worlds: Any, microbatches: int) -> None:
+    for info in worlds.run(2, _pipelined_gpt2_on_gpu, microbatches, timeout=90):
+        assert info["devices"] == ["cuda"]
+        # Same GPU, same kernels; CUDA's embedding backward sums with atomics, so allow its rounding.
+        assert info["loss_error"] < 1e-5, info
+        assert info["param_error"] < 1e-5, info
+
+
+def test_trace_times_modules_with_cuda_events() -> None:
+    from mp_partition import trace_model
+
+    model = _gpt2()
+    ids = torch.randint(0, 64, (2, 12), device="cuda")
+    trace = trace_model(model, (ids,), measure_time=True)
+    assert trace.device == "cuda" and trace.measured_time
+    blocks = [s for p, s in trace.modules.items() if p.startswith("transformer.h.") and p.count(".") == 2]
+    assert len(blocks) == 2 and all((s.forward_time_s or 0.0) > 0.0 for s in blocks), blocks
+
+
+def _collectives_on_cuda(world: Any) -> dict[str, bool]:
+    from mp_comm import collectives as C
+
+    group = dist.group.WORLD
+    n, r = world.size, world.rank
+    full = torch.arange(4 * n * 6, dtype=torch.float32).reshape(4 * n, 6)  # the same on every rank
+    mine = (full + r).cuda().requires_grad_()
+    results: dict[str, bool] = {}
+
+    out = C.all_reduce(mine, group)
+    out.sum().backward()
+    want = sum(full + k for k in range(n))
+    results["all_reduce"] = bool(torch.equal(out.detach().cpu(), want)) and out.device.type == "cuda"
+    mine.grad = None
+
+    out = C.all_gather(mine, 0, group)
+    (out * 2).sum().backward()
+    want = torch.cat([full + k for k in range(n)], 0)
+    results["all_gather"] = bool(torch.equal(out.detach().cpu(), want)) and bool(
+        torch.equal(mine.grad.cpu(), torch.full_like(full, 2.0))
+    )
+    mine.grad = None
+
+    out = C.reduce_scatter(mine, 0, group)
+    out.sum().backward()
+    want = sum(full + k for k in range(n)).chunk(n, 0)[r]
+    results["reduce_scatter"] = bool(torch.equal(out.detach().cpu(), want)) and bool(
+        torch.equal(mine.grad.cpu(), torch.ones_like(full))
+    )
+    mine.grad = None
+
+    out = C.all_to_all(mine, 0, 1, group)
+    out.sum().backward()
+    want = torch.cat([(full + k).chunk(n, 0)[r] for k in range(n)], 1)
+    results["all_to_all"] = bool(torch.equal(out.detach().cpu(), want)) and bool(
+        torch.equal(mine.grad.cpu(), torch.ones_like(full))
+    )
+    return results
+
+
+def test_tensor_parallel_collectives_on_cuda_tensors(worlds: Any) -> None:
+    for got in worlds.run(2, _collectives_on_cuda, timeout=120):
+        assert all(got.values()), got
