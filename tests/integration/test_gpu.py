@@ -47,21 +47,25 @@ def _router_cuda(world: Any) -> dict[str, Any]:
         return {"skip": "ucxx is not installed"}
     router = Router.create(world)
     peer = 1 - world.rank
-    small = torch.arange(1000, device="cuda", dtype=torch.float32) + world.rank
-    nested = {"h": small, "ids": torch.arange(7, device="cuda"), "cpu": torch.ones(3), "n": None}
-    route = router.route({"cuda"}, peer, 3)
+    big = torch.arange(4 << 20, device="cuda", dtype=torch.float32) + world.rank  # 16 MB: D2D
+    nested = {"h": big, "ids": torch.arange(7, device="cuda"), "cpu": torch.ones(3), "n": None}
+    routes = (router.route({"cuda"}, peer, 3, 16 << 20).value, router.route({"cuda"}, peer, 1, 4000).value)
     router.send(nested, peer, tag="d2d")
+    router.send(torch.arange(1000, device="cuda"), peer, tag="small")
     got = router.recv(peer, "d2d").obj
+    small = router.recv(peer, "small").obj
     ok = (
         got["h"].device.type == "cuda"
-        and torch.equal(got["h"].cpu(), (torch.arange(1000, dtype=torch.float32) + peer))
+        and torch.equal(got["h"].cpu(), (torch.arange(4 << 20, dtype=torch.float32) + peer))
         and torch.equal(got["ids"].cpu(), torch.arange(7))
         and got["cpu"].device.type == "cpu"
         and got["n"] is None
+        and small.device.type == "cuda"
+        and torch.equal(small.cpu(), torch.arange(1000))
     )
     stats = dict(router.stats)
     router.close()
-    return {"route": route.value, "ok": bool(ok), "stats": stats, "has_ucx": Route.UCX in router.transports}
+    return {"routes": routes, "ok": bool(ok), "stats": stats, "has_ucx": Route.UCX in router.transports}
 
 
 def test_router_sends_cuda_tensors_over_ucx(worlds: Any) -> None:
@@ -69,8 +73,8 @@ def test_router_sends_cuda_tensors_over_ucx(worlds: Any) -> None:
     if "skip" in got[0]:
         pytest.skip(got[0]["skip"])
     for info in got:
-        assert info["has_ucx"] and info["route"] == "ucx" and info["ok"], info
-        assert info["stats"].get("ucx", 0) >= 1
+        assert info["has_ucx"] and info["routes"] == ("ucx", "mpi") and info["ok"], info
+        assert info["stats"] == {"ucx": 1, "mpi": 1}, info
 
 
 def _gpt2(seed: int = 0) -> torch.nn.Module:

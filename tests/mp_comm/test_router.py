@@ -37,6 +37,13 @@ def test_appendix_g_rules() -> None:
     assert _route({"cuda"}, same_node=False) is Route.UCX
     assert _route({"cuda"}, same_node=False, rdma=False) is Route.MPI
     assert _route({"cuda"}, same_node=False, nvlink=False) is Route.UCX
+    # Small device messages: MPI's host staging beats UCX's per-message cost below the threshold.
+    assert _route({"cuda"}, device_bytes=(4 << 20) - 1) is Route.MPI
+    assert _route({"cuda"}, device_bytes=4 << 20) is Route.UCX
+    assert _route({"cuda"}, device_bytes=10, config=RouterConfig(device_min_bytes=0)) is Route.UCX
+    assert _route({"cuda"}, device_bytes=10, config=RouterConfig(device_route=Route.UCX)) is Route.UCX
+    with pytest.raises(ValueError, match="device_min_bytes"):
+        RouterConfig(device_min_bytes=-1)
     # More tensors than UCX's tags can name.
     assert _route({"cuda"}, num_tensors=70_000) is Route.MPI
     # Configured overrides, and what exists.
