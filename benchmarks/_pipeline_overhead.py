@@ -27,6 +27,8 @@ import torch.distributed as dist
 from _pipeline_common import idle_barrier
 from torch import nn
 
+from mp_pipeline.static import default_record_steps
+
 __all__ = ["Chain", "measure_overhead"]
 
 WIDTH = 16
@@ -45,11 +47,19 @@ class Chain(nn.Module):
         return x.sum()
 
 
-def _mp_session(calls: int, remote: bool) -> tuple[Callable[[], None], Callable[[], None]]:
+def _mp_session(
+    calls: int, remote: bool, static: bool = False
+) -> tuple[Callable[[], None], Callable[[], None]]:
     import mp as smp
 
     smp.init(
-        {"pipeline_parallel_degree": 2, "microbatches": 1, "auto_partition": False, "default_partition": 0}
+        {
+            "pipeline_parallel_degree": 2,
+            "microbatches": 1,
+            "auto_partition": False,
+            "default_partition": 0,
+            "static_mode": static,
+        }
     )
     net = Chain(calls)
     smp.set_partition(net, 0)
@@ -155,15 +165,22 @@ def measure_overhead(comm: Any, world: Any, *, calls: int, steps: int, reps: int
     import mp as smp
 
     rank = comm.Get_rank()
-    names = ["remote", "local", "plain"]
+    names = ["remote", "local", "plain", "remote_static"]
     raw: dict[str, dict[str, list[float]]] = {n: {"fwd": [], "train": []} for n in names}
     for rep in range(reps):
-        order = names[rep % 3 :] + names[: rep % 3]
+        order = names[rep % 4 :] + names[: rep % 4]
         for name in order:
             if name == "plain":
                 fwd, train = _plain_session(calls, rank)
             else:
-                fwd, train = _mp_session(calls, remote=name == "remote")
+                fwd, train = _mp_session(calls, remote=name != "local", static=name == "remote_static")
+            if name == "remote_static":
+                # static mode replays only a repeated flow: training steps only, after the recorded ones
+                for _ in range(default_record_steps() + 1):
+                    train()
+                raw[name]["train"].append(_timed(comm, train, steps))
+                smp.reset()
+                continue
             fwd()  # the first step partitions the model
             train()
             raw[name]["fwd"].append(_timed(comm, fwd, steps))
@@ -177,6 +194,7 @@ def measure_overhead(comm: Any, world: Any, *, calls: int, steps: int, reps: int
     rf, rt = raw["remote"]["fwd"], raw["remote"]["train"]
     lf, lt = raw["local"]["fwd"], raw["local"]["train"]
     pf, pt = raw["plain"]["fwd"], raw["plain"]["train"]
+    st = raw["remote_static"]["train"]
     remote_bwd = [t - f for t, f in zip(rt, rf, strict=True)]
     local_bwd = [t - f for t, f in zip(lt, lf, strict=True)]
     wire = _wire_round_trips(comm, world, iters=200)
@@ -186,8 +204,10 @@ def measure_overhead(comm: Any, world: Any, *, calls: int, steps: int, reps: int
         "repetitions": reps,
         "tensor": f"float32 (1, {WIDTH})",
         "step_ms": {
-            name: {kind: statistics.median(v) * 1e3 for kind, v in d.items()} for name, d in raw.items()
+            name: {kind: statistics.median(v) * 1e3 for kind, v in d.items() if v} for name, d in raw.items()
         },
+        "fwd_bwd_pair_us": per_call(rt, lt),
+        "fwd_bwd_pair_static_us": per_call(st, lt),
         "fwd_request_us": per_call(rf, lf),
         "bwd_request_us": per_call(remote_bwd, local_bwd),
         "local_fwd_call_us": statistics.median(f / calls * 1e6 for f in lf),

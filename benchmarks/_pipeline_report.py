@@ -171,7 +171,11 @@ def report(
             ("interleaved", "1F1B"),
             ("simple", "1F1B"),
             ("interleaved", "GPipe"),
+            ("simple static", "GPipe"),
+            ("interleaved static", "1F1B"),
         ):
+            if ("mp", ours, m, 1) not in by:
+                continue
             values = paired_values(f"mp/{ours}/m{m}/t1", f"torch/{theirs}/m{m}/t1", speedup)
             ratio = _median(values)
             targets["mp_vs_torch"].append(
@@ -184,7 +188,9 @@ def report(
                     "met": ratio is not None and ratio >= 1.0,
                 }
             )
-        for s in ("simple", "interleaved"):
+        for s in ("simple", "interleaved", "simple static", "interleaved static"):
+            if ("mp", s, m, 1) not in by:
+                continue
             eff = by[("mp", s, m, 1)]["efficiency_bubble"]
             targets["mp_efficiency"].append(
                 {"m": m, "mp": s, "efficiency_bubble": eff, "met": eff is not None and eff >= 0.9}
@@ -385,6 +391,8 @@ def _markdown(p: dict[str, Any]) -> str:
         "|---|---:|",
         f"| FWD request round trip (remote − local, per call) | {o['fwd_request_us']:.0f} |",
         f"| BWD request round trip (remote − local, per call) | {o['bwd_request_us']:.0f} |",
+        f"| FWD + BWD pair per call in a training step: dynamic / static mode (replayed) | "
+        f"{o['fwd_bwd_pair_us']:.0f} / {o['fwd_bwd_pair_static_us']:.0f} |",
         f"| fixed cost of an mp step (pp 2, one microbatch; local step − plain step; fwd-only / train) | "
         f"{(steps['local']['fwd'] - steps['plain']['fwd']) * 1e3:.0f} / "
         f"{(steps['local']['train'] - steps['plain']['train']) * 1e3:.0f} |",
@@ -394,14 +402,15 @@ def _markdown(p: dict[str, Any]) -> str:
         f"{wire['gloo']:.0f} |",
         "",
         "Step times of the overhead model (ms; fwd-only / train): "
-        + "; ".join(f"{n} {v['fwd']:.2f} / {v['train']:.2f}" for n, v in steps.items())
+        + "; ".join(f"{n} {v.get('fwd', float('nan')):.2f} / {v['train']:.2f}" for n, v in steps.items())
         + ".",
         "",
     ]
     th = p["fresh_threads"]
     if th is not None:
         lines += [
-            f"Compute in a fresh thread (mp's workers live for one step): forward + backward of the GPT on "
+            "Compute in a fresh thread (what mp's workers cost before they were kept across steps): "
+            "forward + backward of the GPT on "
             f"{th['sequences']} sequences on rank 0, median of {th['repetitions']} interleaved repetitions "
             f"(minor page faults of the computing thread): "
             + "; ".join(

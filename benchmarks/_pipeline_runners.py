@@ -133,16 +133,19 @@ class MpRunner:
         schedule: str,
         lr: float,
     ) -> None:
+        """``schedule``: "simple" or "interleaved", with " static" for static mode."""
         import mp as smp
 
         self.stage_times: dict[str, list[float]] = {}
+        self.static = schedule.endswith(" static")
         smp.init(
             {
                 "pipeline_parallel_degree": 2,
                 "microbatches": m,
-                "pipeline": schedule,
+                "pipeline": schedule.split(maxsplit=1)[0],
                 "auto_partition": False,
                 "default_partition": 0,
+                "static_mode": self.static,
             }
         )
         net = _model(cfg, base)
@@ -168,6 +171,11 @@ class MpRunner:
         grads = _grads((n, p) for n, p in net.named_parameters() if self.model.is_local_parameter(p))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.static:  # the steps static mode records before it replays (also warm-up)
+            from mp_pipeline.static import default_record_steps
+
+            for _ in range(default_record_steps()):
+                self.step()
         return loss, grads
 
     def step(self) -> None:

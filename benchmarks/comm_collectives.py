@@ -4,7 +4,8 @@ Times all-reduce, all-gather, reduce-scatter and all-to-all of float32 CPU tenso
 and 4 ranks of one host. Variants, interleaved in one run:
 
 * ``mp``     - ``mp_comm.collectives`` (``all_reduce``, ``all_gather(dim=0)``, ``reduce_scatter(dim=0)``,
-  ``all_to_all(0, 0)``) on the world's gloo group: a fresh output per call, as the functional,
+  ``all_to_all(0, 0)``) on a group made by ``World.new_groups`` (the whole world): CPU tensors go over
+  the group's MPI twin (MPICH through mpi4py), a fresh output per call, as the functional,
   autograd-aware API returns one (the forward path; the inputs do not require grad);
 * ``gloo``   - the raw ``torch.distributed`` call on the same group into preallocated buffers (all-reduce
   in place, ``all_gather_single``, ``reduce_scatter_single``, ``all_to_all_single``): the peer;
@@ -120,7 +121,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any] | None:
     mpi = world.mpi_comm.Dup()
     from mpi4py import MPI
 
-    group = dist.group.WORLD
+    group = world.new_groups([list(range(size))])[0]  # with its MPI twin, as smp's groups
     assert group is not None
     all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -210,6 +211,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any] | None:
     elapsed = time.monotonic() - started
     load_after = os.getloadavg()[0]
     mpi.Free()
+    world.destroy_groups([group])
     world.shutdown()
     if rank != 0:
         return None
@@ -233,9 +235,10 @@ def _report(parts: list[dict[str, Any]]) -> None:
         "float32 tensors; size = the operation's largest buffer (all-reduce: the tensor; all-gather: the "
         "gathered output; reduce-scatter: the input; all-to-all: the send buffer); GB/s = algorithm "
         "bandwidth, size / time of one call on the slowest rank. mp = `mp_comm.collectives` (fresh output "
-        "per call, autograd Function); gloo = raw `torch.distributed` into preallocated buffers; mpi4py = "
+        "per call, autograd Function; CPU tensors over the group's MPI communicator); gloo = raw "
+        "`torch.distributed` into preallocated buffers; mpi4py = "
         "MPICH's collectives on the same buffers. Median over interleaved repetitions; (x) = bandwidth "
-        "ratio mp/gloo paired within each repetition, median over repetitions. The host is shared and "
+        "ratio paired within each repetition, median over repetitions. The host is shared and "
         "noisy (4 ranks oversubscribe its 2 cores): compare ratios, not absolute numbers. `python "
         "benchmarks/comm_collectives.py` regenerates this file.",
         "",

@@ -11,8 +11,10 @@ step is forward, backward and AdamW's step; variants:
   back, back's backward, front's backward) so that the time of each stage is known;
 * ``mp``: ``smp.init({"pipeline_parallel_degree": 2, "microbatches": m, "pipeline": ...})`` with the
   ``simple`` (all forwards, then all backwards: GPipe's order) and ``interleaved`` (a ready backward
-  first: 1F1B-like) schedules; manual partitioning (``smp.set_partition(model.front, 0)``,
-  ``smp.set_partition(model.back, 1)``, ``auto_partition: false``); ``@smp.step`` with
+  first: 1F1B-like) schedules, each also with ``static_mode`` (``simple static``, ``interleaved static``:
+  timed after the steps static mode records, MP_PIPELINE_STATIC_STEPS, default 5); manual partitioning
+  (``smp.set_partition(model.front, 0)``, ``smp.set_partition(model.back, 1)``,
+  ``auto_partition: false``); ``@smp.step`` with
   ``model.backward(loss)``; ``smp.DistributedOptimizer``;
 * ``torch``: ``torch.distributed.pipelining.PipelineStage`` on ``model.front`` / ``model.back`` (its
   manual stage API: no tracing) with ``ScheduleGPipe`` and ``Schedule1F1B``, the same ``m``, the loss as
@@ -23,10 +25,10 @@ Each variant is set up from the initial weights and runs a first step (partition
 optimizer state; the warm-up) whose loss and gradients are compared with single-process PyTorch on the
 same batch (the fairness check). Timing is interleaved at the step level, because the host is shared
 and noisy: per repetition and per ``m``, the torch (GPipe, 1F1B) and single-process runners stay alive
-while two mp sessions (``simple``, then ``interleaved``; only one smp session can exist at a time) run
-beside them in turn; each such group runs ``--steps`` rounds, a round being one step of every runner in
-a rotating order. A step is timed between two barriers that sleep while they wait (MPI's barrier spins
-and would take a core from the rank still computing). Ratios are paired within a round (adjacent
+while four mp sessions (the two schedules, with and without static mode; only one smp session can exist
+at a time) run beside them in turn; each such group runs ``--steps`` rounds, a round being one step of
+every runner in a rotating order. A step is timed between two barriers that sleep while they wait (MPI's
+barrier spins and would take a core from the rank still computing). Ratios are paired within a round (adjacent
 steps), then the median over rounds is taken.
 
 Pipeline efficiency = ideal / measured step time, with two ideals:
@@ -119,6 +121,8 @@ def make_specs(micro: list[int]) -> list[Spec]:
             Spec("single", "accumulate", m),
             Spec("mp", "simple", m),
             Spec("mp", "interleaved", m),
+            Spec("mp", "simple static", m),
+            Spec("mp", "interleaved static", m),
             Spec("torch", "GPipe", m),
             Spec("torch", "1F1B", m),
         ]
@@ -273,7 +277,8 @@ def main() -> None:
             if m == args.micro[0]:
                 others.append(Spec("single", "full batch", 1, 2))
             live = [(spec, build(spec)) for spec in others]
-            for schedule in ("simple", "interleaved")[rep % 2 :] + ("simple", "interleaved")[: rep % 2]:
+            schedules = ("simple", "interleaved", "simple static", "interleaved static")
+            for schedule in schedules[rep % 4 :] + schedules[: rep % 4]:
                 spec = Spec("mp", schedule, m)
                 members = [(spec, build(spec)), *live]
                 for rnd in range(args.steps):

@@ -8,6 +8,9 @@ benchmarks/pipeline_grid.py.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,6 +18,7 @@ import torch
 
 import mp as smp
 from mp import DistributedModel, DistributedOptimizer, step
+from mp.errors import NotSupportedByFastModeError
 from tests.mp_pipeline.models import (
     STEPS,
     batch,
@@ -37,14 +41,18 @@ def train_and_compare(
     optimizer_first: bool = True,
     layers: int = 2,
     deterministic: bool = False,
+    mode: str = "dynamic",
+    steps: int = STEPS,
 ) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "pipeline_parallel_degree": pp,
         "microbatches": microbatches,
         "pipeline": pipeline,
         "deterministic_server": deterministic,
+        "static_mode": mode == "static",
+        "fast_mode": mode == "fast",
     }
-    if name == "reuse":
+    if name in {"reuse", "reuse_static"}:
         cfg.update(auto_partition=False, default_partition=0)
     smp.init(cfg)
     model = build(name, layers=layers)
@@ -60,14 +68,19 @@ def train_and_compare(
         return loss
 
     losses = []
-    for s in range(STEPS):
+    compact = 0
+    for s in range(steps):
         out = train_step(*batch(name, s, smp.dp_rank()))
         assert len(out.outputs) == microbatches
         losses.append(out.reduce_mean().item())
         opt.step()
         opt.zero_grad()
+        if model._runtime is not None:
+            compact += model._runtime.last_stats["compact_sent"]
     state = model.state_dict()
-    ref_losses, ref_state = reference(name, microbatches=microbatches, replicas=smp.dp_size(), layers=layers)
+    ref_losses, ref_state = reference(
+        name, microbatches=microbatches, replicas=smp.dp_size(), layers=layers, steps=steps
+    )
     loss_error = None
     for s, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
         if abs(got - want[smp.dp_rank()]) > 1e-6 + 1e-5 * abs(want[smp.dp_rank()]):
@@ -80,6 +93,7 @@ def train_and_compare(
         "params": first_difference(state, ref_state),
         "local_params": local,
         "total_params": sum(v.numel() for v in ref_state.values()),
+        "compact_sent": compact,
     }
 
 
@@ -122,3 +136,127 @@ def test_pipeline_equals_plain_pytorch(  # noqa: PLR0917 - pytest parameters
     if pp > 1:
         # each rank keeps only its partition's parameters
         assert all(r["local_params"] < r["total_params"] for r in results), results
+
+
+# -- static and fast mode (seed 001 §4.4) -------------------------------------------------------------
+
+RECORD_STEPS = 2
+"""Steps static mode records before replaying in these tests (MP_PIPELINE_STATIC_STEPS; default 5)."""
+
+
+@contextlib.contextmanager
+def record_steps(n: int) -> Iterator[None]:
+    before = os.environ.get("MP_PIPELINE_STATIC_STEPS")
+    os.environ["MP_PIPELINE_STATIC_STEPS"] = str(n)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["MP_PIPELINE_STATIC_STEPS"]
+        else:
+            os.environ["MP_PIPELINE_STATIC_STEPS"] = before
+
+
+def train_recorded(world: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    with record_steps(RECORD_STEPS):
+        return train_and_compare(world, *args, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["static", "fast"])
+@pytest.mark.parametrize(("name", "pipeline"), [("gpt2", "interleaved"), ("reuse_static", "simple")])
+def test_static_and_fast_mode_equal_plain_pytorch(worlds: Any, mode: str, name: str, pipeline: str) -> None:
+    """Steps replayed from the recording (compact messages) train exactly like plain PyTorch."""
+    results = worlds.run(
+        2,
+        train_recorded,
+        name,
+        2,
+        2,
+        pipeline,
+        mode=mode,
+        steps=RECORD_STEPS + 2,
+        timeout=180,
+    )
+    for r in results:
+        assert r["loss"] is None, f"rank {r['rank']}: {r['loss']}"
+        assert r["params"] is None, f"rank {r['rank']}: {r['params']}"
+        # both ranks send messages (requests, responses) and replayed them compact
+        assert r["compact_sent"] > 0, r
+
+
+def branch_change(world: Any, mode: str) -> dict[str, Any]:
+    """The reuse model with a flow that is static for the recorded steps, then takes the other branch."""
+    smp.init(
+        {
+            "pipeline_parallel_degree": 2,
+            "microbatches": 2,
+            "static_mode": mode == "static",
+            "fast_mode": mode == "fast",
+            "auto_partition": False,
+            "default_partition": 0,
+        }
+    )
+    steps = RECORD_STEPS + 2
+
+    def data(s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, target = batch("reuse", s, 0)
+        ids[:, 0] = 2 * (ids[:, 0] // 2) + (s >= RECORD_STEPS + 1)  # even (pos), then odd (neg)
+        return ids, target
+
+    ref = build("reuse")
+    ref_opt = make_optimizer("reuse", ref.parameters())
+    ref_losses = []
+    for s in range(steps):
+        ids, target = data(s)
+        loss = sum(loss_of("reuse", ref, (i, t)) for i, t in zip(ids.chunk(2), target.chunk(2), strict=True))
+        ref_losses.append(float(loss) / 2)
+        (loss / 2).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    with record_steps(RECORD_STEPS):
+        net = build("reuse")
+        manual_marks("reuse", net, 2)
+        model = DistributedModel(net)
+        opt = DistributedOptimizer(make_optimizer("reuse", model.parameters()))
+
+    @step
+    def train_step(ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = loss_of("reuse", model, (ids, target))
+        model.backward(loss)
+        return loss
+
+    losses: list[float] = []
+    error = None
+    for s in range(steps):
+        try:
+            out = train_step(*data(s))
+        except NotSupportedByFastModeError as exc:
+            error = (s, str(exc))
+            break
+        losses.append(out.reduce_mean().item())
+        opt.step()
+        opt.zero_grad()
+    diff = None
+    if error is None:
+        diff = first_difference(model.state_dict(), ref.state_dict())
+    return {"rank": smp.rank(), "error": error, "losses": losses, "ref_losses": ref_losses, "params": diff}
+
+
+@pytest.mark.parametrize("mode", ["static", "fast"])
+def test_a_branch_change_after_the_recording(worlds: Any, mode: str) -> None:
+    """Fast mode: NotSupportedByFastModeError on every rank (no hang); static mode: falls back to full
+    messages and still trains exactly like plain PyTorch."""
+    results = worlds.run(2, branch_change, mode, timeout=180)
+    replay = RECORD_STEPS + 1  # the step whose branch differs from the recording
+    for r in results:
+        want = r["ref_losses"]
+        if mode == "fast":
+            assert r["error"] is not None, f"rank {r['rank']}: no error"
+            assert r["error"][0] == replay, r["error"]
+            assert "'fast_mode' to False" in r["error"][1], r["error"][1]
+            want = want[:replay]
+        else:
+            assert r["error"] is None, r["error"]
+            assert r["params"] is None, f"rank {r['rank']}: {r['params']}"
+        assert r["losses"] == pytest.approx(want, rel=1e-5, abs=1e-6), r

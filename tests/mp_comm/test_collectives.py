@@ -135,7 +135,9 @@ def _cases(n: int) -> list[Case]:
     ]
 
 
-def _check(case: Case, group: Any, members: list[int], seed: int) -> None:
+def _check(
+    case: Case, group: Any, members: list[int], seed: int, layout: Callable[[Tensor], Tensor] | None = None
+) -> None:
     n, me = len(members), members.index(dist.get_rank())
     gen = torch.Generator().manual_seed(seed)
     xs = [torch.randn(case.shape, generator=gen, dtype=torch.float64) for _ in range(n)]
@@ -157,7 +159,8 @@ def _check(case: Case, group: Any, members: list[int], seed: int) -> None:
     assert isinstance(loss, Tensor)
     loss.backward()
     # the distributed computation, this rank's part
-    x = xs[me].clone().requires_grad_()
+    x = (xs[me].clone() if layout is None else layout(xs[me])).requires_grad_()
+    assert layout is None or not x.is_contiguous(), case.name
     y = case.op(x, group)
     torch.testing.assert_close(
         y, ys[me].detach(), rtol=1e-12, atol=1e-12, msg=lambda m: f"{case.name} out: {m}"
@@ -264,3 +267,114 @@ def test_uneven_sizes_raise_naming_dim_size_and_group(worlds: Any) -> None:
 def test_use_fallback_rejects_unknown_ops() -> None:
     with pytest.raises(CollectiveError, match="broadcast"), C.use_fallback("broadcast"):
         pass
+
+
+# ------------------------------------------------------------------------------------ the MPI path
+
+
+def _spy_mpi() -> tuple[dict[str, int], Callable[[], None]]:
+    """Count the collectives that run over MPI (collectives_mpi's functions) until `restore()`."""
+    from mp_comm import collectives_mpi
+
+    calls: dict[str, int] = {}
+    saved = {name: getattr(collectives_mpi, name) for name in collectives_mpi.__all__ if name != "usable"}
+
+    def counting(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+
+        return run
+
+    for name, fn in saved.items():
+        if callable(fn) and not isinstance(fn, type):
+            setattr(collectives_mpi, name, counting(name, fn))
+
+    def restore() -> None:
+        for name, fn in saved.items():
+            setattr(collectives_mpi, name, fn)
+
+    return calls, restore
+
+
+def _noncontiguous_cases(n: int) -> list[tuple[Case, Callable[[Tensor], Tensor]]]:
+    """Cases whose input is a transposed view (strides not contiguous), by the layout that makes it."""
+
+    def transposed(x: Tensor) -> Tensor:
+        return x.transpose(0, -1).contiguous().transpose(0, -1)
+
+    return [
+        (case, transposed)
+        for case in _cases(n)
+        if case.name in ("all_reduce/g", "all_gather/dim1/slice", "reduce_scatter/dim2", "all_to_all/2->1")
+    ]
+
+
+def _run_all_mpi(world: Any) -> dict[str, int]:
+    from mp_comm.world import mpi_comm_of
+
+    n = world.size
+    layouts = [[list(range(n))]]
+    if n == 4:  # pairs, as the axis groups of a 2x2 mesh, and strided pairs
+        layouts += [[[0, 1], [2, 3]], [[0, 2], [1, 3]]]
+    made = [(world.new_groups(layout), layout) for layout in layouts]
+    calls, restore = _spy_mpi()
+    try:
+        for groups, layout in made:
+            (group, members) = next((g, m) for g, m in zip(groups, layout, strict=True) if g is not None)
+            assert mpi_comm_of(group) is not None, "World.new_groups made no MPI twin"
+            for i, case in enumerate(_cases(len(members))):
+                _check(case, group, members, seed=200 + i)
+            for i, (case, layout_fn) in enumerate(_noncontiguous_cases(len(members))):
+                _check(case, group, members, seed=300 + i, layout=layout_fn)
+    finally:
+        restore()
+        for groups, _ in made:
+            world.destroy_groups(groups)
+    return calls
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_mpi_path_forward_and_backward_match_single_process(worlds: Any, n: int) -> None:
+    calls = worlds.run(n, _run_all_mpi, timeout=90)
+    for rank_calls in calls:  # every kind of collective went over MPI
+        assert set(rank_calls) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}, rank_calls
+
+
+def _dtypes_mpi(world: Any) -> dict[str, Any]:
+    """bfloat16/bool reductions fall back to gloo (never summed bytewise); byte-moving ops take them."""
+    group = world.new_groups([[0, 1]])[0]
+    plain = dist.new_group([0, 1])  # no MPI twin: gloo
+    calls, restore = _spy_mpi()
+    results: dict[str, Any] = {}
+    try:
+        gen = torch.Generator().manual_seed(7)
+        xs = [torch.randn(4, 6, generator=gen).to(torch.bfloat16) for _ in range(2)]
+        x = xs[world.rank]
+        total = C.all_reduce(x, group)
+        torch.testing.assert_close(total, C.all_reduce(x, plain), rtol=0, atol=0)
+        results["reduce_calls"] = dict(calls)
+        gathered = C.all_gather(x, 1, group)
+        assert torch.equal(gathered, torch.cat(xs, 1))
+        swapped = C.all_to_all(x, 1, 0, group)
+        assert torch.equal(swapped, torch.cat([t.chunk(2, 1)[world.rank] for t in xs], 0))
+        flags = torch.tensor([world.rank == 0, True, False])
+        assert torch.equal(
+            C.all_gather(flags, 0, group), torch.tensor([True, True, False, False, True, False])
+        )
+        ints = torch.arange(8, dtype=torch.int64).reshape(2, 4) * (world.rank + 1)
+        assert torch.equal(
+            C.reduce_scatter(ints, 1, group), (ints * 3 // (world.rank + 1)).chunk(2, 1)[world.rank]
+        )
+        results["all_calls"] = dict(calls)
+    finally:
+        restore()
+        world.destroy_groups([group])
+        dist.destroy_process_group(plain)
+    return results
+
+
+def test_mpi_path_dtypes_fall_back_where_mpi_cannot_reduce(worlds: Any) -> None:
+    for res in worlds.run(2, _dtypes_mpi, timeout=60):
+        assert res["reduce_calls"] == {}, "a bfloat16 sum must not go over MPI"
+        assert res["all_calls"] == {"all_gather": 2, "all_to_all": 1, "reduce_scatter": 1}

@@ -88,7 +88,7 @@ def build(name: str, seed: int = 0, layers: int = 2) -> nn.Module:
         )
     if name == "cnn":
         return SmallCNN()
-    if name == "reuse":
+    if name in {"reuse", "reuse_static"}:
         return ReuseBranch()
     if name == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -112,7 +112,7 @@ def manual_marks(name: str, model: nn.Module, pp: int) -> None:
     """Partition marks for models partitioned by hand (the reuse model: nested calls back and forth)."""
     from mp_partition import set_partition
 
-    if name != "reuse" or pp == 1:
+    if name not in {"reuse", "reuse_static"} or pp == 1:
         return
     assert isinstance(model, ReuseBranch)
     set_partition(model.shared, 1 % pp)
@@ -127,8 +127,11 @@ def batch(name: str, step: int, replica: int, size: int = BATCH) -> tuple[torch.
         return torch.randn(size, 10, generator=g), torch.randn(size, 4, generator=g)
     if name == "cnn":
         return torch.randn(size, 1, 16, 16, generator=g), torch.randint(0, 5, (size,), generator=g)
-    if name == "reuse":
-        return torch.randint(0, 16, (size, 5), generator=g), torch.randint(0, 3, (size,), generator=g)
+    if name in {"reuse", "reuse_static"}:
+        ids = torch.randint(0, 16, (size, 5), generator=g)
+        if name == "reuse_static":  # the branch depends on the row, not the step: a static flow
+            ids[:, 0] = 2 * (ids[:, 0] // 2) + torch.arange(size) * 2 // size % 2  # halves: pos, neg
+        return ids, torch.randint(0, 3, (size,), generator=g)
     if name == "gpt2":
         return (torch.randint(0, 64, (size, 12), generator=g),)
     raise ValueError(name)
@@ -139,7 +142,7 @@ def loss_of(name: str, model: Callable[..., Any], data: tuple[torch.Tensor, ...]
         return F.mse_loss(model(data[0]), data[1])
     if name == "cnn":
         return F.cross_entropy(model(data[0]), data[1])
-    if name == "reuse":
+    if name in {"reuse", "reuse_static"}:
         out = model(data[0])
         assert out["rows"] == data[0].shape[0] and out["nothing"] is None
         assert torch.equal(out["ids"], data[0]) and not out["ids"].is_floating_point()

@@ -58,7 +58,10 @@ def run_two_ranks(
     kind: str,
     *,
     checkpointed: frozenset[str] = frozenset(),
+    steps: int = 1,
+    keep: list[PipelineRuntime] | None = None,
 ) -> tuple[list[nn.Module], list[Any]]:
+    """The last of ``steps`` steps' results on each rank; ``keep`` receives the runtimes."""
     # no busy polling: both "ranks" share this process's GIL
     hub = LoopbackHub(2, config=TransportConfig(timeout=30.0, spin_time=0.0, poll_min=5e-4, poll_max=5e-4))
     transports = [hub.transport(r) for r in range(2)]
@@ -79,11 +82,12 @@ def run_two_ranks(
 
     def rank(r: int) -> None:
         try:
-            out[r] = runtimes[r].run_step(
-                lambda mb: body(models[0], mb),
-                Scheduler(kind, microbatches),
-                ExecState(True),  # type: ignore[arg-type]
-            )
+            for _ in range(steps):
+                out[r] = runtimes[r].run_step(
+                    lambda mb: body(models[0], mb),
+                    Scheduler(kind, microbatches),
+                    ExecState(True),  # type: ignore[arg-type]
+                )
         except BaseException as exc:
             out[r] = exc
 
@@ -92,6 +96,8 @@ def run_two_ranks(
         t.start()
     for t in threads:
         t.join(60)
+    if keep is not None:
+        keep.extend(runtimes)
     return models, out
 
 
@@ -158,6 +164,31 @@ def test_forward_only_step_under_no_grad_saves_nothing() -> None:
     ref = make()
     torch.testing.assert_close(torch.cat(results[0]), ref(x).detach())
     torch.testing.assert_close(torch.cat(results[1]), ref(x).detach())
+
+
+def test_workers_are_kept_across_steps_and_stopped_by_close() -> None:
+    x = torch.randn(4, 6)
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+
+    def body(model: nn.Module, mb: int) -> torch.Tensor:
+        loss = model(x[mb * 2 : mb * 2 + 2]).sum()
+        pipelined_backward(loss)
+        return loss.detach()
+
+    kept: list[PipelineRuntime] = []
+    _, results = run_two_ranks(
+        make, {"": 0, "0": 1, "1": 1, "2": 0}, body, 2, "interleaved", steps=3, keep=kept
+    )
+    assert not any(isinstance(r, BaseException) for r in results), results
+    threads = [w.thread for rt in kept for w in rt.pool.workers]
+    assert all(rt.pool.created > 0 for rt in kept)
+    assert [rt.last_stats["workers"] for rt in kept] == [0, 0]  # the third step started no thread
+    assert threads and all(t.is_alive() for t in threads)
+    for rt in kept:
+        rt.close()
+    assert not any(t.is_alive() for t in threads)
 
 
 class Boom(nn.Module):

@@ -29,7 +29,7 @@ import pickle
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
 import numpy as np
@@ -79,6 +79,8 @@ _META: Final = torch.device("meta")
 # more than the lookup. Bounded: cleared when full.
 _FROM_WIRE: dict[tuple[Any, ...], TensorMeta] = {}
 _FROM_WIRE_MAX: Final = 4096
+# The sender's metadata objects by their fields, for the same reason (bounded the same way).
+_TO_WIRE: dict[tuple[Any, ...], TensorMeta] = {}
 _LOCAL = threading.local()  # per thread: a pickler to reuse
 
 
@@ -100,12 +102,12 @@ class TensorMeta:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of payload on the wire (0 for empty and meta tensors)."""
-        if self.device == "meta":
-            return 0
-        return math.prod(self.shape) * self.dtype.itemsize
+    nbytes: int = field(init=False, compare=False, repr=False)
+    """Bytes of payload on the wire (0 for empty and meta tensors); computed once, read per message."""
+
+    def __post_init__(self) -> None:
+        nbytes = 0 if self.device == "meta" else math.prod(self.shape) * self.dtype.itemsize
+        object.__setattr__(self, "nbytes", nbytes)
 
     def to_wire(self) -> tuple[Any, ...]:
         name = _DTYPE_NAMES.get(self.dtype) or str(self.dtype).removeprefix("torch.")
@@ -277,16 +279,20 @@ def wire_tensors(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], l
         parameter = type(t) is torch.nn.Parameter or (
             type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter)
         )
-        metas.append(
-            TensorMeta(
-                tuple(w.shape),
-                stride,
-                w.dtype,
-                "cpu" if w.is_cpu else w.device.type,
-                t.requires_grad,
-                parameter,
-            )
+        key = (
+            tuple(w.shape),
+            stride,
+            w.dtype,
+            "cpu" if w.is_cpu else w.device.type,
+            t.requires_grad,
+            parameter,
         )
+        meta = _TO_WIRE.get(key)
+        if meta is None:
+            if len(_TO_WIRE) >= _FROM_WIRE_MAX:
+                _TO_WIRE.clear()
+            meta = _TO_WIRE[key] = TensorMeta(*key)
+        metas.append(meta)
     return wires, metas
 
 
@@ -402,10 +408,8 @@ def inline_payloads(
     parts: list[bytes] = []
     for i, (t, m) in enumerate(zip(tensors, metas, strict=True)):
         n = m.nbytes
-        if t.is_cpu and 0 < n <= limit:
-            assert (t.is_contiguous() or is_dense(t)) and t.numel() * t.element_size() == n, (
-                "inline payloads come from dense wire tensors that their metadata describes"
-            )
+        if 0 < n <= limit and t.is_cpu:
+            # Wire tensors are dense and described by their metadata (wire_tensors makes both).
             index.append(i)
             # A dense tensor's bytes span [data_ptr, data_ptr + nbytes): strides are never negative.
             parts.append(ctypes.string_at(t.data_ptr(), n))

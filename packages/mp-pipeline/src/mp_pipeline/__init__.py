@@ -10,6 +10,7 @@ builds ``smp.step``, ``smp.DistributedModel`` and ``smp.DistributedOptimizer`` o
 from mp_pipeline.context import ExecState, TaskContext, applied, capture, current, task_context
 from mp_pipeline.dp import agree_any, broadcast_tensors, buckets, reduce_gradients
 from mp_pipeline.errors import (
+    FlowChangedError,
     InvalidStepOutputError,
     NotInStepError,
     PipelineAbortedError,
@@ -17,13 +18,15 @@ from mp_pipeline.errors import (
     PipelineTimeoutError,
     RemoteExecutionError,
     SplitError,
+    caused_by,
 )
 from mp_pipeline.messages import Failure, Request, Response, StepAbort, StepEnd, StepId
 from mp_pipeline.microbatch import SplitSpec, split_arguments
 from mp_pipeline.remote import Remote, remote_error
 from mp_pipeline.runtime import PipelineRuntime, StepDriver, default_timeout, pipelined_backward
 from mp_pipeline.schedule import Phase, Scheduler, SimResult, Task, fixed_order, simulate
-from mp_pipeline.server import Baton, Server, WorkerState
+from mp_pipeline.server import Baton, Server, WorkerPool, WorkerState
+from mp_pipeline.static import FlowRecorder, TemplateStore
 from mp_pipeline.step_output import StepOutput, merge_microbatch_results
 from mp_pipeline.structure import Slot, flatten, map_structure, unflatten
 from mp_pipeline.timeline import RECORDER, Event, EventKind, ProcessTrace, Recorder, Timeline
@@ -37,6 +40,8 @@ __all__ = [
     "EventKind",
     "ExecState",
     "Failure",
+    "FlowChangedError",
+    "FlowRecorder",
     "InvalidStepOutputError",
     "NotInStepError",
     "Phase",
@@ -63,7 +68,9 @@ __all__ = [
     "StepOutput",
     "Task",
     "TaskContext",
+    "TemplateStore",
     "Timeline",
+    "WorkerPool",
     "WorkerState",
     "__version__",
     "agree_any",
@@ -71,6 +78,7 @@ __all__ = [
     "broadcast_tensors",
     "buckets",
     "capture",
+    "caused_by",
     "current",
     "default_timeout",
     "fixed_order",

@@ -2,7 +2,8 @@
 
 Each rank reduces only what it holds (its partition's parameters) over its data-parallel group, whose
 members hold the same partition. Tensors are packed per dtype into buckets of at most ``bucket_bytes``
-and each bucket is one collective.
+and each bucket is one collective (``mp_comm.collectives``: MPI for CPU tensors when the group has an
+MPI communicator, torch.distributed otherwise).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from mp_comm.collectives import all_reduce_, broadcast_
 
 __all__ = ["agree_any", "broadcast_tensors", "buckets", "reduce_gradients"]
 
@@ -44,7 +47,7 @@ def broadcast_tensors(
     with torch.no_grad():
         for bucket in buckets(tensors, bucket_bytes):
             flat = torch.cat([t.detach().reshape(-1) for t in bucket])
-            dist.broadcast(flat, group=group, group_src=0)
+            broadcast_(flat, group, 0)  # over MPI when the group has an MPI twin (CPU), else torch's
             offset = 0
             for t in bucket:
                 n = t.numel()
@@ -96,7 +99,7 @@ def reduce_gradients(
     with torch.no_grad():
         for bucket in buckets(live, bucket_bytes):
             flat = torch.cat([g.reshape(-1) for g in bucket])
-            dist.all_reduce(flat, group=group)
+            all_reduce_(flat, group)  # over MPI when the group has an MPI twin (CPU), else torch's
             flat /= scale
             offset = 0
             for g in bucket:

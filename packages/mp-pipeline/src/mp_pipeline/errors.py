@@ -7,6 +7,7 @@ user as they are (they derive from ``RuntimeError``/``ValueError`` as smp's did)
 from __future__ import annotations
 
 __all__ = [
+    "FlowChangedError",
     "InvalidStepOutputError",
     "NotInStepError",
     "PipelineAbortedError",
@@ -14,6 +15,7 @@ __all__ = [
     "PipelineTimeoutError",
     "RemoteExecutionError",
     "SplitError",
+    "caused_by",
 ]
 
 
@@ -27,7 +29,15 @@ class RemoteExecutionError(PipelineError):
     model itself, "<step>" the step function), ``microbatch`` and ``phase`` where it happened."""
 
     def __init__(
-        self, message: str, *, rank: int, module: str, microbatch: int, phase: str, remote_traceback: str
+        self,
+        message: str,
+        *,
+        rank: int,
+        module: str,
+        microbatch: int,
+        phase: str,
+        remote_traceback: str,
+        exc_type: str = "",
     ) -> None:
         super().__init__(message)
         self.rank = rank
@@ -35,16 +45,26 @@ class RemoteExecutionError(PipelineError):
         self.microbatch = microbatch
         self.phase = phase
         self.remote_traceback = remote_traceback
+        self.exc_type = exc_type
+        """The class name of the original exception."""
 
     def __reduce__(self) -> tuple[object, ...]:
         return (
             _rebuild_remote,
-            (str(self), self.rank, self.module, self.microbatch, self.phase, self.remote_traceback),
+            (
+                str(self),
+                self.rank,
+                self.module,
+                self.microbatch,
+                self.phase,
+                self.remote_traceback,
+                self.exc_type,
+            ),
         )
 
 
 def _rebuild_remote(  # noqa: PLR0917 - pickle calls it positionally
-    message: str, rank: int, module: str, microbatch: int, phase: str, remote_traceback: str
+    message: str, rank: int, module: str, microbatch: int, phase: str, remote_traceback: str, exc_type: str
 ) -> RemoteExecutionError:
     return RemoteExecutionError(
         message,
@@ -53,12 +73,28 @@ def _rebuild_remote(  # noqa: PLR0917 - pickle calls it positionally
         microbatch=microbatch,
         phase=phase,
         remote_traceback=remote_traceback,
+        exc_type=exc_type,
     )
 
 
 class PipelineAbortedError(PipelineError):
     """The step was aborted because another rank of the pipeline (or a data-parallel replica) failed;
-    the message carries that rank's error and traceback."""
+    the message carries that rank's error and traceback; ``exc_type`` names the original exception's
+    class."""
+
+    def __init__(self, message: str, exc_type: str = "") -> None:
+        super().__init__(message)
+        self.exc_type = exc_type
+
+
+class FlowChangedError(PipelineError):
+    """Fast mode: a step's execution flow differs from the one recorded in the first steps."""
+
+
+def caused_by(exc: BaseException, cls: type[BaseException]) -> bool:
+    """Whether ``exc`` is ``cls`` or reports one raised on another rank (RemoteExecutionError,
+    PipelineAbortedError)."""
+    return isinstance(exc, cls) or getattr(exc, "exc_type", None) == cls.__name__
 
 
 class PipelineTimeoutError(PipelineError):

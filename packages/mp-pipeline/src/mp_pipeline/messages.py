@@ -17,10 +17,16 @@ import torch
 from mp_pipeline.context import ExecState
 from mp_pipeline.schedule import Phase
 
-__all__ = ["TAG", "Failure", "Request", "Response", "StepAbort", "StepEnd", "StepId"]
+__all__ = ["TAG", "Compact", "Failure", "Request", "Response", "StepAbort", "StepEnd", "StepId", "static_tag"]
 
 TAG = "mp_pipeline"
-"""Transport tag of every pipeline message."""
+"""Transport tag of every full pipeline message."""
+
+
+def static_tag(template_id: int) -> tuple[str, int]:
+    """The tag of compact messages of one template: a tag per template lets the transport's static
+    metadata cache (keyed by destination and tag) skip the tensors' metadata."""
+    return (TAG, template_id)
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -59,6 +65,9 @@ class Request:
     """Whether activation checkpointing is enabled for this module (the owner then recomputes it)."""
     forward_id: int | None = None
     """BWD: the request_id of the forward call whose backward this is."""
+    template_id: int | None = None
+    """Static mode: the receiver keeps this request (less step, ids, tensors) as template ``template_id``
+    of the sender, for later :class:`Compact` messages."""
 
 
 @dataclass(slots=True)
@@ -78,6 +87,8 @@ class Failure:
         cls, exc: BaseException, *, rank: int, module: str, microbatch: int, phase: str
     ) -> Failure:
         remote_tb = getattr(exc, "remote_traceback", None)
+        # an error forwarded from another rank keeps naming the original exception's class
+        exc_type = (getattr(exc, "exc_type", None) if remote_tb else None) or type(exc).__name__
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         if remote_tb:
             tb = f"{remote_tb}\n(then, on rank {rank}):\n{tb}"
@@ -89,11 +100,11 @@ class Failure:
                 getattr(exc, "module", module),
                 getattr(exc, "microbatch", microbatch),
                 getattr(exc, "phase", phase),
-                type(exc).__name__,
+                exc_type,
                 str(exc),
                 tb,
             )
-        return cls(rank, module, microbatch, phase, type(exc).__name__, str(exc), tb)
+        return cls(rank, module, microbatch, phase, exc_type, str(exc), tb)
 
     def describe(self) -> str:
         where = "the step function" if self.module == "<step>" else f"module {self.module or '<model>'!r}"
@@ -117,6 +128,20 @@ class Response:
     requires_grad: tuple[bool, ...] = ()
     """FWD: which output tensors require grad on the owner (they get an autograd link)."""
     failure: Failure | None = None
+    template_id: int | None = None
+    """Static mode: as Request.template_id."""
+
+
+@dataclass(slots=True)
+class Compact:
+    """Static mode: a Request or Response rebuilt by the receiver from an announced template; only what
+    changes between steps travels."""
+
+    step: StepId
+    template_id: int
+    request_id: int
+    tensors: list[torch.Tensor | None]
+    forward_id: int | None = None
 
 
 @dataclass(slots=True)

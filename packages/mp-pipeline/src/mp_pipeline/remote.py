@@ -51,6 +51,7 @@ def remote_error(failure: Failure) -> RemoteExecutionError:
         microbatch=failure.microbatch,
         phase=failure.phase,
         remote_traceback=failure.traceback,
+        exc_type=failure.exc_type,
     )
 
 

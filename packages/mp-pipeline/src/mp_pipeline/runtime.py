@@ -25,7 +25,8 @@ from mp_pipeline.errors import NotInStepError
 from mp_pipeline.messages import StepId
 from mp_pipeline.remote import Remote
 from mp_pipeline.schedule import Phase, Scheduler, Task
-from mp_pipeline.server import Server, ServerClosed
+from mp_pipeline.server import Server, ServerClosed, WorkerPool
+from mp_pipeline.static import FlowRecorder, TemplateStore, default_record_steps
 from mp_pipeline.structure import map_structure
 from mp_pipeline.timeline import RECORDER, STEP_MODULE, EventKind
 
@@ -144,7 +145,13 @@ class PipelineRuntime:
         peers: tuple[int, ...],
         model_id: int,
         timeout: float | None = None,
+        static: bool = False,
+        strict: bool = False,
+        record_steps: int | None = None,
     ) -> None:
+        """``static``: static mode (see mp_pipeline.static), recording ``record_steps`` steps (default
+        MP_PIPELINE_STATIC_STEPS or 5) before replaying; ``strict`` (fast mode, implies static): a flow
+        that changes after the recording raises FlowChangedError instead of falling back."""
         self.transport = transport
         self.rank = rank
         self.peers = peers
@@ -155,12 +162,36 @@ class PipelineRuntime:
         self._early: list[Any] = []
         self._step = 0
         self.last_stats: dict[str, int] = {}
+        self.pool = WorkerPool(rank, alive=lambda: not transport.closed)
+        """Worker threads kept across steps (closed by :meth:`close`)."""
+        self.flow: FlowRecorder | None = None
+        if static or strict:
+            steps = default_record_steps() if record_steps is None else max(1, record_steps)
+            self.flow = FlowRecorder(rank, record_steps=steps, strict=strict)
+        self.templates = TemplateStore()
+
+    @property
+    def flow_mismatch(self) -> str | None:
+        """Static mode: what in the last step did not match the recording (None if it matched, was
+        recorded, or static mode is off)."""
+        return self.flow.mismatch if self.flow is not None else None
+
+    @property
+    def replaying_static(self) -> bool:
+        """Whether the last step came after the recorded ones (the same on every rank of the pipeline,
+        unlike whether this rank replays, so a collective may depend on it)."""
+        return self.flow is not None and self._step > self.flow.record_steps
 
     def install(self, root: nn.Module, assignment: Mapping[str, int]) -> None:
         self.remote.install(root, assignment)
 
     def uninstall(self) -> None:
         self.remote.uninstall()
+
+    def close(self) -> None:
+        """Stop the worker threads (a later step starts new ones)."""
+        self.pool.close()
+        self.pool = WorkerPool(self.rank, alive=lambda: not self.transport.closed)
 
     def run_step(self, body: Callable[[int], Any], scheduler: Scheduler, state: ExecState) -> list[Any]:
         """Run one step; returns the per-microbatch results of the step function on every rank."""
@@ -174,8 +205,14 @@ class PipelineRuntime:
             handle_request=self.remote.handle,
             timeout=self.timeout,
             early=self._early,
+            pool=self.pool,
+            flow=self.flow,
+            templates=self.templates,
         )
         self.remote.server = server
+        if self.flow is not None:
+            self.flow.begin_step()
+        completed = False
         recorded = RECORDER.span(
             EventKind.STEP, rank=self.rank, step=step.step, module=STEP_MODULE, microbatch=-1
         )
@@ -188,7 +225,10 @@ class PipelineRuntime:
                     log.debug("step %d: schedule %s", self._step, " ".join(map(str, scheduler.issued)))
                 else:
                     results = list(server.serve(None))
+            completed = True
         finally:
+            if self.flow is not None:
+                self.flow.end_step(completed=completed)
             self.remote.server = None
             self.remote.saved.clear()
             self.last_stats = dict(server.stats)

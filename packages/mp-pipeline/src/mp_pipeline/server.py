@@ -8,10 +8,15 @@ a :class:`Baton`: exactly one thread of the rank (the main thread or one worker)
 a worker that sends a request of its own hands it back to the main thread and waits for its
 response, so that other microbatches can use the rank meanwhile. Threads only switch at those points,
 which keeps execution deterministic given the message order.
+
+The worker threads belong to a :class:`WorkerPool` that outlives the step (the runtime owns it): a
+fresh thread faults its memory in again (tens of thousands of minor page faults for a GPT block's
+forward and backward), so idle workers wait for the next step's requests instead of exiting.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import logging
@@ -20,13 +25,24 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from mp_comm.errors import PeerTimeoutError
-from mp_comm.transport.base import ANY_SOURCE, SendHandle, Transport
+from mp_comm.transport.base import ANY_SOURCE, ANY_TAG, SendHandle, Transport
 from mp_pipeline.errors import PipelineAbortedError, PipelineTimeoutError
-from mp_pipeline.messages import TAG, Failure, Request, Response, StepAbort, StepEnd, StepId
+from mp_pipeline.messages import (
+    TAG,
+    Compact,
+    Failure,
+    Request,
+    Response,
+    StepAbort,
+    StepEnd,
+    StepId,
+    static_tag,
+)
 from mp_pipeline.schedule import Phase, Task
+from mp_pipeline.static import FlowRecorder, Key, Template, TemplateStore, tensor_metas
 from mp_pipeline.timeline import RECORDER, EventKind
 
-__all__ = ["MAIN", "Baton", "Server", "ServerClosed", "WorkerState"]
+__all__ = ["MAIN", "Baton", "Server", "ServerClosed", "WorkerPool", "WorkerState"]
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +72,14 @@ class Baton:
             if self._holder is not wait_as and self._closed is not None:
                 raise self._closed
 
-    def wait_for(self, token: object) -> None:
+    def wait_for(self, token: object, alive: Callable[[], bool] | None = None) -> None:
+        """Block until ``token`` holds the baton; with ``alive``, also give up (ServerClosed) once it
+        returns False (checked every second: an idle pool worker notices its transport closed)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._holder is token or self._closed is not None)
+            while not (self._holder is token or self._closed is not None):
+                self._cond.wait(1.0 if alive is not None else None)
+                if alive is not None and self._holder is not token and not alive():
+                    raise ServerClosed()
             if self._holder is not token and self._closed is not None:
                 raise self._closed
 
@@ -85,21 +106,22 @@ _LOCAL = threading.local()
 
 
 class _Worker:
-    def __init__(self, server: Server, index: int) -> None:
-        self.server = server
+    def __init__(self, pool: WorkerPool, index: int) -> None:
+        self.pool = pool
+        self.baton = pool.baton
         self.token = object()
         self.state = WorkerState.IDLE
         self.job: Callable[[], None] | None = None
         self.thread = threading.Thread(
-            target=self._loop, name=f"mp-pipeline-r{server.rank}-w{index}", daemon=True
+            target=self._loop, name=f"mp-pipeline-r{pool.rank}-w{index}", daemon=True
         )
 
     def _loop(self) -> None:
-        baton = self.server.baton
+        baton = self.baton
         _LOCAL.worker = self
         try:
             while True:
-                baton.wait_for(self.token)
+                baton.wait_for(self.token, self.pool.alive)
                 job, self.job = self.job, None
                 if job is None:  # pragma: no cover - the server never hands an empty job
                     baton.hand(MAIN)
@@ -107,10 +129,62 @@ class _Worker:
                 self.state = WorkerState.EXECUTING
                 job()
                 self.state = WorkerState.IDLE
-                self.server.idle.append(self)
+                self.pool.idle.append(self)
                 baton.hand(MAIN)
         except ServerClosed:
             return
+
+
+class WorkerPool:
+    """The worker threads of one rank's module servers, kept from step to step.
+
+    Threads are added when every worker is PENDING (seed 001 §4.2) and stay for later steps. A step that
+    ends with a worker still busy (an aborted step) closes the baton, which stops every worker, and
+    starts over with a new baton; :meth:`close` (the runtime's) stops them for good. Idle workers also
+    stop by themselves once ``alive()`` turns False (the transport closed: ``smp.reset``).
+    """
+
+    def __init__(self, rank: int, alive: Callable[[], bool] = lambda: True) -> None:
+        self.rank = rank
+        self.baton = Baton()
+        self.idle: list[_Worker] = []
+        self.workers: list[_Worker] = []
+        self._alive = alive
+        self.closed = False
+        self.created = 0
+        """Threads started in all (tests and stats)."""
+
+    def alive(self) -> bool:
+        return not self.closed and self._alive()
+
+    def take(self) -> tuple[_Worker, bool]:
+        """An idle worker, or a new one; (worker, whether it is new). Main thread only."""
+        while self.idle:
+            worker = self.idle.pop()
+            if worker.thread.is_alive():
+                return worker, False
+        worker = _Worker(self, self.created)
+        self.created += 1
+        self.workers.append(worker)
+        worker.thread.start()
+        return worker, True
+
+    def all_idle(self) -> bool:
+        return all(w.state is WorkerState.IDLE for w in self.workers)
+
+    def reset(self) -> None:
+        """Stop every worker (waking the busy ones with ServerClosed) and start over with a new baton."""
+        self.baton.close(ServerClosed())
+        for worker in self.workers:
+            worker.thread.join(timeout=5.0)
+            if worker.thread.is_alive():
+                log.warning("rank %d: worker %s did not stop", self.rank, worker.thread.name)
+        self.workers, self.idle = [], []
+        self.baton = Baton()
+
+    def close(self) -> None:
+        self.closed = True
+        self.reset()
 
 
 class _Slot:
@@ -148,15 +222,21 @@ class Server:
         handle_request: Callable[[Request], Response],
         timeout: float,
         early: list[Any],
+        pool: WorkerPool | None = None,
+        flow: FlowRecorder | None = None,
+        templates: TemplateStore | None = None,
     ) -> None:
         self.transport = transport
         self.rank = rank
         self.peers = peers
         """Global ranks of this rank's pipeline group (pp_rank order)."""
         self.step = step
-        self.baton = Baton()
-        self.idle: list[_Worker] = []
-        self.workers: list[_Worker] = []
+        self.pool = pool if pool is not None else WorkerPool(rank)
+        self._own_pool = pool is None
+        self.baton = self.pool.baton
+        self.flow = flow
+        """Static mode: the record of this rank's messages (None: every message is sent in full)."""
+        self.templates = templates if templates is not None else TemplateStore()
         self._handle_request = handle_request
         self._timeout = timeout
         self._pending: dict[int, _Slot] = {}
@@ -167,7 +247,7 @@ class Server:
         self.finished = False
         self.results: Any = None
         self.closed = False
-        self.stats = {"requests": 0, "responses": 0, "workers": 0}
+        self.stats = {"requests": 0, "responses": 0, "workers": 0, "compact_sent": 0, "compact_received": 0}
 
     # -- used by worker threads ------------------------------------------------------------------------
     def next_request_id(self) -> int:
@@ -183,7 +263,7 @@ class Server:
         slot = _Slot()
         self._pending[request.request_id] = slot
         sent = RECORDER.now()
-        self.send(dest, request)
+        self._send_flow(dest, request, request)
         worker: _Worker | None = getattr(_LOCAL, "worker", None)
         if worker is not None:
             worker.state = WorkerState.PENDING
@@ -223,12 +303,8 @@ class Server:
     # -- used by the main thread -----------------------------------------------------------------------
     def run_job(self, job: Callable[[], None]) -> None:
         """Run ``job`` on an idle (or new) worker; returns when the rank is back at the main thread."""
-        worker = self.idle.pop() if self.idle else None
-        if worker is None:
-            worker = _Worker(self, len(self.workers))
-            self.workers.append(worker)
-            self.stats["workers"] += 1
-            worker.thread.start()
+        worker, new = self.pool.take()
+        self.stats["workers"] += new
         worker.job = job
         self.baton.switch(worker.token, MAIN)
 
@@ -285,20 +361,21 @@ class Server:
     def _poll(self, timeout: float) -> Any:
         while True:
             try:
-                received = self.transport.recv(ANY_SOURCE, TAG, timeout=timeout)
+                received = self.transport.recv(ANY_SOURCE, ANY_TAG, timeout=timeout)
             except PeerTimeoutError:
                 if timeout == 0.0:
                     return None
                 raise PipelineTimeoutError(
                     f"rank {self.rank} received no pipeline message within {timeout:g} s in step "
                     f"{self.step.step} (waiting on {len(self._pending)} response(s); workers: "
-                    f"{[w.state.value for w in self.workers]}). A rank of pipeline {list(self.peers)} is "
-                    "stuck or dead; raise MP_PIPELINE_TIMEOUT for very long module executions."
+                    f"{[w.state.value for w in self.pool.workers]}). A rank of pipeline "
+                    f"{list(self.peers)} is stuck or dead; raise MP_PIPELINE_TIMEOUT for very long module "
+                    "executions."
                 ) from None
-            message = received.obj
+            message = self._received(received.source, received.tag, received.obj)
             step = getattr(message, "step", None)
             if not isinstance(step, StepId):
-                log.error("rank %d: dropping a non-pipeline message %r", self.rank, type(message))
+                log.error("rank %d: dropping a non-pipeline message %r", self.rank, type(received.obj))
                 continue
             if step < self.step:
                 log.debug("rank %d: dropping a message of the earlier step %s", self.rank, step)
@@ -326,7 +403,8 @@ class Server:
         elif isinstance(message, StepAbort):
             f = message.failure
             raise PipelineAbortedError(
-                f"the step was aborted: {f.describe()}\n--- traceback on rank {f.rank} ---\n{f.traceback}"
+                f"the step was aborted: {f.describe()}\n--- traceback on rank {f.rank} ---\n{f.traceback}",
+                f.exc_type,
             )
         else:  # pragma: no cover - _poll filters
             log.error("rank %d: unknown message %r dropped", self.rank, type(message))
@@ -334,6 +412,8 @@ class Server:
     def _serve_request(self, request: Request) -> None:
         try:
             response = self._handle_request(request)
+            self._send_flow(request.requester, response, request)  # fast mode: may find a changed flow
+            return
         except ServerClosed:
             raise
         except BaseException as exc:
@@ -342,8 +422,45 @@ class Server:
                 exc, rank=self.rank, module=request.module, microbatch=request.microbatch, phase=phase
             )
             log.debug("rank %d: %s", self.rank, failure.describe())
-            response = Response(request.step, request.request_id, self.rank, failure=failure)
-        self.send(request.requester, response)
+        self.send(request.requester, Response(request.step, request.request_id, self.rank, failure=failure))
+
+    # -- static mode -----------------------------------------------------------------------------------
+    def _send_flow(self, dest: int, message: Request | Response, request: Request) -> None:
+        """Send a request or the response to ``request``: compact when static mode replays it."""
+        flow = self.flow
+        if flow is None or self.closed or (isinstance(message, Response) and message.failure is not None):
+            self.send(dest, message)
+            return
+        is_response = isinstance(message, Response)
+        key = Key(dest, is_response, request.phase, request.module, request.position, request.microbatch, 0)
+        key = flow.counted(key)
+        plan = flow.outgoing(key, _template(message))
+        if plan is None:
+            self.send(dest, message)
+            return
+        tag = static_tag(plan.template_id)  # the transport skips the tensors' metadata after the first
+        if plan.compact:
+            forward_id = message.forward_id if isinstance(message, Request) else None
+            out: object = Compact(
+                message.step, plan.template_id, message.request_id, message.tensors, forward_id
+            )
+            self.stats["compact_sent"] += 1
+        else:  # in full; the first one of a template leaves it at the receiver
+            message.template_id = plan.template_id if plan.announce else None
+            out = message
+        if not self.closed:
+            self._sends.append(self.transport.send(out, dest, tag, static=True))
+
+    def _received(self, source: int, tag: object, message: Any) -> Any:
+        """A received object as a full message: keeps announced templates, rebuilds compact messages."""
+        if tag != TAG and not (isinstance(tag, tuple) and tag[:1] == (TAG,)):
+            return None  # not a pipeline message (dropped by the caller)
+        if isinstance(message, Compact):
+            self.stats["compact_received"] += 1
+            return _expand(self.templates.get(source, message.template_id), message)
+        if isinstance(message, Request | Response) and message.template_id is not None:
+            self.templates.put(source, message.template_id, dataclasses.replace(message, tensors=[]))
+        return message
 
     def _abort(self, exc: BaseException) -> None:
         if isinstance(exc, PipelineAbortedError):
@@ -362,11 +479,9 @@ class Server:
 
     def _shutdown(self) -> None:
         self.closed = True
-        self.baton.close(ServerClosed())
-        for worker in self.workers:
-            worker.thread.join(timeout=5.0)
-            if worker.thread.is_alive():
-                log.warning("rank %d: worker %s did not stop", self.rank, worker.thread.name)
+        # Idle workers stay for the next step; one still busy (an aborted step) needs a fresh pool.
+        if self._own_pool or not self.finished or not self.pool.all_idle():
+            self.pool.reset()
         self._wait_sends()
 
     def _wait_sends(self) -> None:
@@ -376,3 +491,42 @@ class Server:
                 handle.wait(timeout=self._timeout)
             except Exception as exc:
                 log.warning("rank %d: a pipeline message did not complete: %s", self.rank, exc)
+
+
+def _template(message: Request | Response) -> Template:
+    """What static mode compares between steps: everything but the step, the ids and tensor values."""
+    metas = tensor_metas(message.tensors)
+    if isinstance(message, Request):
+        flow = (
+            message.phase,
+            message.module,
+            message.position,
+            message.requires_grad,
+            message.state,
+            message.checkpoint,
+            metas,
+        )
+        return Template(flow, message.payload)
+    return Template((message.requires_grad, metas), message.payload)
+
+
+def _expand(template: Request | Response, m: Compact) -> Request | Response:
+    if isinstance(template, Request):
+        return Request(
+            m.step,
+            m.request_id,
+            template.requester,
+            template.phase,
+            template.module,
+            template.microbatch,
+            template.position,
+            template.payload,
+            m.tensors,
+            template.requires_grad,
+            template.state,
+            template.checkpoint,
+            m.forward_id,
+        )
+    return Response(
+        m.step, m.request_id, template.responder, template.payload, m.tensors, template.requires_grad
+    )

@@ -5,6 +5,8 @@ smp.init({"pipeline_parallel_degree": 2, "microbatches": 4})
 """
 
 from mp import nn, timeline
+from mp.activation_checkpointing import set_activation_checkpointing
+from mp.checkpoint import load, resume_from_checkpoint, save, save_checkpoint
 from mp.comm import (
     CommGroup,
     RankType,
@@ -172,6 +174,7 @@ __all__ = [
     "init",
     "is_initialized",
     "is_tracing",
+    "load",
     "load_config",
     "local_rank",
     "local_size",
@@ -189,7 +192,11 @@ __all__ = [
     "rdp_size",
     "recv_from",
     "reset",
+    "resume_from_checkpoint",
+    "save",
+    "save_checkpoint",
     "send",
+    "set_activation_checkpointing",
     "set_partition",
     "set_tensor_parallelism",
     "shutdown",

@@ -74,6 +74,9 @@ def is_initialized() -> bool:
 def reset() -> None:
     """Forget the current initialization: destroy mp's groups and release the world it started."""
     world = state.world
+    runtime = getattr(state.model, "_runtime", None)
+    if runtime is not None:
+        runtime.close()  # stop the pipeline's worker threads now, not when they notice the closed transport
     if state.transport is not None:
         state.transport.close()  # collective, like everything in reset
     if state.atp_mesh is not None:

@@ -28,8 +28,10 @@ from torch.utils.hooks import RemovableHandle
 from mp.errors import (
     BwdExecutionNotInStepFnError,
     FwdExecutionNotInStepFnError,
+    IncompatibleCheckpointFoundError,
     ModelNotPartitionedError,
     MultipleDistributedModelError,
+    NotSupportedByFastModeError,
     SMPRuntimeError,
     SMPValidationError,
 )
@@ -39,12 +41,14 @@ from mp.tensor_api import replace_tp_modules
 from mp_comm import GroupKind, LoopbackTransport, Router, Transport, TransportConfig, World
 from mp_partition import PartitionPlan, Tracer, auto_partition, manual_partition
 from mp_pipeline import (
+    FlowChangedError,
     PipelineRuntime,
     Scheduler,
     TaskContext,
     agree_any,
     broadcast_tensors,
     capture,
+    caused_by,
     current,
     pipelined_backward,
     reduce_gradients,
@@ -155,15 +159,19 @@ class DistributedModel(nn.Module):
         self._pending_optimizer_state: dict[str, Any] | None = None
         self._model_id = next(_MODEL_IDS)
         self._runtime: PipelineRuntime | None = None
-        if cfg.static_mode or cfg.fast_mode:
-            log.warning(
-                "static_mode/fast_mode are not implemented yet: every step exchanges requests and "
-                "responses as in the default mode (same results, no speed-up)"
-            )
+        self._fast_mode = cfg.fast_mode
         if self._pp > 1:
             transport = _pipeline_transport(world)
+            # static_mode: record the first steps' messages, then send them compact (mp_pipeline.static);
+            # fast_mode: the same, but a flow that changes afterwards raises NotSupportedByFastModeError
+            # (the child-to-child tensor shortcut of seed 001 §4.4 is not implemented).
             self._runtime = PipelineRuntime(
-                transport=transport, rank=world.rank, peers=self._pp_peers, model_id=self._model_id
+                transport=transport,
+                rank=world.rank,
+                peers=self._pp_peers,
+                model_id=self._model_id,
+                static=cfg.static_mode or cfg.fast_mode,
+                strict=cfg.fast_mode,
             )
         state.model = self
 
@@ -257,6 +265,8 @@ class DistributedModel(nn.Module):
             error = exc
         finally:
             self._in_step = False
+        if self._fast_mode and self._runtime is not None:
+            error = self._fast_mode_check(error)
         did_backward = self._backward_calls > calls_before or (
             self._runtime is not None and self._runtime.remote.backward_requests > remote_before
         )
@@ -265,6 +275,29 @@ class DistributedModel(nn.Module):
         if self._step_count == 1:
             self._run_hooks(self._post_step_hooks)
         return results
+
+    def _fast_mode_check(self, error: BaseException | None) -> BaseException | None:
+        """Fast mode: a flow that changed after the recording fails the step on every pipeline rank with
+        NotSupportedByFastModeError. A change found while sending aborted the step everywhere already;
+        one found only at its end (recorded messages left unsent) is agreed on over the pipeline."""
+        assert self._runtime is not None
+        if self._runtime.replaying_static:  # on every pipeline rank alike: the collective is safe
+            group = state.process_groups.get(GroupKind.PP)
+            mismatch = self._runtime.flow_mismatch if error is None else None
+            changed = mismatch is not None
+            if group is not None:
+                changed = agree_any([changed], group)[0]
+            if changed and error is None:
+                error = FlowChangedError(mismatch or "another rank of the pipeline sent other messages")
+        if error is not None and caused_by(error, FlowChangedError):
+            fast = NotSupportedByFastModeError(
+                f"the execution flow of the step changed after static mode recorded it: {error}. Fast "
+                "mode needs the same flow in every step: set 'fast_mode' to False (with static_mode the "
+                "runtime then falls back to full messages when the flow changes)."
+            )
+            fast.__cause__ = error
+            return fast
+        return error
 
     def _after_step(self, error: BaseException | None, did_backward: bool) -> None:
         """Agree over the data-parallel group on failure and on whether to reduce gradients; reduce."""
@@ -502,17 +535,29 @@ class DistributedModel(nn.Module):
         return merged
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, *args: Any, **kwargs: Any) -> Any:
-        """Load a full or partial (``local_state_dict``) state; keys with or without ``module.``."""
+        """Load a full (``state_dict``) or partial (``local_state_dict``) state; keys with or without
+        ``module.``. A partial state must be this rank's part under the layout and partition it was
+        saved with (else IncompatibleCheckpointFoundError); before partitioning (pp > 1) it loads into
+        the whole module now and is checked, on every pipeline rank, once the model is partitioned."""
         sd = dict(state_dict)
         partial = bool(sd.pop("_smp_is_partial", False))
         if sd and all(k.startswith("module.") for k in sd):
             sd = {k[len("module.") :]: v for k, v in sd.items()}
+        if partial:
+            if not self._partitioned and self._pp > 1:
+                loaded = set(sd)
+                if strict:
+                    self.register_post_partition_hook(lambda m, _opt: m._check_partial_keys(loaded, True))
+                return self.module.load_state_dict(sd, strict=False)
+            if strict:
+                self._check_partial_keys(set(sd), False)
+            return self.module.load_state_dict(sd, strict=False)
         if not self._partitioned or self._pp == 1:
-            return self.module.load_state_dict(sd, strict=strict and not partial)
+            return self.module.load_state_dict(sd, strict=strict)
         keys = set(self.module.state_dict(keep_vars=True))
         local = {k for k in keys if self._owner(k) == self._pp_rank}
         subset = {k: v for k, v in sd.items() if k in local}
-        if strict and not partial:
+        if strict:
             missing = sorted(local - set(subset))
             unexpected = sorted(set(sd) - keys)
             if missing or unexpected:
@@ -521,6 +566,31 @@ class DistributedModel(nn.Module):
                     "expected the keys of the wrapped model's state_dict() (pass strict=False to ignore)"
                 )
         return self.module.load_state_dict(subset, strict=False)
+
+    def _check_partial_keys(self, loaded: set[str], collective: bool) -> None:
+        """Raise IncompatibleCheckpointFoundError unless ``loaded`` is exactly this rank's part;
+        ``collective``: agree over the pipeline group so that every pipeline rank raises."""
+        local = {k for k in self.module.state_dict(keep_vars=True) if self._owner(k) == self._pp_rank}
+        missing, unexpected = sorted(local - loaded), sorted(loaded - local)
+        problem = None
+        if missing or unexpected:
+            problem = (
+                f"pp_rank {self._pp_rank} of {self._pp}: the partial state lacks {len(missing)} of this "
+                f"rank's keys {missing[:5]} and has {len(unexpected)} keys of other ranks {unexpected[:5]}"
+            )
+        problems: list[Any] = [problem]
+        if collective and self._pp > 1:
+            problems = [None] * self._pp
+            dist.all_gather_object(problems, problem, group=state.process_groups[GroupKind.PP])
+        found = [p for p in problems if p is not None]
+        if found:
+            raise IncompatibleCheckpointFoundError(
+                "a partial state dict (local_state_dict) does not match this layout: "
+                + "; ".join(found)
+                + ". It was saved with another pipeline_parallel_degree or partition: load it with the "
+                "layout it was saved with, or save the full model.state_dict() (smp.save(..., "
+                "partial=False)), which loads under any layout"
+            )
 
     # ------------------------------------------------------------------------------------- hooks
     def register_post_partition_hook(self, hook: Callable[..., Any]) -> RemovableHandle | None:

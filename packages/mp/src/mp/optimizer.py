@@ -1,7 +1,8 @@
 """`smp.DistributedOptimizer`: the user's optimizer, made to step only this rank's parameters.
 
 As in smp's implementation, it returns the same optimizer object (so LR schedulers and
-``isinstance`` checks keep working), registered with mp and given ``local_state_dict``. Once the model
+``isinstance`` checks keep working), registered with mp and given ``local_state_dict``, a gathered
+``state_dict`` and a ``load_state_dict`` that takes either. Once the model
 is partitioned its parameter groups keep only the parameters this rank holds; this works whether the
 optimizer was built before or after ``smp.DistributedModel``, on the raw or the wrapped model's
 parameters.
@@ -13,15 +14,25 @@ import types
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from mp.errors import SMPValidationError
+from mp.errors import IncompatibleCheckpointFoundError, SMPValidationError
 from mp.state import state
+from mp_comm import GroupKind
 
 __all__ = ["DistributedOptimizer", "keep_local_parameters"]
 
 
+_ALL_PARAMS = "_mp_all_params"
+
+
 def keep_local_parameters(optimizer: torch.optim.Optimizer, is_remote: Any) -> None:
-    """Drop the parameters ``is_remote(p)`` says another rank holds from every parameter group."""
+    """Drop the parameters ``is_remote(p)`` says another rank holds from every parameter group.
+
+    The full groups are remembered first: the gathered ``state_dict()`` numbers parameters as the
+    unpartitioned optimizer does, so full optimizer states load under any pipeline layout."""
+    if not hasattr(optimizer, _ALL_PARAMS):
+        setattr(optimizer, _ALL_PARAMS, [list(g["params"]) for g in optimizer.param_groups])
     for group in optimizer.param_groups:
         kept = [p for p in group["params"] if not is_remote(p)]
         for p in group["params"]:
@@ -30,20 +41,136 @@ def keep_local_parameters(optimizer: torch.optim.Optimizer, is_remote: Any) -> N
         group["params"] = kept
 
 
+def _all_params(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+    """Every group's parameters before partitioning dropped the remote ones."""
+    saved: list[list[torch.Tensor]] | None = getattr(optimizer, _ALL_PARAMS, None)
+    return saved if saved is not None else [list(g["params"]) for g in optimizer.param_groups]
+
+
+def _global_indices(optimizer: torch.optim.Optimizer) -> list[list[int]]:
+    """Per group, the full-optimizer index (torch's numbering) of each parameter the group holds now."""
+    index: dict[int, int] = {}
+    for p in (p for group in _all_params(optimizer) for p in group):
+        index.setdefault(id(p), len(index))
+    return [[index[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+
+
+def _param_names(optimizer: torch.optim.Optimizer) -> list[list[str | None]]:
+    """Per group, the model's name of each parameter the group holds now (None if not the model's)."""
+    model = state.model
+    names = {id(p): n for n, p in model.module.named_parameters()} if model is not None else {}
+    return [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
+
+
+def _pipelined(model: Any) -> bool:
+    return model is not None and model.partitioned and model._pp > 1
+
+
 def _local_state_dict(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> dict[str, Any]:
-    sd = dict(self.state_dict())
+    """This rank's optimizer state, with the names of its parameters (checked when loading)."""
+    sd = dict(torch.optim.Optimizer.state_dict(self))
     sd["_smp_is_partial"] = True
+    sd["_smp_param_names"] = _param_names(self)
     return sd
 
 
+def _state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
+    """The full optimizer state, numbered as the unpartitioned optimizer numbers its parameters.
+
+    With pp > 1 it is gathered over the pipeline group: call it on every rank of the pipeline."""
+    local = torch.optim.Optimizer.state_dict(self)
+    model = state.model
+    if not _pipelined(model):
+        return local
+    flat = [i for group in _global_indices(self) for i in group]
+    mine = {
+        flat[i]: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+        for i, s in local["state"].items()
+    }
+    parts: list[Any] = [None] * model._pp
+    dist.all_gather_object(parts, mine, group=state.process_groups[GroupKind.PP])
+    merged: dict[int, Any] = {}
+    for part in parts:
+        merged.update(part)
+    offsets = [0]
+    for group in _all_params(self):
+        offsets.append(offsets[-1] + len(group))
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": list(range(offsets[gi], offsets[gi + 1]))}
+        for gi, g in enumerate(local["param_groups"])
+    ]
+    return {"state": dict(sorted(merged.items())), "param_groups": groups}
+
+
+def _localize(optimizer: torch.optim.Optimizer, full: dict[str, Any]) -> dict[str, Any]:
+    """A full state dict (torch's numbering over all parameters) cut down to this rank's parameters."""
+    saved_groups = full["param_groups"]
+    all_groups = _all_params(optimizer)
+    sizes = [len(g["params"]) for g in saved_groups]
+    if sizes != [len(g) for g in all_groups]:
+        raise IncompatibleCheckpointFoundError(
+            f"the optimizer state has parameter groups of sizes {sizes}; this optimizer's groups have "
+            f"{[len(g) for g in all_groups]} parameters: build the optimizer as in the saving job"
+        )
+    groups: list[dict[str, Any]] = []
+    local_state: dict[int, Any] = {}
+    n = 0  # torch numbers the local parameters consecutively over the groups
+    for saved, every, group in zip(saved_groups, all_groups, optimizer.param_groups, strict=True):
+        # The j-th parameter of a full group has the saved number saved["params"][j].
+        position = {id(p): j for j, p in enumerate(every)}
+        params: list[int] = []
+        for p in group["params"]:
+            saved_index = saved["params"][position[id(p)]]
+            if saved_index in full["state"]:
+                local_state[n] = full["state"][saved_index]
+            params.append(n)
+            n += 1
+        groups.append({**saved, "params": params})
+    return {"state": local_state, "param_groups": groups}
+
+
 def _load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Load a local (``local_state_dict``) or full (``state_dict``) optimizer state.
+
+    Before the model is partitioned (pp > 1) a local state is kept until partitioning has cut the
+    groups down to this rank's parameters; a full state loads at once (the groups are still full)."""
     sd = dict(state_dict)
     partial = bool(sd.pop("_smp_is_partial", False))
+    names = sd.pop("_smp_param_names", None)
     model = state.model
     if partial and model is not None and not model.partitioned and model._pp > 1:
-        model._pending_optimizer_state = sd  # applied once the optimizer keeps only local params
+        model.register_post_partition_hook(lambda _model, _opt: _load_local(self, sd, names))
         return
-    torch.optim.Optimizer.load_state_dict(self, sd)
+    if partial:
+        _load_local(self, sd, names)
+    elif _pipelined(model):
+        torch.optim.Optimizer.load_state_dict(self, _localize(self, sd))
+    else:
+        torch.optim.Optimizer.load_state_dict(self, sd)
+
+
+def _load_local(optimizer: torch.optim.Optimizer, sd: dict[str, Any], names: Any) -> None:
+    """Load this rank's part, after checking it was saved for the same parameters."""
+    if names is not None:
+        running = _param_names(optimizer)
+        if names != running:
+            flat_saved = [n for g in names for n in g]
+            flat_running = [n for g in running for n in g]
+            raise IncompatibleCheckpointFoundError(
+                f"the partial optimizer state was saved for parameters {_short(flat_saved)}; this rank "
+                f"(pp_rank {_pp_rank()}) holds {_short(flat_running)}: load it with the layout and "
+                "partition it was saved with, or save the full optimizer.state_dict() to change layouts"
+            )
+    torch.optim.Optimizer.load_state_dict(optimizer, sd)
+
+
+def _short(names: list[str | None]) -> str:
+    return f"{names[:6]}{' ...' if len(names) > 6 else ''} ({len(names)} in all)"
+
+
+def _pp_rank() -> int:
+    model = state.model
+    return int(model._pp_rank) if model is not None else 0
 
 
 def DistributedOptimizer(
@@ -61,6 +188,7 @@ def DistributedOptimizer(
         )
     optimizer.local_state_dict = types.MethodType(_local_state_dict, optimizer)  # type: ignore[attr-defined]
     optimizer.load_state_dict = types.MethodType(_load_state_dict, optimizer)  # type: ignore[method-assign]
+    optimizer.state_dict = types.MethodType(_state_dict, optimizer)  # type: ignore[method-assign]
     state.optimizer = optimizer
     model = state.model
     if model is not None and model.partitioned:
