@@ -100,12 +100,16 @@ def _batches(steps: int) -> list[torch.Tensor]:
     return [torch.randint(0, 64, (8, 12), generator=g).cuda() for _ in range(steps)]
 
 
-def _pipelined_gpt2_on_gpu(world: Any, microbatches: int) -> dict[str, Any]:
+def _pipelined_gpt2_on_gpu(world: Any, microbatches: int, fast: bool) -> dict[str, Any]:
+    import os
+
     import mp as smp
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    steps = 3
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": microbatches, "pipeline": "interleaved"})
+    steps = 4
+    os.environ["MP_PIPELINE_STATIC_STEPS"] = "2"  # fast mode: steps 3 and 4 replay the recording
+    cfg = {"pipeline_parallel_degree": 2, "microbatches": microbatches, "pipeline": "interleaved"}
+    smp.init({**cfg, "static_mode": fast, "fast_mode": fast})
     try:
         model = smp.DistributedModel(_gpt2())
         opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
@@ -125,6 +129,7 @@ def _pipelined_gpt2_on_gpu(world: Any, microbatches: int) -> dict[str, Any]:
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     finally:
         smp.reset()
+        del os.environ["MP_PIPELINE_STATIC_STEPS"]
 
     ref = _gpt2()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
@@ -148,9 +153,9 @@ def _pipelined_gpt2_on_gpu(world: Any, microbatches: int) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("microbatches", [1, 4])
-def test_pipelined_gpt2_on_gpu_matches_single_process(worlds: Any, microbatches: int) -> None:
-    for info in worlds.run(2, _pipelined_gpt2_on_gpu, microbatches, timeout=90):
+@pytest.mark.parametrize(("microbatches", "fast"), [(1, False), (4, False), (4, True)])
+def test_pipelined_gpt2_on_gpu_matches_single_process(worlds: Any, microbatches: int, fast: bool) -> None:
+    for info in worlds.run(2, _pipelined_gpt2_on_gpu, microbatches, fast, timeout=120):
         assert info["devices"] == ["cuda"]
         # Same GPU, same kernels; CUDA's embedding backward sums with atomics, so allow its rounding.
         assert info["loss_error"] < 1e-5, info
