@@ -77,22 +77,10 @@ def test_router_sends_cuda_tensors_over_ucx(worlds: Any) -> None:
         assert info["stats"] == {"ucx": 1, "mpi": 1}, info
 
 
-def _gpt2(seed: int = 0) -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
+def _gpt2() -> torch.nn.Module:
+    from tests.mp_pipeline.models import build
 
-    torch.manual_seed(seed)
-    config = GPT2Config(
-        vocab_size=64,
-        n_positions=16,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    config._attn_implementation = "eager"
-    return GPT2LMHeadModel(config).cuda()
+    return build("gpt2").cuda()  # the equivalence tests' GPT-2, on the GPU
 
 
 def _batches(steps: int) -> list[torch.Tensor]:

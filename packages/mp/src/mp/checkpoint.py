@@ -293,22 +293,10 @@ def save_checkpoint(  # noqa: PLR0917 - smp's positional signature
             folder = os.path.join(path, f"{tag}_partial")
             os.makedirs(folder, exist_ok=True)
             if c.rdp_rank == 0:
-                if model is not None:
-                    _atomic_save(
-                        model.local_state_dict(),
-                        partial_name(os.path.join(folder, "model"), c.pp_rank, c.tp_rank),
-                        pickle,
-                        2,
-                        c.rank,
-                    )
-                if optimizer is not None:
-                    _atomic_save(
-                        optimizer.local_state_dict(),
-                        partial_name(os.path.join(folder, "optimizer"), c.pp_rank, c.tp_rank),
-                        pickle,
-                        2,
-                        c.rank,
-                    )
+                for name, owner in (("model", model), ("optimizer", optimizer)):
+                    if owner is not None:
+                        target = partial_name(os.path.join(folder, name), c.pp_rank, c.tp_rank)
+                        _atomic_save(owner.local_state_dict(), target, pickle, 2, c.rank)
             if c.rank == 0:
                 _atomic_save(user_content, os.path.join(folder, "user_content.pt"), pickle, 2, c.rank)
         else:
