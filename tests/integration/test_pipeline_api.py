@@ -172,3 +172,38 @@ def test_step_output_api() -> None:
     assert torch.equal(out.reduce_mean(), torch.tensor([2.0, 3.0]))
     assert out.concat().tolist() == [1.0, 2.0, 3.0, 4.0] and out.stack().shape == (2, 2)
     assert out[1].tolist() == [3.0, 4.0] and len(out) == 2
+
+
+def _cpu_gathers(world: Any) -> dict[str, Any]:
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    try:
+        torch.manual_seed(0)
+        model = DistributedModel(
+            nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3), nn.BatchNorm1d(3))
+        )
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+        @step
+        def train(x: torch.Tensor) -> torch.Tensor:
+            loss = model(x).square().mean()
+            model.backward(loss)
+            return loss
+
+        train(torch.randn(8, 6))
+        opt.step()
+        gathered = model.state_dict()
+        placeholders_before = sum(
+            p.stride() == (0,) * p.dim() and p.numel() > 1 for p in model.module.parameters()
+        )
+        assert model.cpu() is model
+        copy = model.get_module().state_dict()
+        same = list(copy) == list(gathered) and all(torch.equal(copy[k], gathered[k]) for k in gathered)
+        return {"placeholders_before": placeholders_before, "same": same}
+    finally:
+        smp.reset()
+
+
+def test_cpu_gathers_the_whole_model_on_every_rank(worlds: Any) -> None:
+    for r in worlds.run(2, _cpu_gathers, timeout=120):
+        assert r["placeholders_before"] > 0  # each rank held only its stage before
+        assert r["same"]

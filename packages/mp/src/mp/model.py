@@ -156,7 +156,6 @@ class DistributedModel(nn.Module):
         self._step_count = 0
         self._post_partition_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._post_step_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._pending_optimizer_state: dict[str, Any] | None = None
         self._model_id = next(_MODEL_IDS)
         self._runtime: PipelineRuntime | None = None
         self._fast_mode = cfg.fast_mode
@@ -401,9 +400,6 @@ class DistributedModel(nn.Module):
         optimizer = state.optimizer
         if optimizer is not None:
             keep_local_parameters(optimizer, self._is_remote)
-            if self._pending_optimizer_state is not None:
-                torch.optim.Optimizer.load_state_dict(optimizer, self._pending_optimizer_state)
-                self._pending_optimizer_state = None
         self._run_hooks(self._post_partition_hooks)
 
     def _compute_plan(self, body: Callable[[int], Any]) -> PartitionPlan:
@@ -611,6 +607,21 @@ class DistributedModel(nn.Module):
         handle = RemovableHandle(self._post_step_hooks)
         self._post_step_hooks[handle.id] = hook
         return handle
+
+    def cpu(self) -> DistributedModel:
+        """smp's ``cpu()``: gather every stage's parameters and buffers and move the whole model to
+        the CPU, so that ``get_module()`` is a complete copy on every rank (e.g. to save or export it).
+        Collective over the pipeline group once partitioned. Stages keep running their own modules:
+        the gathered copies of other stages' tensors are not trained further."""
+        if self._partitioned and self._pp > 1:
+            full = self.state_dict(cast_to_cpu=True)
+            with torch.no_grad():
+                tensors = itertools.chain(self.module.named_parameters(), self.module.named_buffers())
+                for key, t in tensors:
+                    if getattr(t, _PLACEHOLDER, False) and key in full:
+                        t.data = full[key].to(dtype=t.dtype)  # still marked: its owner stays remote
+        self.module.cpu()
+        return self
 
     def _run_hooks(self, hooks: OrderedDict[int, Callable[..., Any]]) -> None:
         for hook in list(hooks.values()):
