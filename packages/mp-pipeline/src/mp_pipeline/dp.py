@@ -8,15 +8,17 @@ MPI communicator, torch.distributed otherwise).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from mp_comm.collectives import all_reduce_, broadcast_
+from mp_comm.collectives import CollectiveHandle, all_reduce_, all_reduce_async, broadcast_
 
-__all__ = ["agree_any", "broadcast_tensors", "buckets", "reduce_gradients"]
+__all__ = ["OverlappedReduction", "agree_any", "broadcast_tensors", "buckets", "reduce_gradients"]
 
 
 def buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
@@ -106,3 +108,153 @@ def reduce_gradients(
                 n = g.numel()
                 g.copy_(flat[offset : offset + n].view_as(g))
                 offset += n
+
+
+class OverlappedReduction:
+    """The gradient all-reduces of :func:`reduce_gradients`, launched during the last backward.
+
+    The buckets (``bucket_bytes`` runs of same-dtype parameters, in reverse registration order as in
+    DDP: backward produces the last layers' gradients first) are fixed, so every member launches the
+    same collectives in the same order: a bucket is launched only after all earlier ones, once each of
+    its parameters has accumulated as often as in the profiled pass (module reuse accumulates several
+    times). :meth:`arm` starts a pass, :meth:`finish` launches what is left, waits and averages.
+
+    The all-reduces are out of place, so the local gradients stay intact: a bucket whose parameter
+    accumulated again after its launch (or whose launch missed a late gradient) is reduced once more,
+    synchronously, from them. Results are those of :func:`reduce_gradients` (the same sums per element;
+    bitwise for groups of two, where the sum of two addends has one order).
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int) -> None:
+        self.params = list(params)
+        self.group = group
+        order = list(reversed(range(len(self.params))))
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.buckets: list[list[int]] = [
+            [self._index[id(p)] for p in bucket]
+            for bucket in buckets([self.params[i] for i in order], bucket_bytes)
+        ]
+        self._bucket_of = [0] * len(self.params)
+        for b, members in enumerate(self.buckets):
+            for i in members:
+                self._bucket_of[i] = b
+        self.expected: list[int] | None = None
+        """Accumulations per parameter in the profiled pass (the first armed one); None before it."""
+        self.early = 0
+        """Buckets launched during a backward, over all passes (the rest were launched at the end)."""
+        self.redone = 0
+        """Buckets reduced a second time because a gradient accumulated after their launch."""
+        self._lock = threading.Lock()
+        self._armed = False
+        self._seen = False  # armed at some point of this pass
+        self._counts = [0] * len(self.params)
+        self._remaining: list[int] = []
+        self._handles: list[CollectiveHandle] = []
+        self._invalid: list[bool] = []
+        self._hooks: list[RemovableHandle] = [
+            p.register_post_accumulate_grad_hook(self._accumulated)  # type: ignore[no-untyped-call]
+            for p in self.params
+        ]
+
+    def close(self) -> None:
+        """Remove the gradient hooks."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    @property
+    def launched(self) -> int:
+        """How many buckets have been launched in this pass."""
+        return len(self._handles)
+
+    def arm(self) -> None:
+        """Start counting accumulations (the last backward of a reducing step begins); idempotent."""
+        with self._lock:
+            if self._armed:
+                return
+            self._armed = self._seen = True
+            self._counts = [0] * len(self.params)
+            self._invalid = [False] * len(self.buckets)
+            if self.expected is not None:
+                expected = self.expected
+                self._remaining = [sum(1 for i in bucket if expected[i] > 0) for bucket in self.buckets]
+                self._launch_ready()
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        with self._lock:
+            i = self._index[id(p)]
+            self._counts[i] += 1
+            if self.expected is None:  # profiling pass: count only
+                return
+            b = self._bucket_of[i]
+            if b < len(self._handles):
+                self._invalid[b] = True  # launched without this accumulation: reduce it again at the end
+            elif self._counts[i] == self.expected[i]:
+                self._remaining[b] -= 1
+                self._launch_ready()
+            if self._handles:
+                self._handles[-1].is_completed()  # lets MPI progress the collectives in flight
+
+    def _launch_ready(self) -> None:
+        while len(self._handles) < len(self.buckets) and self._remaining[len(self._handles)] == 0:
+            self._launch(len(self._handles))
+
+    def _flat(self, b: int) -> torch.Tensor:
+        with torch.no_grad():
+            parts = [self.params[i].grad for i in self.buckets[b]]
+            return torch.cat(
+                [
+                    (g if g is not None else torch.zeros_like(self.params[i])).reshape(-1)
+                    for i, g in zip(self.buckets[b], parts, strict=True)
+                ]
+            )
+
+    def _launch(self, b: int) -> None:
+        self._handles.append(all_reduce_async(self._flat(b), self.group))
+
+    def finish(self, divisor: float | None = None) -> None:
+        """Launch the remaining buckets, wait, divide (default: by the group's size) and write back.
+
+        Every member calls it at the same point. Like :func:`reduce_gradients`, a parameter without
+        gradient anywhere keeps None and one without gradient on some member counts as zero there.
+        """
+        with self._lock:
+            self._armed = False
+            self.early += len(self._handles)
+            while len(self._handles) < len(self.buckets):
+                self._launch(len(self._handles))
+            if self.expected is None and self._seen:
+                self.expected = list(self._counts)
+            self._seen = False
+            flags = agree_any([p.grad is not None for p in self.params] + self._invalid, self.group)
+            have, invalid = flags[: len(self.params)], flags[len(self.params) :]
+            self.redone += sum(invalid)
+            scale = float(dist.get_world_size(self.group) if divisor is None else divisor)
+            outs = [h.wait() for h in self._handles]
+            self._handles = []
+            with torch.no_grad():
+                for b, (out, again) in enumerate(zip(outs, invalid, strict=True)):
+                    # again: reduced anew from the local gradients, all members in the same bucket order
+                    flat = all_reduce_(self._flat(b), self.group) if again else out
+                    flat /= scale
+                    offset = 0
+                    for i in self.buckets[b]:
+                        p = self.params[i]
+                        n = p.numel()
+                        if have[i]:
+                            if p.grad is None:
+                                p.grad = torch.zeros_like(p)
+                            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                        offset += n
+
+    def drain(self) -> None:
+        """Complete the collectives of a pass that is abandoned (a failed step), on every member."""
+        with self._lock:
+            self._armed = self._seen = False
+            while len(self._handles) < len(self.buckets):
+                self._launch(len(self._handles))
+            for h in self._handles:
+                h.wait()
+            self._handles = []

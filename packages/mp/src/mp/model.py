@@ -54,6 +54,7 @@ from mp_pipeline import (
     reduce_gradients,
     task_context,
 )
+from mp_pipeline.dp import OverlappedReduction
 from mp_pipeline.timeline import RECORDER, EventKind
 from mp_tensor import is_distributed_parameter, is_scaled_batch_parameter
 
@@ -158,6 +159,10 @@ class DistributedModel(nn.Module):
         self._post_step_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._model_id = next(_MODEL_IDS)
         self._runtime: PipelineRuntime | None = None
+        # pp == 1, tp == 1: the last microbatch's backward launches the gradient buckets' all-reduces.
+        self._overlap_enabled = overlapping_allreduce and self._pp == 1 and cfg.tp == 1 and self._dp_size > 1
+        self._overlap: OverlappedReduction | None = None
+        self._microbatches = 1
         self._fast_mode = cfg.fast_mode
         if self._pp > 1:
             transport = _pipeline_transport(world)
@@ -214,6 +219,11 @@ class DistributedModel(nn.Module):
                     scaled.append(None)  # torch raises its own "grad can be implicitly created" error
             grads = scaled
         self._backward_calls += 1
+        task = current()
+        if task is not None and task.microbatch == self._microbatches - 1 and self._reduces_this_step():
+            overlap = self._overlap_reduction()
+            if overlap is not None:
+                overlap.arm()
         pipelined_backward(outs, grads)
 
     @property
@@ -240,6 +250,7 @@ class DistributedModel(nn.Module):
             self._partition(body)
         self._sync_replicas(first=self._step_count == 0)
         self._grad_scale = 1.0 / len(inputs) if self._average_mb else 1.0
+        self._microbatches = len(inputs)
         calls_before = self._backward_calls
         remote_before = self._runtime.remote.backward_requests if self._runtime is not None else 0
         error: BaseException | None = None
@@ -302,8 +313,13 @@ class DistributedModel(nn.Module):
         """Agree over the data-parallel group on failure and on whether to reduce gradients; reduce."""
         group = state.process_groups.get(GroupKind.DP)
         if self._dp_size > 1 and group is not None:
-            failed, any_backward = agree_any([error is not None, did_backward], group)
+            overlap = self._overlap
+            launched = overlap is not None and overlap.launched > 0
+            failed, any_backward, any_launched = agree_any([error is not None, did_backward, launched], group)
             if failed:
+                if any_launched:  # every member completes the collectives some member started
+                    assert overlap is not None
+                    overlap.drain()
                 text = None
                 if error is not None:
                     text = f"rank {self._rank}: {type(error).__name__}: {error}\n" + "".join(
@@ -315,13 +331,41 @@ class DistributedModel(nn.Module):
                     raise error
                 first = next(t for t in texts if t is not None)
                 raise SMPRuntimeError(f"the step failed on a data-parallel replica:\n{first}")
-            if any_backward and (self._step_count + 1) % self._bpps == 0:
+            if any_backward and self._reduces_this_step():
                 with RECORDER.span(
                     EventKind.REDUCE, rank=self._rank, step=self._step_count + 1, module="", microbatch=-1
                 ):
-                    self._reduce_gradients([p for p in self._local_params() if p.requires_grad], group)
+                    overlap = self._overlap_reduction()
+                    if overlap is not None:
+                        overlap.finish()
+                    else:
+                        self._reduce_gradients([p for p in self._local_params() if p.requires_grad], group)
+            elif any_launched:
+                assert overlap is not None
+                overlap.drain()
         elif error is not None:
             raise error
+
+    def _reduces_this_step(self) -> bool:
+        """Whether this step ends a backward_passes_per_step accumulation (gradients are reduced)."""
+        return (self._step_count + 1) % self._bpps == 0
+
+    def _overlap_reduction(self) -> OverlappedReduction | None:
+        """The overlapped reduction of the local trainable parameters (made again when they change:
+        every replica changes them alike), or None where it does not apply."""
+        group = state.process_groups.get(GroupKind.DP)
+        if not self._overlap_enabled or group is None:
+            return None
+        params = [p for p in self._local_params() if p.requires_grad]
+        if (
+            self._overlap is None
+            or len(params) != len(self._overlap.params)
+            or any(p is not q for p, q in zip(params, self._overlap.params, strict=True))
+        ):
+            if self._overlap is not None:
+                self._overlap.close()
+            self._overlap = OverlappedReduction(params, group, self._bucket_bytes)
+        return self._overlap
 
     def _reduce_gradients(self, params: list[nn.Parameter], dp_group: dist.ProcessGroup) -> None:
         cfg = state.require()[0]
