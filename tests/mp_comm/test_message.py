@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import io
 import pickle
 from typing import Any
 
@@ -376,3 +377,20 @@ def test_received_tensors_reuse_pooled_memory() -> None:
     assert b.pool.misses == 1 and b.pool.hits == 3
     a.close()
     b.close()
+
+
+def test_lone_tensor_fast_paths_match_the_general_stub_format() -> None:
+    t = torch.arange(6.0)
+    body, tensors = encode_object(t)
+    assert tensors == [t]
+    # The fast path's body is an ordinary stub pickle: the general unpickler reads it too.
+    general = pickle.Unpickler(io.BytesIO(body))
+    general.persistent_load = lambda pid: ("stub", pid)  # type: ignore[method-assign]
+    assert general.load() == ("stub", 0)
+    assert decode_object(body, [t]) is t
+    # A body that names a tensor while none travelled is refused, also on the no-tensor path.
+    with pytest.raises(pickle.UnpicklingError):
+        decode_object(body, [])
+    # Messages with one tensor among other values keep the general path.
+    body, tensors = encode_object([t, 1])
+    assert decode_object(body, tensors) == [t, 1]

@@ -57,6 +57,7 @@ __all__ = [
     "is_dense",
     "land_inline",
     "numpy_bytes",
+    "pack_header",
     "wire_tensors",
 ]
 
@@ -81,6 +82,8 @@ _FROM_WIRE: dict[tuple[Any, ...], TensorMeta] = {}
 _FROM_WIRE_MAX: Final = 4096
 # The sender's metadata objects by their fields, for the same reason (bounded the same way).
 _TO_WIRE: dict[tuple[Any, ...], TensorMeta] = {}
+# A whole message's parsed metadata by its wire form: one lookup per message instead of one per tensor.
+_METAS_FROM_WIRE: dict[tuple[Any, ...], tuple[TensorMeta, ...]] = {}
 _LOCAL = threading.local()  # per thread: a pickler to reuse
 
 
@@ -104,18 +107,21 @@ class TensorMeta:
 
     nbytes: int = field(init=False, compare=False, repr=False)
     """Bytes of payload on the wire (0 for empty and meta tensors); computed once, read per message."""
+    flags: int = field(init=False, compare=False, repr=False)
+    """requires_grad | parameter << 1: zero for a plain tensor, which needs no finishing."""
+    wire: tuple[Any, ...] = field(init=False, compare=False, repr=False)
+    """The wire form (`to_wire`), built once: metadata objects are cached and reused per message."""
 
     def __post_init__(self) -> None:
         nbytes = 0 if self.device == "meta" else math.prod(self.shape) * self.dtype.itemsize
         object.__setattr__(self, "nbytes", nbytes)
+        flags = int(self.requires_grad) | (int(self.parameter) << 1)
+        object.__setattr__(self, "flags", flags)
+        name = _DTYPE_NAMES.get(self.dtype) or str(self.dtype).removeprefix("torch.")
+        object.__setattr__(self, "wire", (self.shape, self.stride, name, self.device, flags))
 
     def to_wire(self) -> tuple[Any, ...]:
-        name = _DTYPE_NAMES.get(self.dtype) or str(self.dtype).removeprefix("torch.")
-        return (self.shape, self.stride, name, self.device, self.flags)
-
-    @property
-    def flags(self) -> int:
-        return int(self.requires_grad) | (int(self.parameter) << 1)
+        return self.wire
 
     @classmethod
     def from_wire(cls, raw: Sequence[Any]) -> TensorMeta:
@@ -217,6 +223,12 @@ class _StubPickler(pickle.Pickler):
         self.file.seek(0)
         self.file.truncate()
 
+    def dump_stubbed(self, obj: object) -> bytes:
+        self.dump(obj)
+        body = self.file.getvalue()
+        self.reset()
+        return body
+
     def persistent_id(self, obj: object) -> int | None:
         if not _stubbed(obj):
             return None
@@ -248,6 +260,8 @@ def encode_object(obj: object) -> tuple[bytes, list[torch.Tensor]]:
     Raises MessageEncodeError (at once, in the caller's thread) when something in `obj` cannot be
     pickled; the message names the type of the object and pickle's reason.
     """
+    if type(obj) is torch.Tensor and obj.layout == torch.strided:
+        return _LONE_BODY, [obj]  # the most common message: its body is always the same stub
     # Each thread reuses one pickler (creating one costs as much as pickling a small message). It is
     # taken out while in use, so that an object whose pickling sends a message gets a fresh one.
     pickler: _StubPickler | None = _LOCAL.__dict__.pop("pickler", None)
@@ -298,6 +312,10 @@ def wire_tensors(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], l
 
 def decode_object(body: bytes, tensors: Sequence[torch.Tensor]) -> object:
     """Unpickle a message body, resolving the stubs to the received tensors (may raise anything)."""
+    if not tensors:
+        return pickle.loads(body)  # a stub in it fails all the same: no persistent_load
+    if len(tensors) == 1 and body == _LONE_BODY:
+        return tensors[0]
     return _StubUnpickler(io.BytesIO(body), tensors).load()
 
 
@@ -327,8 +345,9 @@ def allocate(
     CPU tensors come from `pool` when one is given (recycled memory: no page faults on large ones).
     """
     out: list[torch.Tensor] = []
+    default = device_map is default_device_map
     for m in metas:
-        device = device_map(m)
+        device = _CPU if default and m.device == "cpu" else device_map(m)
         if pool is not None and device.type == "cpu":
             nbytes = _storage_bytes(m)
             if nbytes >= pool.min_bytes:  # the pool does not keep smaller buffers
@@ -345,6 +364,8 @@ def _storage_bytes(m: TensorMeta) -> int:
 
 def finish_tensors(tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta]) -> list[torch.Tensor]:
     """Apply requires_grad and Parameter-ness after the payloads have landed."""
+    if not any(m.flags for m in metas):
+        return tensors if isinstance(tensors, list) else list(tensors)
     out: list[torch.Tensor] = []
     for t, m in zip(tensors, metas, strict=True):
         if m.parameter:
@@ -354,7 +375,7 @@ def finish_tensors(tensors: Sequence[torch.Tensor], metas: Sequence[TensorMeta])
     return out
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is built per message, and a frozen init costs twice as much
 class Header:
     """The first part of every message: the object with stubs and the tensors' metadata.
 
@@ -381,20 +402,36 @@ class Header:
 
 
 def encode_header(h: Header) -> bytes:
-    metas = None if h.metas is None else tuple([m.to_wire() for m in h.metas])
-    raw = (
-        PROTOCOL_VERSION,
+    return pack_header(
         h.tag,
         h.order,
         h.wire,
         h.body,
-        metas,
-        h.slot,
-        h.channel,
-        h.extra,
-        h.inline,
-        h.blob,
+        metas=h.metas,
+        slot=h.slot,
+        channel=h.channel,
+        extra=h.extra,
+        inline=h.inline,
+        blob=h.blob,
     )
+
+
+def pack_header(
+    tag: Tag,
+    order: int,
+    wire: int,
+    body: bytes,
+    *,
+    metas: Sequence[TensorMeta] | None,
+    slot: int,
+    channel: int,
+    extra: tuple[Any, ...],
+    inline: tuple[int, ...],
+    blob: bytes,
+) -> bytes:
+    """The header's bytes from its fields (`encode_header` without building a Header first)."""
+    wires = None if metas is None else tuple([m.wire for m in metas])
+    raw = (PROTOCOL_VERSION, tag, order, wire, body, wires, slot, channel, extra, inline, blob)
     return pickle.dumps(raw, protocol=_PICKLE_PROTOCOL)
 
 
@@ -449,7 +486,7 @@ def decode_header(data: bytes | bytearray | memoryview, *, source: int) -> Heade
                 "version on every rank"
             )
         _, tag, order, wire, body, metas, slot, channel, extra, inline, blob = raw
-        parsed = None if metas is None else tuple([TensorMeta.from_wire(m) for m in metas])
+        parsed = None if metas is None else _metas_from_wire(metas)
         return Header(
             tag,
             int(order),
@@ -468,6 +505,24 @@ def decode_header(data: bytes | bytearray | memoryview, *, source: int) -> Heade
             f"{type(exc).__name__}: {exc}",
             peer=source,
         ) from exc
+
+
+def _metas_from_wire(raw: Sequence[Any]) -> tuple[TensorMeta, ...]:
+    # A pipeline repeats whole messages' metadata: one cache lookup per message.
+    key = raw if type(raw) is tuple else None
+    if key is not None:
+        try:
+            cached = _METAS_FROM_WIRE.get(key)
+        except TypeError:  # something unhashable inside: parse it below (and fail there if bad)
+            key = cached = None
+        if cached is not None:
+            return cached
+    parsed = tuple([TensorMeta.from_wire(m) for m in raw])
+    if key is not None:
+        if len(_METAS_FROM_WIRE) >= _FROM_WIRE_MAX:
+            _METAS_FROM_WIRE.clear()
+        _METAS_FROM_WIRE[key] = parsed
+    return parsed
 
 
 class MetaCacheSender:
@@ -523,3 +578,7 @@ class MetaCacheReceiver:
                 peer=source,
             )
         return cached
+
+
+# The body of a message that is one tensor and nothing else, as the stub pickler writes it.
+_LONE_BODY: Final = _StubPickler(io.BytesIO()).dump_stubbed(torch.empty(0))

@@ -53,11 +53,11 @@ from mp_comm.message import (
     allocate,
     decode_object,
     default_device_map,
-    encode_header,
     encode_object,
     finish_tensors,
     inline_payloads,
     land_inline,
+    pack_header,
     wire_tensors,
 )
 from mp_comm.transport.mailbox import ANY_SOURCE, ANY_TAG, Arrival, Mailbox
@@ -321,19 +321,17 @@ class Outgoing:
     def header(self, extra: tuple[Any, ...] = (), inline_limit: int = 0) -> tuple[bytes, frozenset[int]]:
         """The encoded header, and the indices of the tensors it carries inline."""
         inline, blob = inline_payloads(self.tensors, self.metas, inline_limit)
-        raw = encode_header(
-            Header(
-                self.tag,
-                self.order,
-                self.wire,
-                self.body,
-                self.metas if self.send_metas else None,
-                self.slot,
-                self.channel,
-                extra,
-                inline,
-                blob,
-            )
+        raw = pack_header(
+            self.tag,
+            self.order,
+            self.wire,
+            self.body,
+            metas=self.metas if self.send_metas else None,
+            slot=self.slot,
+            channel=self.channel,
+            extra=extra,
+            inline=inline,
+            blob=blob,
         )
         return raw, frozenset(inline)
 
