@@ -9,6 +9,7 @@ where it executes (Appendix B: "whether the requester is in an autocast / no_gra
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -39,17 +40,27 @@ def current() -> TaskContext | None:
     return getattr(_LOCAL, "task", None)
 
 
-@contextlib.contextmanager
-def task_context(task: TaskContext) -> Iterator[TaskContext]:
-    previous = current()
-    _LOCAL.task = task
-    try:
-        yield task
-    finally:
-        _LOCAL.task = previous
+class task_context:  # lower case: used like the function it replaced
+    """Run the body as ``task`` (a plain class: this runs for every request, twice per microbatch)."""
+
+    __slots__ = ("_previous", "_task")
+
+    def __init__(self, task: TaskContext) -> None:
+        self._task = task
+        self._previous: TaskContext | None = None
+
+    def __enter__(self) -> TaskContext:
+        self._previous = getattr(_LOCAL, "task", None)
+        _LOCAL.task = self._task
+        return self._task
+
+    def __exit__(self, *exc: object) -> None:
+        _LOCAL.task = self._previous
 
 
+@functools.cache
 def _device_types() -> tuple[str, ...]:
+    # cached: asked for every request (capture and apply), and CUDA does not appear mid-run
     return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
@@ -64,15 +75,20 @@ class ExecState:
 
 def capture() -> ExecState:
     """The calling thread's grad mode and autocast state."""
+    devices = _device_types()
+    if not any(torch.is_autocast_enabled(dev) for dev in devices):  # the common case, allocation-free
+        return _PLAIN[torch.is_grad_enabled()]
     autocast = tuple(
-        (dev, torch.get_autocast_dtype(dev)) for dev in _device_types() if torch.is_autocast_enabled(dev)
+        (dev, torch.get_autocast_dtype(dev)) for dev in devices if torch.is_autocast_enabled(dev)
     )
     return ExecState(torch.is_grad_enabled(), autocast)
 
 
+_PLAIN = {True: ExecState(True), False: ExecState(False)}
+
+
 @contextlib.contextmanager
-def applied(state: ExecState) -> Iterator[None]:
-    """Run the body under ``state`` (grad mode and autocast); autocast contexts not in it are off."""
+def _applied(state: ExecState) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.set_grad_enabled(state.grad_enabled))
         enabled = dict(state.autocast)
@@ -82,3 +98,27 @@ def applied(state: ExecState) -> Iterator[None]:
             elif torch.is_autocast_enabled(dev):
                 stack.enter_context(torch.autocast(dev, enabled=False))
         yield
+
+
+class _GradMode:
+    """Sets the grad mode on entry and restores it on exit (what ``applied`` needs without autocast)."""
+
+    __slots__ = ("_mode", "_previous")
+
+    def __init__(self, mode: bool) -> None:
+        self._mode = mode
+        self._previous = mode
+
+    def __enter__(self) -> None:
+        self._previous = torch.is_grad_enabled()
+        torch.set_grad_enabled(self._mode)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_grad_enabled(self._previous)
+
+
+def applied(state: ExecState) -> contextlib.AbstractContextManager[None]:
+    """Run the body under ``state`` (grad mode and autocast); autocast contexts not in it are off."""
+    if state.autocast or any(torch.is_autocast_enabled(dev) for dev in _device_types()):
+        return _applied(state)
+    return _GradMode(state.grad_enabled)  # the common case (once per request), cheaply

@@ -56,44 +56,79 @@ class ServerClosed(BaseException):
 
 
 class Baton:
-    """The right to run on this rank: handed explicitly from one holder (a token) to the next."""
+    """The right to run on this rank: handed explicitly from one holder (a token) to the next.
+
+    Each waiting thread blocks on a lock of its own, which the thread handing the baton to it releases:
+    a hand-off wakes exactly the next holder (a broadcast would wake every idle worker, and each woken
+    thread competes for the GIL before it can go back to sleep).
+    """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        """Guards the fields below."""
         self._holder: object = MAIN
         self._closed: BaseException | None = None
+        self._waiters: dict[object, threading.Lock] = {}
+        """token -> the (held) lock its waiting thread blocks on; released to wake it."""
+
+    def _give(self, to: object) -> None:
+        # caller holds self._lock
+        self._holder = to
+        waiter = self._waiters.pop(to, None)
+        if waiter is not None:
+            waiter.release()
+
+    def _enlist(self, token: object) -> threading.Lock:
+        # caller holds self._lock and the baton is not ``token``'s
+        waiter = threading.Lock()
+        waiter.acquire()
+        self._waiters[token] = waiter
+        return waiter
+
+    def _check(self, token: object) -> None:
+        if self._holder is not token and self._closed is not None:
+            raise self._closed
 
     def switch(self, to: object, wait_as: object) -> None:
         """Hand the baton to ``to`` and block until it comes back to ``wait_as``."""
-        with self._cond:
-            self._holder = to
-            self._cond.notify_all()
-            self._cond.wait_for(lambda: self._holder is wait_as or self._closed is not None)
-            if self._holder is not wait_as and self._closed is not None:
-                raise self._closed
+        with self._lock:
+            self._give(to)
+            if self._holder is wait_as or self._closed is not None:
+                self._check(wait_as)
+                return
+            waiter = self._enlist(wait_as)
+        waiter.acquire()  # released by the thread that hands the baton back (or by close)
+        self._check(wait_as)
 
     def wait_for(self, token: object, alive: Callable[[], bool] | None = None) -> None:
         """Block until ``token`` holds the baton; with ``alive``, also give up (ServerClosed) once it
         returns False (checked every second: an idle pool worker notices its transport closed)."""
-        with self._cond:
-            while not (self._holder is token or self._closed is not None):
-                self._cond.wait(1.0 if alive is not None else None)
-                if alive is not None and self._holder is not token and not alive():
-                    raise ServerClosed()
-            if self._holder is not token and self._closed is not None:
-                raise self._closed
+        with self._lock:
+            if self._holder is token or self._closed is not None:
+                self._check(token)
+                return
+            waiter = self._enlist(token)
+        while not waiter.acquire(timeout=1.0 if alive is not None else -1):
+            assert alive is not None
+            if not alive():
+                with self._lock:
+                    if self._waiters.get(token) is waiter:  # not handed meanwhile: give up
+                        del self._waiters[token]
+                        raise ServerClosed()
+        self._check(token)
 
     def hand(self, to: object) -> None:
-        with self._cond:
-            self._holder = to
-            self._cond.notify_all()
+        with self._lock:
+            self._give(to)
 
     def close(self, error: BaseException) -> None:
         """Wake every waiter with ``error`` (the main thread keeps running)."""
-        with self._cond:
+        with self._lock:
             self._closed = error
             self._holder = MAIN
-            self._cond.notify_all()
+            waiters, self._waiters = self._waiters, {}
+        for waiter in waiters.values():
+            waiter.release()
 
 
 class WorkerState(enum.Enum):

@@ -1,0 +1,124 @@
+"""The per-request hand-offs of the module server: the Baton between threads, and the execution state
+(grad mode, autocast, task) a request carries and re-applies."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from mp_pipeline.context import ExecState, TaskContext, applied, capture, current, task_context
+from mp_pipeline.server import MAIN, Baton, ServerClosed
+
+
+def _start(target: object) -> threading.Thread:
+    thread = threading.Thread(target=target, daemon=True)  # type: ignore[arg-type]
+    thread.start()
+    return thread
+
+
+def test_baton_runs_one_holder_at_a_time_in_hand_off_order() -> None:
+    baton = Baton()
+    tokens = [object() for _ in range(3)]
+    order: list[int] = []
+
+    def worker(i: int) -> None:
+        for _ in range(20):
+            baton.wait_for(tokens[i])
+            order.append(i)
+            baton.hand(MAIN)
+
+    threads = [_start(lambda i=i: worker(i)) for i in range(3)]
+    expected = []
+    for rnd in range(20):
+        for i in (rnd % 3, (rnd + 1) % 3, (rnd + 2) % 3):
+            baton.switch(tokens[i], MAIN)  # returns only once worker i handed the baton back
+            expected.append(i)
+    for t in threads:
+        t.join(timeout=5)
+    assert order == expected
+
+
+def test_baton_hand_off_before_the_waiter_arrives_is_kept() -> None:
+    baton = Baton()
+    token = object()
+    baton.hand(token)  # nobody waits on it yet
+    baton.wait_for(token)  # returns at once: the baton is already the token's
+    done = threading.Event()
+
+    def give_back() -> None:
+        baton.hand(MAIN)
+        done.set()
+
+    _start(give_back)
+    baton.wait_for(MAIN)
+    assert done.wait(5)
+
+
+def test_baton_close_wakes_every_waiter_with_the_error() -> None:
+    baton = Baton()
+    errors: list[BaseException] = []
+
+    def waiter(token: object) -> None:
+        try:
+            baton.wait_for(token)
+        except ServerClosed as exc:
+            errors.append(exc)
+
+    threads = [_start(lambda: waiter(object())) for _ in range(3)]
+    time.sleep(0.05)
+    baton.close(ServerClosed())
+    for t in threads:
+        t.join(timeout=5)
+    assert len(errors) == 3 and not any(t.is_alive() for t in threads)
+
+
+def test_baton_idle_waiter_gives_up_once_not_alive() -> None:
+    baton = Baton()
+    alive = threading.Event()
+    alive.set()
+    raised = threading.Event()
+
+    def idle() -> None:
+        try:
+            baton.wait_for(object(), alive.is_set)
+        except ServerClosed:
+            raised.set()
+
+    thread = _start(idle)
+    alive.clear()
+    thread.join(timeout=5)  # checked every second
+    assert raised.is_set()
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_applied_sets_and_restores_grad_mode(grad: bool) -> None:
+    with torch.set_grad_enabled(not grad):
+        with applied(ExecState(grad)):
+            assert torch.is_grad_enabled() is grad
+            assert capture() == ExecState(grad)
+        assert torch.is_grad_enabled() is (not grad)
+
+
+def test_applied_turns_autocast_on_and_off_as_the_requester_had_it() -> None:
+    state = ExecState(True, (("cpu", torch.bfloat16),))
+    with applied(state):
+        assert capture() == state
+        with applied(ExecState(True)):  # a requester without autocast: off here too
+            assert not torch.is_autocast_enabled("cpu")
+            assert capture() == ExecState(True)
+        assert torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_task_context_nests_and_restores() -> None:
+    outer, inner = TaskContext(1), TaskContext(2, ("a",))
+    assert current() is None
+    with task_context(outer) as got:
+        assert got is outer and current() is outer
+        with task_context(inner):
+            assert current() is inner
+        assert current() is outer
+    assert current() is None
