@@ -3,8 +3,10 @@
 Requester side: every module of a partitioned model gets a forward that runs the module where it is
 (its owner is this rank) or sends a forward request to its owner and waits (:meth:`Remote.call`). The
 outputs that require grad on the owner are wired into the requester's autograd graph through
-:class:`_RemoteFunction`, whose backward sends the output gradients to the owner in a backward request
-and returns the input gradients it gets back. A zero-size "anchor" tensor that requires grad is passed
+:class:`_RemoteFunction` and :class:`_Unpack`: the latter hands the output gradients over, the former
+(whose only output is a CPU token, so that its wait never blocks the CUDA autograd device thread) sends
+them to the owner in a backward request and returns the input gradients it gets back. A zero-size
+"anchor" tensor that requires grad is passed
 to the function so that it joins the graph even when no input requires grad (the gradient then flows
 only into the owner's parameters).
 
