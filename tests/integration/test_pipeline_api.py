@@ -207,3 +207,47 @@ def test_cpu_gathers_the_whole_model_on_every_rank(worlds: Any) -> None:
     for r in worlds.run(2, _cpu_gathers, timeout=120):
         assert r["placeholders_before"] > 0  # each rank held only its stage before
         assert r["same"]
+
+
+def _clipped(world: Any, norm_type: float) -> dict[str, Any]:
+    from tests.mp_pipeline.models import batch, build, first_difference, loss_of
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    try:
+        model = DistributedModel(build("mlp"))
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+
+        @step
+        def train(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = loss_of("mlp", model, (x, y))
+            model.backward(loss)
+            return loss
+
+        norms = []
+        for s in range(2):
+            train(*batch("mlp", s, 0))
+            norms.append(float(opt.clip_master_grads(0.05, norm_type)))  # type: ignore[attr-defined]
+            opt.step()
+            opt.zero_grad()
+        got = model.state_dict()
+    finally:
+        smp.reset()
+    ref = build("mlp")
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref_norms = []
+    for s in range(2):
+        x, y = batch("mlp", s, 0)
+        for part in zip(x.chunk(2), y.chunk(2), strict=True):
+            (loss_of("mlp", ref, part) / 2).backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type)))
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {"norms": norms, "ref_norms": ref_norms, "diff": first_difference(got, ref.state_dict())}
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_master_grads_uses_the_whole_models_norm(worlds: Any, norm_type: float) -> None:
+    for r in worlds.run(2, _clipped, norm_type, timeout=120):
+        assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5)
+        assert all(n > 0.05 for n in r["ref_norms"])  # the clip really applied
+        assert r["diff"] is None, r["diff"]

@@ -2,7 +2,8 @@
 
 As in smp's implementation, it returns the same optimizer object (so LR schedulers and
 ``isinstance`` checks keep working), registered with mp and given ``local_state_dict``, a gathered
-``state_dict`` and a ``load_state_dict`` that takes either. Once the model
+``state_dict``, a ``load_state_dict`` that takes either, and ``clip_master_grads`` (clipping by the
+norm of the whole model's gradient, across pipeline stages). Once the model
 is partitioned its parameter groups keep only the parameters this rank holds; this works whether the
 optimizer was built before or after ``smp.DistributedModel``, on the raw or the wrapped model's
 parameters.
@@ -168,6 +169,49 @@ def _short(names: list[str | None]) -> str:
     return f"{names[:6]}{' ...' if len(names) > 6 else ''} ({len(names)} in all)"
 
 
+def _clip_master_grads(self: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale this rank's gradients so that the norm of the WHOLE model's gradient is at most
+    ``max_norm``; returns that total norm (the same on every rank), like
+    ``torch.nn.utils.clip_grad_norm_`` on the unpartitioned model. Collective over the pipeline and
+    tensor-parallel groups: call it on every rank, after the step and before ``optimizer.step()``.
+
+    Each stage only holds its own gradients, so ``clip_grad_norm_(model.parameters())`` would clip
+    every stage by a different norm. Tensor-parallel shards count once each (summed over the TP
+    group); parameters replicated across the TP group count once.
+    """
+    from mp_tensor import is_distributed_parameter
+
+    if norm_type not in (2.0, float("inf")):
+        raise SMPValidationError(f"norm_type={norm_type!r}; expected 2.0 or float('inf')")
+    grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+    sharded = {id(p.grad) for g in self.param_groups for p in g["params"] if is_distributed_parameter(p)}
+    inf = norm_type == float("inf")
+
+    def combine(ts: list[torch.Tensor]) -> torch.Tensor:
+        if not ts:
+            return torch.zeros((), dtype=torch.float64)
+        if inf:
+            return torch.stack([t.detach().abs().max().double() for t in ts]).max()
+        return torch.stack([t.detach().double().square().sum() for t in ts]).sum()
+
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    shard_part = combine([g for g in grads if id(g) in sharded])
+    groups = state.process_groups
+    if GroupKind.TP in groups and dist.get_world_size(groups[GroupKind.TP]) > 1:
+        dist.all_reduce(shard_part, op=op, group=groups[GroupKind.TP])
+    rest = combine([g for g in grads if id(g) not in sharded])
+    total = torch.maximum(shard_part, rest) if inf else shard_part + rest
+    if GroupKind.PP in groups and dist.get_world_size(groups[GroupKind.PP]) > 1:
+        dist.all_reduce(total, op=op, group=groups[GroupKind.PP])
+    norm = total if inf else total.sqrt()
+    coef = max_norm / (float(norm) + 1e-6)
+    if coef < 1.0:
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(coef)
+    return norm.float()
+
+
 def _pp_rank() -> int:
     model = state.model
     return int(model._pp_rank) if model is not None else 0
@@ -189,6 +233,7 @@ def DistributedOptimizer(
     optimizer.local_state_dict = types.MethodType(_local_state_dict, optimizer)  # type: ignore[attr-defined]
     optimizer.load_state_dict = types.MethodType(_load_state_dict, optimizer)  # type: ignore[method-assign]
     optimizer.state_dict = types.MethodType(_state_dict, optimizer)  # type: ignore[method-assign]
+    optimizer.clip_master_grads = types.MethodType(_clip_master_grads, optimizer)  # type: ignore[attr-defined]
     state.optimizer = optimizer
     model = state.model
     if model is not None and model.partitioned:
