@@ -39,21 +39,27 @@ def _optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def _reference(dp_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+CLIP = 0.5
+"""max_norm of the clipping cases: below the gradient norms of these steps, so clipping applies."""
+
+
+def _reference(dp_size: int, clip: bool = False) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(_config())
     opt = _optimizer(model.parameters())
-    losses = []
+    losses, norms = [], []
     for ids in _data(dp_size):
         opt.zero_grad()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 
-def _train(world: Any, pp: int, microbatches: int) -> dict[str, Any]:
+def _train(world: Any, pp: int, microbatches: int, clip: bool = False) -> dict[str, Any]:
     smp.init(
         {
             "tensor_parallel_degree": 2,
@@ -75,14 +81,16 @@ def _train(world: Any, pp: int, microbatches: int) -> dict[str, Any]:
         return loss
 
     dp, rank = smp.dp_size(), smp.dp_rank()
-    losses = []
+    losses, norms = [], []
     for ids in _data(dp):
         opt.zero_grad()
         out = train_step(model, ids[rank * PER_RANK : (rank + 1) * PER_RANK])
+        if clip:  # the norm of the whole model's gradient: over the stages and the TP shards
+            norms.append(float(opt.clip_master_grads(CLIP)))  # type: ignore[attr-defined]
         opt.step()
         # every rank's mean over its samples; the global loss is their mean over the DP group
         losses.append(sum(smp.allgather(out.reduce_mean().item(), smp.DP_GROUP)) / dp)
-    result: dict[str, Any] = {"losses": losses, "dp": dp}
+    result: dict[str, Any] = {"losses": losses, "dp": dp, "norms": norms}
     if pp == 1:
         from mp_tensor import gather_state_dict
 
@@ -90,13 +98,18 @@ def _train(world: Any, pp: int, microbatches: int) -> dict[str, Any]:
     return result
 
 
-@pytest.mark.parametrize(("n", "pp", "microbatches"), [(2, 1, 1), (2, 1, 2), (4, 2, 2)])
+@pytest.mark.parametrize(
+    ("n", "pp", "microbatches", "clip"),
+    [(2, 1, 1, False), (2, 1, 2, False), (4, 2, 2, False), (4, 2, 2, True)],
+)
 def test_tensor_parallel_gpt2_trains_like_single_process(
-    worlds: Any, n: int, pp: int, microbatches: int
+    worlds: Any, n: int, pp: int, microbatches: int, clip: bool
 ) -> None:
-    results = worlds.run(n, _train, pp, microbatches, timeout=240)
-    ref_losses, ref_state = _reference(results[0]["dp"])
+    results = worlds.run(n, _train, pp, microbatches, clip, timeout=240)
+    ref_losses, ref_state, ref_norms = _reference(results[0]["dp"], clip)
+    assert all(n > CLIP for n in ref_norms)
     for r, res in enumerate(results):
+        assert res["norms"] == pytest.approx(ref_norms, rel=1e-5), f"rank {r} clipped norms"
         torch.testing.assert_close(
             torch.tensor(res["losses"]),
             torch.tensor(ref_losses),
