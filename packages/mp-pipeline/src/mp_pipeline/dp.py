@@ -111,7 +111,7 @@ def reduce_gradients(
 
 
 class OverlappedReduction:
-    """The gradient all-reduces of :func:`reduce_gradients`, launched during the last backward.
+    """The gradient all-reduces of :func:`reduce_gradients`, launched during the step's backward.
 
     The buckets (``bucket_bytes`` runs of same-dtype parameters, in reverse registration order as in
     DDP: backward produces the last layers' gradients first) are fixed, so every member launches the
@@ -168,7 +168,7 @@ class OverlappedReduction:
         return len(self._handles)
 
     def arm(self) -> None:
-        """Start counting accumulations (the last backward of a reducing step begins); idempotent."""
+        """Start counting accumulations (a step that reduces begins); idempotent."""
         with self._lock:
             if self._armed:
                 return

@@ -39,6 +39,7 @@ from mp.optimizer import keep_local_parameters
 from mp.state import state
 from mp.tensor_api import replace_tp_modules
 from mp_comm import GroupKind, LoopbackTransport, Router, Transport, TransportConfig, World
+from mp_comm.world import mpi_comm_of
 from mp_partition import PartitionPlan, Tracer, auto_partition, manual_partition
 from mp_pipeline import (
     FlowChangedError,
@@ -159,8 +160,9 @@ class DistributedModel(nn.Module):
         self._post_step_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._model_id = next(_MODEL_IDS)
         self._runtime: PipelineRuntime | None = None
-        # pp == 1, tp == 1: the last microbatch's backward launches the gradient buckets' all-reduces.
-        self._overlap_enabled = overlapping_allreduce and self._pp == 1 and cfg.tp == 1 and self._dp_size > 1
+        # tp == 1: each gradient bucket's all-reduce starts once the step's last accumulation into its
+        # parameters is done (on a pipeline stage: while other stages still run their backward).
+        self._overlap_enabled = overlapping_allreduce and cfg.tp == 1 and self._dp_size > 1
         self._overlap: OverlappedReduction | None = None
         self._microbatches = 1
         self._fast_mode = cfg.fast_mode
@@ -219,11 +221,6 @@ class DistributedModel(nn.Module):
                     scaled.append(None)  # torch raises its own "grad can be implicitly created" error
             grads = scaled
         self._backward_calls += 1
-        task = current()
-        if task is not None and task.microbatch == self._microbatches - 1 and self._reduces_this_step():
-            overlap = self._overlap_reduction()
-            if overlap is not None:
-                overlap.arm()
         pipelined_backward(outs, grads)
 
     @property
@@ -251,6 +248,10 @@ class DistributedModel(nn.Module):
         self._sync_replicas(first=self._step_count == 0)
         self._grad_scale = 1.0 / len(inputs) if self._average_mb else 1.0
         self._microbatches = len(inputs)
+        if self._reduces_this_step():
+            overlap = self._overlap_reduction()
+            if overlap is not None:
+                overlap.arm()  # counts the step's accumulations: a bucket launches after its params' last
         calls_before = self._backward_calls
         remote_before = self._runtime.remote.backward_requests if self._runtime is not None else 0
         error: BaseException | None = None
@@ -357,6 +358,15 @@ class DistributedModel(nn.Module):
         if not self._overlap_enabled or group is None:
             return None
         params = [p for p in self._local_params() if p.requires_grad]
+        # Replicas may launch a bucket at different moments relative to the step's agreement (agree_any,
+        # gloo on CPU tensors), so the buckets must travel on another channel than it: MPI for CPU
+        # tensors, NCCL for CUDA ones. Otherwise (torchrun on CPU, ranks sharing a GPU) stay synchronous.
+        devices = {p.device.type for p in params}
+        if not (
+            (devices == {"cpu"} and mpi_comm_of(group) is not None)
+            or (devices == {"cuda"} and "nccl" in str(dist.get_backend(group)))
+        ):
+            return None
         if (
             self._overlap is None
             or len(params) != len(self._overlap.params)
