@@ -3,6 +3,7 @@ script under mpiexec. Kept free of torch so that the parent process stays light.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -31,3 +32,11 @@ def relaunch(script: str, ranks: int) -> int:
     env["OMP_NUM_THREADS"] = "1"
     cmd = [exe, "-n", str(ranks), sys.executable, str(Path(script).resolve()), *sys.argv[1:]]
     return subprocess.call(cmd, env=env)
+
+
+def sweep_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The options every interleaved size-sweep benchmark takes (--quick, --reps); add your own."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions of the interleaved sweep")
+    return parser

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from _launch import mpiexec as find_mpiexec
-from _launch import under_mpi
+from _launch import sweep_parser, under_mpi
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -64,11 +64,7 @@ def _iterations(nbytes: int) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
-    parser.add_argument("--reps", type=int, default=None, help="repetitions of the interleaved sweep")
+    parser = sweep_parser(__doc__)
     parser.add_argument("--ranks", default="2,4", help="world sizes to run, comma-separated")
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a child writes its samples here
     args = parser.parse_args()

@@ -30,7 +30,6 @@ Run: ``python benchmarks/comm_p2p.py`` (starts itself under ``mpiexec -n 2``), o
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -41,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _launch import relaunch, under_mpi
+from _launch import relaunch, sweep_parser, under_mpi
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -61,11 +60,7 @@ def _iterations(nbytes: int) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
-    parser.add_argument("--reps", type=int, default=None, help="repetitions of the interleaved sweep")
+    parser = sweep_parser(__doc__)
     parser.add_argument("--no-ucx", action="store_true", help="skip the UCX transport")
     args = parser.parse_args()
     if not under_mpi():

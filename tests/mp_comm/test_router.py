@@ -149,7 +149,7 @@ def test_router_with_ucx_keeps_one_senders_order_across_routes(worlds: Any) -> N
     if _conflict() is not None:
         pytest.skip("ucxx is not installed or cannot start here")
     result = worlds.run(2, _ucx_router, timeout=90)
-    if isinstance(result[0], str):
+    if isinstance(result[0], str):  # UCX guard: ucxx could not load in the ranks (see _conflict)
         pytest.skip(result[0])
     for got, stats in result:
         assert got == list(range(12)) and stats == {"mpi": 3, "ucx": 9}

@@ -60,7 +60,7 @@ def _empty(shape: list[int] | tuple[int, ...] | torch.Size, dtype: torch.dtype) 
     stride = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         stride[i] = stride[i + 1] * max(shape[i + 1], 1)
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     return _OUTPUTS.tensor(shape, stride, dtype, nbytes)
 
 
