@@ -68,7 +68,7 @@ def train_and_compare(
         return loss
 
     losses = []
-    compact = 0
+    compact = shortcuts = 0
     for s in range(steps):
         out = train_step(*batch(name, s, smp.dp_rank()))
         assert len(out.outputs) == microbatches
@@ -77,6 +77,7 @@ def train_and_compare(
         opt.zero_grad()
         if model._runtime is not None:
             compact += model._runtime.last_stats["compact_sent"]
+            shortcuts += model._runtime.last_stats["shortcuts"]
     state = model.state_dict()
     ref_losses, ref_state = reference(
         name, microbatches=microbatches, replicas=smp.dp_size(), layers=layers, steps=steps
@@ -94,6 +95,7 @@ def train_and_compare(
         "local_params": local,
         "total_params": sum(v.numel() for v in ref_state.values()),
         "compact_sent": compact,
+        "shortcuts": shortcuts,
     }
 
 
@@ -165,7 +167,8 @@ def train_recorded(world: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("mode", ["static", "fast"])
 @pytest.mark.parametrize(("name", "pipeline"), [("gpt2", "interleaved"), ("reuse_static", "simple")])
 def test_static_and_fast_mode_equal_plain_pytorch(worlds: Any, mode: str, name: str, pipeline: str) -> None:
-    """Steps replayed from the recording (compact messages) train exactly like plain PyTorch."""
+    """Steps replayed from the recording (compact messages) train exactly like plain PyTorch; under fast
+    mode, blocks that follow each other on rank 1 pass their activations child to child."""
     results = worlds.run(
         2,
         train_recorded,
@@ -174,6 +177,7 @@ def test_static_and_fast_mode_equal_plain_pytorch(worlds: Any, mode: str, name: 
         2,
         pipeline,
         mode=mode,
+        layers=4,
         steps=RECORD_STEPS + 2,
         timeout=180,
     )
@@ -182,6 +186,12 @@ def test_static_and_fast_mode_equal_plain_pytorch(worlds: Any, mode: str, name: 
         assert r["params"] is None, f"rank {r['rank']}: {r['params']}"
         # both ranks send messages (requests, responses) and replayed them compact
         assert r["compact_sent"] > 0, r
+    # rank 0 calls the modules on rank 1; the shortcut is fast mode's only
+    shortcuts = results[0]["shortcuts"]
+    if mode == "static":
+        assert shortcuts == 0, results[0]
+    elif name == "gpt2":
+        assert shortcuts > 0, results[0]
 
 
 def branch_change(world: Any, mode: str) -> dict[str, Any]:
@@ -260,3 +270,95 @@ def test_a_branch_change_after_the_recording(worlds: Any, mode: str) -> None:
             assert r["error"] is None, r["error"]
             assert r["params"] is None, f"rank {r['rank']}: {r['params']}"
         assert r["losses"] == pytest.approx(want, rel=1e-5, abs=1e-6), r
+
+
+class Chain(torch.nn.Module):
+    """Children on rank 1 called one after another from rank 0, with the parent also using (and, when
+    ``inplace``, changing) what they return."""
+
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Linear(6, 8)
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+        self.c = torch.nn.Bilinear(8, 8, 8)
+        self.inplace = inplace
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h1 = self.a(self.embed(x))
+        if self.inplace:
+            h1.mul_(0.5)  # the copy rank 1 kept is stale now: h1 must travel
+        h2 = self.b(h1)  # h1 unchanged: the shortcut
+        h3 = self.c(h1, h2)  # h1 again, and h2 (a shortcut too)
+        return (torch.tanh(h3) * h1).sum(-1)  # the parent reads h1 itself as well
+
+
+def chain_fast(world: Any, inplace: bool) -> dict[str, Any]:
+    microbatches, steps = 2, RECORD_STEPS + 2
+    g = torch.Generator().manual_seed(7)
+    data = [(torch.randn(8, 6, generator=g), torch.randn(8, generator=g)) for _ in range(steps)]
+
+    ref = Chain(inplace)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_losses = []
+    for x, y in data:
+        total = 0.0
+        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+            loss = torch.nn.functional.mse_loss(ref(xs), ys) / microbatches
+            loss.backward()
+            total += loss.item()
+        ref_losses.append(total)
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    with record_steps(RECORD_STEPS):
+        smp.init(
+            {
+                "pipeline_parallel_degree": 2,
+                "microbatches": microbatches,
+                "fast_mode": True,
+                "auto_partition": False,
+                "default_partition": 0,
+            }
+        )
+        net = Chain(inplace)
+        for child in (net.a, net.b, net.c):
+            smp.set_partition(child, 1)
+        model = DistributedModel(net)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @step
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    losses, shortcuts = [], 0
+    for x, y in data:
+        losses.append(train_step(x, y).reduce_mean().item())
+        opt.step()
+        opt.zero_grad()
+        assert model._runtime is not None
+        shortcuts += model._runtime.last_stats["shortcuts"]
+    return {
+        "rank": smp.rank(),
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "params": first_difference(model.state_dict(), ref.state_dict()),
+        "shortcuts": shortcuts,
+        "steps": steps,
+    }
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_fast_mode_shortcut_is_taken_only_for_unchanged_tensors(worlds: Any, inplace: bool) -> None:
+    """Fast mode's child-to-child shortcut trains exactly like plain PyTorch; a tensor the parent changed
+    in place travels in full."""
+    results = worlds.run(2, chain_fast, inplace, timeout=180)
+    for r in results:
+        assert r["params"] is None, f"rank {r['rank']}: {r['params']}"
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6), r
+    # per microbatch: h1 into b, h1 and h2 into c (unless h1 was changed in place: then h2 only)
+    per_microbatch = 1 if inplace else 3
+    assert results[0]["shortcuts"] == per_microbatch * 2 * results[0]["steps"], results[0]

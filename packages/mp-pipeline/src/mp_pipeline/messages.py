@@ -68,6 +68,10 @@ class Request:
     template_id: int | None = None
     """Static mode: the receiver keeps this request (less step, ids, tensors) as template ``template_id``
     of the sender, for later :class:`Compact` messages."""
+    refs: tuple[tuple[int, int, int], ...] = ()
+    """FWD, fast mode: inputs that the receiver already holds, as (input index, request_id of the forward
+    that produced it, index among that forward's outputs that require grad); their ``tensors`` entry is
+    None and the receiver uses the output it kept (the child-to-child shortcut)."""
 
 
 @dataclass(slots=True)
@@ -142,6 +146,7 @@ class Compact:
     request_id: int
     tensors: list[torch.Tensor | None]
     forward_id: int | None = None
+    refs: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(slots=True)

@@ -15,6 +15,13 @@ inputs (those that required grad made leaves that require grad), under the reque
 autocast, and keeps inputs and outputs until the backward request, which runs ``torch.autograd.backward``
 on the kept outputs; parameter gradients accumulate on the owner and the leaves' gradients go back.
 Hooks registered on a module run once, on the rank that calls it.
+
+The child-to-child shortcut (fast mode, seed 001 §4.4): a tensor that came back from a module's owner
+and goes, unchanged, into another module on that same owner is not sent back: the request names it
+(:attr:`Request.refs`) and the owner uses the output it kept for the backward. Consecutive children on
+one rank then cost one transfer each instead of two. "Unchanged" is checked, not assumed: the same
+tensor object, its version counter not bumped since it arrived (no in-place change), and the forward
+that produced it not yet backwarded; otherwise the data travels as usual.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils.checkpoint
@@ -67,6 +74,8 @@ class _Link:
     """One remote forward call, as its backward needs it."""
 
     __slots__ = (
+        "__weakref__",
+        "backward_sent",
         "dest",
         "grads",
         "microbatch",
@@ -101,8 +110,11 @@ class _Link:
         self.n_inputs = n_inputs
         self.outputs = outputs
         self.grads: tuple[torch.Tensor | None, ...] | None = None
+        self.backward_sent = False
+        """The owner has been asked for this call's backward (it no longer keeps the outputs)."""
 
     def backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+        self.backward_sent = True
         if all(g is None for g in grads):
             return [None] * self.n_inputs
         server = self.remote.server
@@ -174,6 +186,17 @@ class _Unpack(torch.autograd.Function):
         return None, torch.zeros(0)
 
 
+class _Produced(NamedTuple):
+    """A tensor a remote forward returned (the shortcut's bookkeeping on the requester)."""
+
+    tensor: weakref.ReferenceType[torch.Tensor]
+    link: weakref.ReferenceType[_Link]
+    kept_index: int
+    """Its index among the forward's outputs that require grad (the owner's kept outputs)."""
+    version: int
+    """Its version counter when it arrived."""
+
+
 class Remote:
     """Remote calls of one partitioned model on one rank (see the module docstring).
 
@@ -192,6 +215,10 @@ class Remote:
         self.checkpointed: set[str] = set()
         """Module paths whose forward runs under activation checkpointing on their owner."""
         self._installed: list[nn.Module] = []
+        self.shortcut = False
+        """Fast mode: send references instead of tensors their owner already holds (module docstring)."""
+        self._produced: dict[int, _Produced] = {}
+        self._produced_step: StepId | None = None
         self.backward_requests = 0
         """Backward requests this rank has executed (for the data-parallel reduction decision)."""
 
@@ -234,6 +261,11 @@ class Remote:
         requires = tuple(state.grad_enabled and t.requires_grad for t in tensors)
         request_id = server.next_request_id()
         dest = self.peers[owner]
+        sent: list[torch.Tensor | None] = [t.detach() for t in tensors]
+        refs = self._references(tensors, requires, dest, server.step) if self.shortcut else ()
+        for j, _, _ in refs:
+            sent[j] = None
+        server.stats["shortcuts"] += len(refs)
         request = Request(
             step=server.step,
             request_id=request_id,
@@ -243,10 +275,11 @@ class Remote:
             microbatch=microbatch,
             position=position,
             payload=skeleton,
-            tensors=[t.detach() for t in tensors],
+            tensors=sent,
             requires_grad=requires,
             state=state,
             checkpoint=path in self.checkpointed,
+            refs=refs,
         )
         response = server.call(dest, request)
         if response.failure is not None:
@@ -271,7 +304,34 @@ class Remote:
             wired = _Unpack.apply(link, token)  # type: ignore[no-untyped-call]
             for i, t in zip(wire, wired, strict=True):
                 outputs[i] = t
+            if self.shortcut:
+                self._remember(link, wired, server.step)
         return unflatten(response.payload, outputs)
+
+    def _remember(self, link: _Link, outputs: tuple[torch.Tensor, ...], step: StepId) -> None:
+        if self._produced_step != step:  # ids of the last step's tensors mean nothing now
+            self._produced.clear()
+            self._produced_step = step
+        ref = weakref.ref(link)
+        for k, t in enumerate(outputs):
+            self._produced[id(t)] = _Produced(weakref.ref(t), ref, k, t._version)
+
+    def _references(
+        self, tensors: list[torch.Tensor], requires: tuple[bool, ...], dest: int, step: StepId
+    ) -> tuple[tuple[int, int, int], ...]:
+        """The inputs that ``dest`` kept as outputs of an earlier forward of this step, unchanged."""
+        if self._produced_step != step:
+            return ()
+        refs = []
+        for j, (t, r) in enumerate(zip(tensors, requires, strict=True)):
+            made = self._produced.get(id(t)) if r else None
+            if made is None or made.tensor() is not t or t._version != made.version:
+                continue
+            link = made.link()
+            if link is None or link.dest != dest or link.backward_sent:
+                continue
+            refs.append((j, link.request_id, made.kept_index))
+        return tuple(refs)
 
     # -- owner side ------------------------------------------------------------------------------------
     def handle(self, request: Request) -> Response:
@@ -286,8 +346,11 @@ class Remote:
         original: Callable[..., Any] = module.__dict__[_ORIGINAL]
         tensors: list[Any] = []
         leaves: list[torch.Tensor] = []
-        for t, r in zip(request.tensors, request.requires_grad, strict=True):
-            assert t is not None
+        held = {j: self._kept_output(request, rid, k) for j, rid, k in request.refs}
+        for j, (received, r) in enumerate(zip(request.tensors, request.requires_grad, strict=True)):
+            # a shortcut input becomes a fresh leaf on the kept output's memory; its gradient goes back
+            # as any input's does
+            t = held[j] if received is None else received
             if r:
                 t.requires_grad_(True)
                 leaves.append(t)
@@ -308,6 +371,16 @@ class Remote:
         return Response(
             request.step, request.request_id, self.rank, skeleton, [t.detach() for t in outs], out_requires
         )
+
+    def _kept_output(self, request: Request, forward_id: int, index: int) -> torch.Tensor:
+        saved = self.saved.get((request.requester, forward_id))
+        if saved is None or index >= len(saved.outputs):
+            raise PipelineError(
+                f"rank {self.rank} no longer keeps output {index} of forward request {forward_id} from rank "
+                f"{request.requester}, which the request for module {request.module!r} refers to (fast "
+                "mode's child-to-child shortcut); its backward already ran"
+            )
+        return saved.outputs[index].detach()
 
     def _recorded(self, kind: EventKind, request: Request) -> AbstractContextManager[None]:
         """The execution as a timeline event (a no-op unless the timeline is recording)."""

@@ -159,6 +159,7 @@ class PipelineRuntime:
         self.model_id = model_id
         self.timeout = default_timeout() if timeout is None else timeout
         self.remote = Remote(rank, peers)
+        self.remote.shortcut = strict  # fast mode's child-to-child shortcut (mp_pipeline.remote)
         self._early: list[Any] = []
         self._step = 0
         self.last_stats: dict[str, int] = {}

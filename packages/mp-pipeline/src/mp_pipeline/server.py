@@ -282,7 +282,14 @@ class Server:
         self.finished = False
         self.results: Any = None
         self.closed = False
-        self.stats = {"requests": 0, "responses": 0, "workers": 0, "compact_sent": 0, "compact_received": 0}
+        self.stats = {
+            "requests": 0,
+            "responses": 0,
+            "workers": 0,
+            "compact_sent": 0,
+            "compact_received": 0,
+            "shortcuts": 0,
+        }
 
     # -- used by worker threads ------------------------------------------------------------------------
     def next_request_id(self) -> int:
@@ -476,8 +483,9 @@ class Server:
         tag = static_tag(plan.template_id)  # the transport skips the tensors' metadata after the first
         if plan.compact:
             forward_id = message.forward_id if isinstance(message, Request) else None
+            refs = message.refs if isinstance(message, Request) else ()
             out: object = Compact(
-                message.step, plan.template_id, message.request_id, message.tensors, forward_id
+                message.step, plan.template_id, message.request_id, message.tensors, forward_id, refs
             )
             self.stats["compact_sent"] += 1
         else:  # in full; the first one of a template leaves it at the receiver
@@ -540,6 +548,7 @@ def _template(message: Request | Response) -> Template:
             message.state,
             message.checkpoint,
             metas,
+            tuple(j for j, _, _ in message.refs),
         )
         return Template(flow, message.payload)
     return Template((message.requires_grad, metas), message.payload)
@@ -561,6 +570,7 @@ def _expand(template: Request | Response, m: Compact) -> Request | Response:
             template.state,
             template.checkpoint,
             m.forward_id,
+            refs=m.refs,
         )
     return Response(
         m.step, m.request_id, template.responder, template.payload, m.tensors, template.requires_grad
