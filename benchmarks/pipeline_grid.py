@@ -1,9 +1,11 @@
 """The full pipeline equivalence grid, with step times against plain PyTorch.
 
-Every model of tests/mp_pipeline/models.py x pp in {1, 2, 4} x microbatches in {1, 2, 4} x both schedules,
-without and with data parallelism (2 replicas on 4 ranks): 3 optimizer steps, then the losses and every
-parameter are compared with plain single-process PyTorch running the same microbatches (fp32, rtol 1e-5,
-atol 1e-6). Also times a step (median of steps 2-3) against the plain PyTorch step on the same data.
+Every model of tests/mp_pipeline/models.py (an MLP, a CNN, the reuse-and-branch model, GPT-2 and T5
+from transformers configs) x pp in {1, 2, 4} x microbatches in {1, 2, 4, 8} x both schedules, without
+and with data parallelism (2 replicas), plus static and fast mode for pp > 1 at 2 and 8 microbatches
+(one recorded step, two replayed): 3 optimizer steps, then the losses and every parameter are compared
+with plain single-process PyTorch running the same microbatches (fp32, rtol 1e-5, atol 1e-6). Also
+times a step (median of steps 2-3) against the plain PyTorch step on the same data.
 
     python benchmarks/pipeline_grid.py            # starts mpiexec -n 2 and -n 4 itself
 Writes benchmarks/results/pipeline_grid.{json,md}.
@@ -26,17 +28,28 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 def cases(ranks: int) -> list[dict[str, Any]]:
     out = []
-    for name in ("mlp", "cnn", "reuse", "gpt2"):
+    for name in ("mlp", "cnn", "reuse", "gpt2", "t5"):
         for pp in (1, 2, 4):
             if pp > ranks:
                 continue
-            for mb in (1, 2, 4):
+            for mb in (1, 2, 4, 8):
                 for sched in ("simple", "interleaved"):
                     if pp == 1 and sched == "interleaved":
                         continue  # one schedule is enough without a pipeline
-                    out.append(
-                        {"name": name, "pp": pp, "microbatches": mb, "pipeline": sched, "ranks": ranks}
-                    )
+                    modes = ["dynamic"] + (["static", "fast"] if pp > 1 and mb in {2, 8} else [])
+                    for mode in modes:
+                        out.append(
+                            {
+                                # static and fast mode need a flow that is the same in every step: the
+                                # reuse model's branch then depends on the row, not the step
+                                "name": "reuse_static" if name == "reuse" and mode != "dynamic" else name,
+                                "pp": pp,
+                                "microbatches": mb,
+                                "pipeline": sched,
+                                "mode": mode,
+                                "ranks": ranks,
+                            }
+                        )
     return out
 
 
@@ -59,12 +72,15 @@ def worker(ranks: int) -> None:
     )
 
     rows = []
+    os.environ["MP_PIPELINE_STATIC_STEPS"] = "1"  # static and fast mode replay steps 2 and 3
     for case in cases(ranks):
         name, pp, mbs = case["name"], case["pp"], case["microbatches"]
         cfg: dict[str, Any] = {
             "pipeline_parallel_degree": pp,
             "microbatches": mbs,
             "pipeline": case["pipeline"],
+            "static_mode": case["mode"] == "static",
+            "fast_mode": case["mode"] == "fast",
         }
         if name == "reuse":
             cfg.update(auto_partition=False, default_partition=0)
@@ -82,6 +98,7 @@ def worker(ranks: int) -> None:
             return loss
 
         losses, times = [], []
+        stats: dict[str, int] = {}
         error = None
         try:
             for s in range(STEPS):
@@ -93,6 +110,9 @@ def worker(ranks: int) -> None:
                 opt.zero_grad()
                 times.append(time.perf_counter() - t0)
                 losses.append(out.reduce_mean().item())
+                if model._runtime is not None:
+                    for k, v in model._runtime.last_stats.items():
+                        stats[k] = stats.get(k, 0) + v
             got = model.state_dict()
             ref_losses, ref_state = reference(name, microbatches=mbs, replicas=smp.dp_size(), layers=layers)
             diff = first_difference(got, ref_state)
@@ -115,7 +135,10 @@ def worker(ranks: int) -> None:
             ref_opt.step()
             ref_opt.zero_grad()
             ref_times.append(time.perf_counter() - t0)
+        if smp.rank() == 0:
+            print(f"{case} {'equal' if diff is None else diff}", file=sys.stderr, flush=True)
         all_diffs = smp.allgather(diff, smp.WORLD)
+        all_stats = smp.allgather(stats, smp.WORLD)
         error = next((f"rank {r}: {d}" for r, d in enumerate(all_diffs) if d), None)
         if smp.rank() == 0:
             rows.append(
@@ -124,7 +147,9 @@ def worker(ranks: int) -> None:
                     "dp": smp.dp_size(),
                     "equal": error is None,
                     "first_difference": error,
-                    "step_s": statistics.median(times[1:]),
+                    "compact_sent": sum(st.get("compact_sent", 0) for st in all_stats),
+                    "shortcuts": sum(st.get("shortcuts", 0) for st in all_stats),
+                    "step_s": statistics.median(times[1:]) if len(times) > 1 else float("nan"),
                     "plain_step_s": statistics.median(ref_times[1:]),
                 }
             )
@@ -157,14 +182,20 @@ def main() -> int:
         "Step times: CPU, 2 cores shared "
         "by all ranks, median of steps 2-3 (noisy; for orientation only).",
         "",
-        "| ranks | model | pp | dp | microbatches | schedule | equal | step ms | plain PyTorch ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Static and fast mode record step 1 and replay steps 2-3 (MP_PIPELINE_STATIC_STEPS=1); *compact*: "
+        "messages sent compact over all ranks and steps; *shortcuts*: tensors that went child to child "
+        "(fast mode).",
+        "",
+        "| ranks | model | pp | dp | microbatches | schedule | mode | equal | compact | shortcuts | step ms "
+        "| plain PyTorch ms |",
+        "|---|---|---|---|---|---|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         eq = "yes" if r["equal"] else f"NO: {r['first_difference'][:80]}"
         lines.append(
             f"| {r['ranks']} | {r['name']} | {r['pp']} | {r['dp']} | {r['microbatches']} | {r['pipeline']} | "
-            f"{eq} | {1000 * r['step_s']:.1f} | {1000 * r['plain_step_s']:.1f} |"
+            f"{r['mode']} | {eq} | {r['compact_sent']} | {r['shortcuts']} | {1000 * r['step_s']:.1f} | "
+            f"{1000 * r['plain_step_s']:.1f} |"
         )
     (RESULTS / "pipeline_grid.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

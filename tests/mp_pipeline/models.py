@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-NAMES = ("mlp", "cnn", "reuse", "gpt2")
+NAMES = ("mlp", "cnn", "reuse", "gpt2", "t5")
 BATCH = 8  # per data-parallel replica
 STEPS = 3
 
@@ -105,6 +105,26 @@ def build(name: str, seed: int = 0, layers: int = 2) -> nn.Module:
         )
         config._attn_implementation = "eager"
         return GPT2LMHeadModel(config)
+    if name == "t5":
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        # Tied embeddings (the default): `shared` is the encoder's and the decoder's embedding and the
+        # LM head's weight, wherever the partition puts them.
+        config = T5Config(
+            vocab_size=64,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=layers,
+            num_decoder_layers=layers,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+        )
+        config._attn_implementation = "eager"
+        return T5ForConditionalGeneration(config)
     raise ValueError(name)
 
 
@@ -134,6 +154,8 @@ def batch(name: str, step: int, replica: int, size: int = BATCH) -> tuple[torch.
         return ids, torch.randint(0, 3, (size,), generator=g)
     if name == "gpt2":
         return (torch.randint(0, 64, (size, 12), generator=g),)
+    if name == "t5":
+        return torch.randint(1, 64, (size, 10), generator=g), torch.randint(1, 64, (size, 6), generator=g)
     raise ValueError(name)
 
 
@@ -149,15 +171,18 @@ def loss_of(name: str, model: Callable[..., Any], data: tuple[torch.Tensor, ...]
         return F.cross_entropy(out["logits"], data[1])
     if name == "gpt2":
         return model(input_ids=data[0], labels=data[0]).loss  # type: ignore[no-any-return]
+    if name == "t5":
+        return model(input_ids=data[0], labels=data[1]).loss  # type: ignore[no-any-return]
     raise ValueError(name)
 
 
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
-    """Adam, except for GPT-2: the key part of its attention bias has an exactly zero gradient (softmax
-    ignores a shift of the scores), so its computed gradient is rounding noise, which Adam normalizes
-    into O(lr) updates whose sign depends on summation order (data-parallel averaging sums in another
-    order than one process). SGD with momentum keeps such noise at its own size (~1e-9)."""
-    if name == "gpt2":
+    """Adam, except for the transformers (SGD with momentum). The key part of GPT-2's attention bias has
+    an exactly zero gradient (softmax ignores a shift of the scores), so its computed gradient is
+    rounding noise, which Adam normalizes into O(lr) updates whose sign depends on summation order
+    (data-parallel averaging sums in another order than one process). SGD with momentum keeps such
+    noise at its own size (~1e-9)."""
+    if name in {"gpt2", "t5"}:
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
     return torch.optim.Adam(params, lr=1e-2)
 

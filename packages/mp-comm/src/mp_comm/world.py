@@ -13,6 +13,7 @@ import enum
 import logging
 import os
 import socket
+import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -123,6 +124,8 @@ class World:
     owns_process_group: bool
     _group_comms: list[Any] = field(default_factory=list, init=False, repr=False)
     """The MPI twins this World created for its groups (freed by `shutdown`)."""
+    _excepthook: Any = field(default=None, init=False, repr=False)
+    """sys.excepthook before this World started torch.distributed (put back by `shutdown`)."""
 
     def __post_init__(self) -> None:
         world_pg = dist.group.WORLD if dist.is_initialized() else None
@@ -190,6 +193,8 @@ class World:
         self._group_comms.clear()
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
+            if self._excepthook is not None:
+                sys.excepthook = self._excepthook
         if self.mpi_comm is not None:
             self.mpi_comm.Free()
             self.mpi_comm = None
@@ -329,6 +334,9 @@ def init_world(
             )
         return World(info, str(dist.get_backend()), device, mpi_comm, owns_process_group=False)
 
+    # init_process_group chains a rank-prefixing hook onto sys.excepthook every time: restored at shutdown,
+    # so that a process that starts worlds repeatedly (tests, benchmark grids) prefixes tracebacks once.
+    excepthook = sys.excepthook
     if launcher is Launcher.MPI:
         assert mpi_comm is not None
         host = env.get("MASTER_ADDR", host)
@@ -345,4 +353,6 @@ def init_world(
     else:
         dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     log.debug("rank %d/%d started by %s on node %d", info.rank, info.size, launcher.value, info.node)
-    return World(info, chosen, device, mpi_comm, owns_process_group=True)
+    world = World(info, chosen, device, mpi_comm, owns_process_group=True)
+    world._excepthook = excepthook
+    return world

@@ -347,6 +347,7 @@ class Remote:
         tensors: list[Any] = []
         leaves: list[torch.Tensor] = []
         held = {j: self._kept_output(request, rid, k) for j, rid, k in request.refs}
+        versions = {j: (t, t._version) for j, t in held.items()}
         for j, (received, r) in enumerate(zip(request.tensors, request.requires_grad, strict=True)):
             # a shortcut input becomes a fresh leaf on the kept output's memory; its gradient goes back
             # as any input's does
@@ -362,6 +363,8 @@ class Remote:
                 out = torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
             else:
                 out = original(*args, **kwargs)
+        if versions:
+            self._check_untouched(request, versions)
         skeleton, outs = flatten(out)
         grad_on = request.state.grad_enabled
         out_requires = tuple(grad_on and t.requires_grad for t in outs)
@@ -381,6 +384,19 @@ class Remote:
                 "mode's child-to-child shortcut); its backward already ran"
             )
         return saved.outputs[index].detach()
+
+    def _check_untouched(self, request: Request, held: dict[int, tuple[torch.Tensor, int]]) -> None:
+        # A shortcut input shares memory (and the version counter) with the producer's kept output: a
+        # module that changed it in place (under no_grad: autograd allows that on a leaf) would have
+        # changed what the producer's backward reads. Without the shortcut it would have had a copy.
+        for j, (t, version) in held.items():
+            if t._version != version:
+                raise PipelineError(
+                    f"module {request.module!r} changed its input {j} in place; under fast mode that input "
+                    "shares memory with the output of the module that produced it (the child-to-child "
+                    "shortcut), whose backward needs it unchanged. Clone the input before changing it, or "
+                    "set 'fast_mode' to False."
+                )
 
     def _recorded(self, kind: EventKind, request: Request) -> AbstractContextManager[None]:
         """The execution as a timeline event (a no-op unless the timeline is recording)."""

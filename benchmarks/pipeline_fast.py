@@ -1,0 +1,212 @@
+"""Fast mode's child-to-child shortcut: static mode vs fast mode on HF GPT-2 with per-block calls (pp=2).
+
+HF GPT-2 (``--layers`` blocks, hidden ``--hidden``, sequence ``--seq``, vocab 2048) built from a config,
+trained with SGD through smp on 2 ranks of one host (pp=2, ``--microbatches`` microbatches of a
+``--batch`` batch, float32 CPU, one torch thread per rank). The automatic partition puts the second
+half of the blocks (and the head) on rank 1; the model's own forward runs on rank 0 and calls those
+blocks one after another, so every block's hidden state goes rank 1 -> rank 0 -> rank 1. Both variants
+record 2 steps and then replay them compact (static mode); fast mode also passes each hidden state
+that goes unchanged from one block on rank 1 to the next as a reference to the copy rank 1 kept (the
+shortcut), so it travels once instead of twice.
+
+A step's time is the slowest rank's, from a barrier to the optimizer step. Each repetition builds both
+variants anew (smp.reset) in alternating order and times ``--steps`` replayed steps after the recorded
+ones; the ratio is paired within a repetition, median over repetitions. Reported with it: tensors sent
+by reference per step and the bytes they would have moved, and the losses of both variants (they must
+agree: the shortcut changes where a tensor comes from, not its value).
+
+Run: ``python benchmarks/pipeline_fast.py`` (starts itself under ``mpiexec -n 2``); ``--quick`` for a
+smoke run. Results go to benchmarks/results/pipeline_fast.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _launch import relaunch, under_mpi
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+RECORD_STEPS = 2
+
+
+def run_variant(args: argparse.Namespace, fast: bool, comm: Any) -> dict[str, Any]:
+    """Step times (slowest rank), losses and shortcut counts of one freshly built model."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import mp as smp
+
+    smp.init(
+        {
+            "pipeline_parallel_degree": 2,
+            "microbatches": args.microbatches,
+            "pipeline": "interleaved",
+            "static_mode": True,
+            "fast_mode": fast,
+        }
+    )
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=2048,
+        n_positions=args.seq,
+        n_embd=args.hidden,
+        n_layer=args.layers,
+        n_head=8,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    config._attn_implementation = "eager"
+    model = smp.DistributedModel(GPT2LMHeadModel(config))
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 2048, (args.batch, args.seq), generator=gen)
+
+    @smp.step
+    def train_step(ids: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids).loss
+        model.backward(loss)
+        return loss
+
+    times, losses, shortcuts = [], [], []
+    for s in range(RECORD_STEPS + args.steps):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        out = train_step(ids)
+        opt.step()
+        opt.zero_grad()
+        elapsed = comm.allreduce(time.perf_counter() - t0, op=_max())
+        losses.append(out.reduce_mean().item())
+        assert model._runtime is not None
+        if s >= RECORD_STEPS:
+            times.append(elapsed)
+            shortcuts.append(comm.allreduce(model._runtime.last_stats["shortcuts"]))
+    mine = sum(1 for name, _ in model.local_named_modules() if name.count(".") == 2 and ".h." in name)
+    on_rank1 = comm.bcast(mine, root=1)
+    smp.reset()
+    return {"times": times, "losses": losses, "shortcuts": shortcuts, "blocks_on_rank1": on_rank1}
+
+
+def _max() -> Any:
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+def main() -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=fmt)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.layers, args.hidden, args.seq, args.steps, args.reps = 4, 64, 32, 2, 2
+    if not under_mpi():
+        sys.exit(relaunch(__file__, 2))
+    os.environ["MP_PIPELINE_STATIC_STEPS"] = str(RECORD_STEPS)
+    import torch
+    from mpi4py import MPI
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    runs: dict[str, list[dict[str, Any]]] = {"static": [], "fast": []}
+    started = time.monotonic()
+    for rep in range(args.reps):
+        order = ["static", "fast"] if rep % 2 == 0 else ["fast", "static"]
+        for name in order:
+            runs[name].append(run_variant(args, name == "fast", comm))
+    if comm.Get_rank() == 0:
+        _report(args, runs, time.monotonic() - started)
+
+
+def _report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], elapsed: float) -> None:
+    med = {k: statistics.median(t for r in v for t in r["times"]) for k, v in runs.items()}
+    ratios = [
+        statistics.median(s["times"]) / statistics.median(f["times"])
+        for s, f in zip(runs["static"], runs["fast"], strict=True)
+    ]
+    per_step = statistics.median(n for r in runs["fast"] for n in r["shortcuts"])
+    static_shortcuts = max(n for r in runs["static"] for n in r["shortcuts"])
+    activation_bytes = args.batch // args.microbatches * args.seq * args.hidden * 4
+    loss_diff = max(
+        abs(a - b)
+        for s, f in zip(runs["static"], runs["fast"], strict=True)
+        for a, b in zip(s["losses"], f["losses"], strict=True)
+    )
+    samples = {k: args.batch / v for k, v in med.items()}
+    payload = {
+        "benchmark": "pipeline_fast",
+        "model": {
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "seq": args.seq,
+            "batch": args.batch,
+            "microbatches": args.microbatches,
+            "blocks_on_rank1": runs["fast"][0]["blocks_on_rank1"],
+        },
+        "host": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_1min": os.getloadavg()[0],
+        },
+        "repetitions": args.reps,
+        "replayed_steps_per_rep": args.steps,
+        "elapsed_s": elapsed,
+        "median_step_s": med,
+        "samples_per_s": samples,
+        "fast_over_static_throughput": {
+            "median": statistics.median(ratios),
+            "min": min(ratios),
+            "max": max(ratios),
+        },
+        "shortcuts_per_step": per_step,
+        "static_mode_shortcuts": static_shortcuts,
+        "bytes_not_sent_per_step": per_step * activation_bytes,
+        "max_abs_loss_difference": loss_diff,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "pipeline_fast.json").write_text(json.dumps(payload, indent=2) + "\n")
+    lines = [
+        "# pipeline_fast: static mode vs fast mode (child-to-child shortcut), HF GPT-2, pp=2, CPU",
+        "",
+        f"GPT-2 with {args.layers} blocks (hidden {args.hidden}, sequence {args.seq}, vocab 2048), batch "
+        f"{args.batch} in {args.microbatches} microbatches, interleaved schedule; the automatic partition "
+        "put "
+        f"{payload['model']['blocks_on_rank1']} blocks on rank 1, called one after another from rank 0. "
+        f"{args.reps} repetitions x {args.steps} replayed steps per variant (after {RECORD_STEPS} "
+        "recorded); "
+        f"host: {os.cpu_count()} CPUs, 1-minute load {payload['host']['load_1min']:.1f} at the end. "
+        "`python benchmarks/pipeline_fast.py` regenerates this file.",
+        "",
+        "| mode | ms/step | samples/s | tensors by reference per step |",
+        "|---|---:|---:|---:|",
+        f"| static | {1000 * med['static']:.0f} | {samples['static']:.2f} | {static_shortcuts} |",
+        f"| fast | {1000 * med['fast']:.0f} | {samples['fast']:.2f} | {per_step:g} |",
+        "",
+        f"Fast over static throughput: **{statistics.median(ratios):.2f}x** (paired per repetition; range "
+        f"{min(ratios):.2f}-{max(ratios):.2f}x). Per step the shortcut kept {per_step:g} hidden states "
+        f"({per_step * activation_bytes / 2**20:.1f} MiB) off the wire. Largest loss difference between the "
+        f"variants: {loss_diff:.1e}.",
+        "",
+    ]
+    (RESULTS / "pipeline_fast.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
