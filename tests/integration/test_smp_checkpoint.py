@@ -247,6 +247,50 @@ def test_save_checkpoint_resume_round_trip(worlds: Any, tmp_path: Any) -> None:
     ]
 
 
+def _resume_under_another_partition(world: Any, folder: str) -> dict[str, Any]:
+    model, opt, sched = _build(PP2, seed=0)  # b and c on pp_rank 1
+    for i in range(2):
+        _train(model, opt, sched, i)
+    smp.save_checkpoint(folder, "step1", model=model, optimizer=opt, user_content=sched.state_dict())
+    _train(model, opt, sched, 2)
+    expected = _params(model)
+    smp.reset()
+
+    # The resumed job's own partitioning would put everything on pp_rank 0 (nothing marked, manual
+    # partitioning, default partition 0); the checkpoint's partition wins, so its parts fit.
+    smp.init(PP2)
+    torch.manual_seed(1)
+    model = smp.DistributedModel(Net())
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    sched.load_state_dict(smp.resume_from_checkpoint(folder))
+    _train(model, opt, sched, 2)
+    owned = sorted(name for name, _ in model.local_named_parameters())
+    out: dict[str, Any] = {"difference": _first_difference(expected, _params(model)), "owned": owned}
+    smp.reset()
+
+    # A partition that does not fit the model is refused before anything runs.
+    smp.init(PP2)
+    model = smp.DistributedModel(nn.Sequential(nn.Linear(8, 4)))
+    part = {"_smp_is_partial": True, "_smp_partition": {"a": 0, "b": 1}, "0.weight": torch.zeros(4, 8)}
+    try:
+        model.load_state_dict(part)
+    except IncompatibleCheckpointFoundError as exc:
+        out["error"] = str(exc)
+    return out
+
+
+def test_a_partial_checkpoint_brings_its_partition(worlds: Any, tmp_path: Any) -> None:
+    """Resuming from a partial checkpoint uses the partition it was saved with (not the one the resumed
+    job would compute), and training goes on exactly as without the restart."""
+    results = worlds.run(2, _resume_under_another_partition, str(tmp_path), timeout=120)
+    assert [r["difference"] for r in results] == [None, None], results
+    assert results[0]["owned"] == ["module.a.bias", "module.a.weight"], results
+    assert results[1]["owned"] == ["module.b.bias", "module.b.weight", "module.c.bias", "module.c.weight"]
+    for r in results:
+        assert "modules ['a', 'b'] are not in this model" in r["error"], r
+
+
 # ---------------------------------------------------------------------------------- activation ckpt
 class Block(nn.Module):
     calls = 0

@@ -150,6 +150,9 @@ class DistributedModel(nn.Module):
         self._partitioned = False
         self._assignment: dict[str, int] = {}
         self.plan: PartitionPlan | None = None
+        self._pinned: dict[str, int] | None = None
+        """The partition a partial checkpoint was saved with (loaded before the first step): used
+        instead of computing one, so that the checkpoint's parts land where they were saved."""
         """The partition plan (on global rank 0, where it is computed; None elsewhere and with pp=1)."""
         self._tracing = False
         self._in_step = False
@@ -420,12 +423,18 @@ class DistributedModel(nn.Module):
             # collectives in rank 0's TP group, so every member of that group traces (its own first
             # microbatch) and rank 0's plan is the one everybody uses.
             tracers = state.require()[2].group(GroupKind.TP, 0)
-            if world.rank in tracers and world.rank != 0:
+            # Whether rank 0 takes a pinned partition decides whether anybody traces: agreed first.
+            pinned: list[Any] = [self._pinned is not None]
+            dist.broadcast_object_list(pinned, src=0)
+            if world.rank in tracers and world.rank != 0 and not pinned[0]:
                 try:
                     self._compute_plan(body)
                 except Exception:
                     log.exception("tracing on rank %d (a TP peer of rank 0) failed", world.rank)
-            if world.rank == 0:
+            if world.rank == 0 and self._pinned is not None:
+                payload = ("ok", dict(self._pinned))
+                log.info("partition taken from the partial checkpoint loaded before the first step")
+            elif world.rank == 0:
                 try:
                     self.plan = self._compute_plan(body)
                     payload = ("ok", dict(self.plan.assignment))
@@ -547,6 +556,10 @@ class DistributedModel(nn.Module):
                 continue
             out[key] = value.detach().cpu() if cast_to_cpu and isinstance(value, torch.Tensor) else value
         out["_smp_is_partial"] = True
+        if self._pp > 1 and self._assignment:
+            # The partition travels with the parts: loaded before the first step of another run, it
+            # replaces that run's own partitioning (which could differ: traced times vary).
+            out["_smp_partition"] = dict(self._assignment)
         return out
 
     def state_dict(  # type: ignore[override]
@@ -591,10 +604,13 @@ class DistributedModel(nn.Module):
         the whole module now and is checked, on every pipeline rank, once the model is partitioned."""
         sd = dict(state_dict)
         partial = bool(sd.pop("_smp_is_partial", False))
+        saved_partition = sd.pop("_smp_partition", None)
         if sd and all(k.startswith("module.") for k in sd):
             sd = {k[len("module.") :]: v for k, v in sd.items()}
         if partial:
             if not self._partitioned and self._pp > 1:
+                if saved_partition is not None:
+                    self._pin_partition(saved_partition)
                 loaded = set(sd)
                 if strict:
                     self.register_post_partition_hook(lambda m, _opt: m._check_partial_keys(loaded, True))
@@ -616,6 +632,28 @@ class DistributedModel(nn.Module):
                     "expected the keys of the wrapped model's state_dict() (pass strict=False to ignore)"
                 )
         return self.module.load_state_dict(subset, strict=False)
+
+    def _pin_partition(self, saved: Any) -> None:
+        """Use the partition a partial state was saved with, after checking that it fits this model."""
+        modules = dict(self.module.named_modules())
+        if not isinstance(saved, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) for k, v in saved.items()
+        ):
+            raise IncompatibleCheckpointFoundError(
+                f"the partial state's '_smp_partition' entry is {type(saved).__name__}; expected the "
+                "{module path: pp_rank} dict that local_state_dict() writes"
+            )
+        unknown = sorted(k for k in saved if k not in modules)
+        ranks = sorted({v for v in saved.values() if not 0 <= v < self._pp})
+        if unknown or ranks:
+            raise IncompatibleCheckpointFoundError(
+                "the partial state was saved with a partition that does not fit this job: "
+                + (f"modules {unknown[:5]} are not in this model; " if unknown else "")
+                + (f"pp_ranks {ranks} do not exist at pipeline_parallel_degree={self._pp}; " if ranks else "")
+                + "load it into the model and layout it was saved with, or save the full "
+                "model.state_dict() (smp.save(..., partial=False)), which loads under any layout"
+            )
+        self._pinned = dict(saved)
 
     def _check_partial_keys(self, loaded: set[str], collective: bool) -> None:
         """Raise IncompatibleCheckpointFoundError unless ``loaded`` is exactly this rank's part;
