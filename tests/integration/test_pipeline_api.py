@@ -145,6 +145,7 @@ def _smp_idioms(world: Any) -> dict[str, Any]:
     out["reload_ok"] = all(torch.equal(after[k], reloaded[k]) for k in full)
     partial = model.local_state_dict()
     out["partial"] = partial.pop("_smp_is_partial")
+    out["partition"] = partial.pop("_smp_partition")  # the partition travels with each part
     out["partial_keys"] = sorted(partial)
     return out
 
@@ -163,6 +164,7 @@ def test_smp_idioms_on_two_stages(worlds: Any) -> None:
         assert r["reload_ok"] and r["partial"] is True
     assert r0["local"] + r1["local"] == 6 * 8 + 8 + 8 * 8 + 8 + 8 * 3 + 3
     assert set(r0["partial_keys"]).isdisjoint(r1["partial_keys"])
+    assert r0["partition"] == r1["partition"] and set(r0["partition"].values()) == {0, 1}, r0["partition"]
     assert sorted(r0["partial_keys"] + r1["partial_keys"]) == r0["state_keys"]
 
 

@@ -150,10 +150,10 @@ class DistributedModel(nn.Module):
         self._partitioned = False
         self._assignment: dict[str, int] = {}
         self.plan: PartitionPlan | None = None
+        """The partition plan (on global rank 0, where it is computed; None elsewhere and with pp=1)."""
         self._pinned: dict[str, int] | None = None
         """The partition a partial checkpoint was saved with (loaded before the first step): used
         instead of computing one, so that the checkpoint's parts land where they were saved."""
-        """The partition plan (on global rank 0, where it is computed; None elsewhere and with pp=1)."""
         self._tracing = False
         self._in_step = False
         self._grad_scale = 1.0
