@@ -1,9 +1,11 @@
 """Tensor parallelism through smp.DistributedModel: a HuggingFace GPT-2 built under
 `smp.tensor_parallelism()` trains exactly like single-process PyTorch, with tp=2 alone and with
-tp=2 x pp=2, each tp rank holding different samples (TP across data-parallel ranks)."""
+tp=2 x pp=2 (also under fast mode, whose child-to-child shortcut then carries TP shards' activations),
+each tp rank holding different samples (TP across data-parallel ranks)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -16,9 +18,9 @@ transformers = pytest.importorskip("transformers")
 STEPS, PER_RANK, SEQ, VOCAB = 3, 4, 16, 64
 
 
-def _config() -> Any:
+def _config(layers: int = 2) -> Any:
     return transformers.GPT2Config(
-        n_layer=2,
+        n_layer=layers,
         n_embd=32,
         n_head=4,
         vocab_size=VOCAB,
@@ -43,9 +45,11 @@ CLIP = 0.5
 """max_norm of the clipping cases: below the gradient norms of these steps, so clipping applies."""
 
 
-def _reference(dp_size: int, clip: bool = False) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+def _reference(
+    dp_size: int, clip: bool = False, layers: int = 2
+) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(_config())
+    model = transformers.GPT2LMHeadModel(_config(layers))
     opt = _optimizer(model.parameters())
     losses, norms = [], []
     for ids in _data(dp_size):
@@ -59,19 +63,28 @@ def _reference(dp_size: int, clip: bool = False) -> tuple[list[float], dict[str,
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 
-def _train(world: Any, pp: int, microbatches: int, clip: bool = False) -> dict[str, Any]:
+def _train(world: Any, pp: int, microbatches: int, clip: bool = False, fast: bool = False) -> dict[str, Any]:
     smp.init(
         {
             "tensor_parallel_degree": 2,
             "pipeline_parallel_degree": pp,
             "microbatches": microbatches,
             "ddp": True,
+            "fast_mode": fast,
         }
     )
     torch.manual_seed(0)
     with smp.tensor_parallelism():
-        model = transformers.GPT2LMHeadModel(_config())
-    model = smp.DistributedModel(model)
+        model = transformers.GPT2LMHeadModel(_config(4 if fast else 2))
+    before = os.environ.get("MP_PIPELINE_STATIC_STEPS")
+    os.environ["MP_PIPELINE_STATIC_STEPS"] = "1"  # fast mode: steps 2 and 3 replay
+    try:
+        model = smp.DistributedModel(model)
+    finally:
+        if before is None:
+            del os.environ["MP_PIPELINE_STATIC_STEPS"]
+        else:
+            os.environ["MP_PIPELINE_STATIC_STEPS"] = before
     opt = smp.DistributedOptimizer(_optimizer(model.parameters()))
 
     @smp.step
@@ -81,16 +94,18 @@ def _train(world: Any, pp: int, microbatches: int, clip: bool = False) -> dict[s
         return loss
 
     dp, rank = smp.dp_size(), smp.dp_rank()
-    losses, norms = [], []
+    losses, norms, shortcuts = [], [], 0
     for ids in _data(dp):
         opt.zero_grad()
         out = train_step(model, ids[rank * PER_RANK : (rank + 1) * PER_RANK])
+        if model._runtime is not None:
+            shortcuts += model._runtime.last_stats["shortcuts"]
         if clip:  # the norm of the whole model's gradient: over the stages and the TP shards
             norms.append(float(opt.clip_master_grads(CLIP)))  # type: ignore[attr-defined]
         opt.step()
         # every rank's mean over its samples; the global loss is their mean over the DP group
         losses.append(sum(smp.allgather(out.reduce_mean().item(), smp.DP_GROUP)) / dp)
-    result: dict[str, Any] = {"losses": losses, "dp": dp, "norms": norms}
+    result: dict[str, Any] = {"losses": losses, "dp": dp, "norms": norms, "shortcuts": shortcuts}
     if pp == 1:
         from mp_tensor import gather_state_dict
 
@@ -99,15 +114,23 @@ def _train(world: Any, pp: int, microbatches: int, clip: bool = False) -> dict[s
 
 
 @pytest.mark.parametrize(
-    ("n", "pp", "microbatches", "clip"),
-    [(2, 1, 1, False), (2, 1, 2, False), (4, 2, 2, False), (4, 2, 2, True)],
+    ("n", "pp", "microbatches", "clip", "fast"),
+    [
+        (2, 1, 1, False, False),
+        (2, 1, 2, False, False),
+        (4, 2, 2, False, False),
+        (4, 2, 2, True, False),
+        (4, 2, 2, False, True),
+    ],
 )
-def test_tensor_parallel_gpt2_trains_like_single_process(
-    worlds: Any, n: int, pp: int, microbatches: int, clip: bool
+def test_tensor_parallel_gpt2_trains_like_single_process(  # noqa: PLR0917 - pytest parameters
+    worlds: Any, n: int, pp: int, microbatches: int, clip: bool, fast: bool
 ) -> None:
-    results = worlds.run(n, _train, pp, microbatches, clip, timeout=240)
-    ref_losses, ref_state, ref_norms = _reference(results[0]["dp"], clip)
+    results = worlds.run(n, _train, pp, microbatches, clip, fast, timeout=240)
+    ref_losses, ref_state, ref_norms = _reference(results[0]["dp"], clip, 4 if fast else 2)
     assert all(n > CLIP for n in ref_norms)
+    if fast:  # pp_rank 0 of each pipeline passes block outputs on to the next block on pp_rank 1
+        assert results[0]["shortcuts"] > 0, results[0]
     for r, res in enumerate(results):
         assert res["norms"] == pytest.approx(ref_norms, rel=1e-5), f"rank {r} clipped norms"
         torch.testing.assert_close(
