@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mp_pipeline.structure import pickled_by_position
+
 __all__ = ["ExecState", "TaskContext", "applied", "capture", "current", "task_context"]
 
 _LOCAL = threading.local()
@@ -64,6 +66,7 @@ def _device_types() -> tuple[str, ...]:
     return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
+@pickled_by_position
 @dataclass(frozen=True, slots=True)
 class ExecState:
     """Grad mode and autocast state of a thread, to re-create on another thread or rank."""

@@ -16,6 +16,7 @@ import torch
 
 from mp_pipeline.context import ExecState
 from mp_pipeline.schedule import Phase
+from mp_pipeline.structure import pickled_by_position
 
 __all__ = ["TAG", "Compact", "Failure", "Request", "Response", "StepAbort", "StepEnd", "StepId", "static_tag"]
 
@@ -29,6 +30,7 @@ def static_tag(template_id: int) -> tuple[str, int]:
     return (TAG, template_id)
 
 
+@pickled_by_position
 @dataclass(frozen=True, order=True, slots=True)
 class StepId:
     """Which step of which DistributedModel (a per-process counter, equal on all ranks)."""
@@ -37,6 +39,7 @@ class StepId:
     step: int
 
 
+@pickled_by_position
 @dataclass(slots=True)
 class Request:
     """Execute a module (forward) or run its backward, for the requesting rank (Appendix B)."""
@@ -74,6 +77,7 @@ class Request:
     None and the receiver uses the output it kept (the child-to-child shortcut)."""
 
 
+@pickled_by_position
 @dataclass(slots=True)
 class Failure:
     """An exception on some rank, as text (exception objects need not be picklable)."""
@@ -118,6 +122,7 @@ class Failure:
         )
 
 
+@pickled_by_position
 @dataclass(slots=True)
 class Response:
     """The answer to a Request: outputs (FWD) or input gradients (BWD), or the failure."""
@@ -136,6 +141,7 @@ class Response:
     """Static mode: as Request.template_id."""
 
 
+@pickled_by_position
 @dataclass(slots=True)
 class Compact:
     """Static mode: a Request or Response rebuilt by the receiver from an announced template; only what
@@ -149,6 +155,7 @@ class Compact:
     refs: tuple[tuple[int, int, int], ...] = ()
 
 
+@pickled_by_position
 @dataclass(slots=True)
 class StepEnd:
     """pp_rank 0 to the other ranks of its pipeline: the step is over; here are its outputs."""
@@ -157,6 +164,7 @@ class StepEnd:
     results: Any = None
 
 
+@pickled_by_position
 @dataclass(slots=True)
 class StepAbort:
     """The step failed on the sender (or a rank it heard from): stop serving and raise."""
