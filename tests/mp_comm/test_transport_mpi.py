@@ -202,6 +202,37 @@ def test_static_mode_skips_metadata_for_repeated_shapes(worlds: Any) -> None:
     assert worlds.run(2, _static_mode, timeout=60) == [(4, 6), (4, 6)]
 
 
+def _spare_buffers(world: Any, spare_bytes: int) -> dict[str, Any]:
+    t = _open(world, static_shapes=True, spare_bytes=spare_bytes)
+    peer = 1 - world.rank
+    kept = []
+    for step in range(8):
+        shape = (256, 1024) if step < 5 else (128, 1024)  # 1 MB, then 512 KB: new metadata
+        x = torch.full(shape, float(10 * step + world.rank))
+        t.send({"act": x, "mb": step}, peer, tag="fwd")
+        kept.append(t.recv(peer, "fwd").obj)  # all kept alive: each must stay its own buffer
+        t.send(b"ack", peer, tag="ack")
+        t.recv(peer, "ack")
+    intact = all(
+        torch.equal(got["act"], torch.full(got["act"].shape, float(10 * step + peer)))
+        and got["mb"] == step
+        for step, got in enumerate(kept)
+    )
+    storages = {got["act"].untyped_storage().data_ptr() for got in kept}
+    t.close()
+    return {"intact": intact, "distinct": len(storages) == len(kept), "hits": t.stats["spare_hits"]}
+
+
+@pytest.mark.parametrize("spare_bytes", [64 << 20, 0])
+def test_static_messages_land_in_buffers_made_ahead(worlds: Any, spare_bytes: int) -> None:
+    """Static-mode messages that repeat their metadata land in buffers made while the receiver waited:
+    every message intact, each in its own memory, and none after the shapes change until they repeat."""
+    for r in worlds.run(2, _spare_buffers, spare_bytes, timeout=60):
+        assert r["intact"] and r["distinct"], r
+        # steps 1-4 repeat step 0's metadata, step 5 brings new metadata, steps 6-7 repeat it
+        assert r["hits"] == (6 if spare_bytes else 0), r
+
+
 def _self_send_and_reopen(world: Any) -> list[str]:
     for _ in range(3):
         t = _open(world)
