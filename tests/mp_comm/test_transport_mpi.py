@@ -202,8 +202,8 @@ def test_static_mode_skips_metadata_for_repeated_shapes(worlds: Any) -> None:
     assert worlds.run(2, _static_mode, timeout=60) == [(4, 6), (4, 6)]
 
 
-def _spare_buffers(world: Any, spare_bytes: int) -> dict[str, Any]:
-    t = _open(world, static_shapes=True, spare_bytes=spare_bytes)
+def _spare_buffers(world: Any, spare_bytes: int, static: bool) -> dict[str, Any]:
+    t = _open(world, static_shapes=static, spare_bytes=spare_bytes)
     peer = 1 - world.rank
     kept = []
     for step in range(8):
@@ -214,8 +214,7 @@ def _spare_buffers(world: Any, spare_bytes: int) -> dict[str, Any]:
         t.send(b"ack", peer, tag="ack")
         t.recv(peer, "ack")
     intact = all(
-        torch.equal(got["act"], torch.full(got["act"].shape, float(10 * step + peer)))
-        and got["mb"] == step
+        torch.equal(got["act"], torch.full(got["act"].shape, float(10 * step + peer))) and got["mb"] == step
         for step, got in enumerate(kept)
     )
     storages = {got["act"].untyped_storage().data_ptr() for got in kept}
@@ -223,11 +222,12 @@ def _spare_buffers(world: Any, spare_bytes: int) -> dict[str, Any]:
     return {"intact": intact, "distinct": len(storages) == len(kept), "hits": t.stats["spare_hits"]}
 
 
-@pytest.mark.parametrize("spare_bytes", [64 << 20, 0])
-def test_static_messages_land_in_buffers_made_ahead(worlds: Any, spare_bytes: int) -> None:
-    """Static-mode messages that repeat their metadata land in buffers made while the receiver waited:
-    every message intact, each in its own memory, and none after the shapes change until they repeat."""
-    for r in worlds.run(2, _spare_buffers, spare_bytes, timeout=60):
+@pytest.mark.parametrize(("spare_bytes", "static"), [(64 << 20, True), (64 << 20, False), (0, True)])
+def test_repeated_messages_land_in_buffers_made_ahead(worlds: Any, spare_bytes: int, static: bool) -> None:
+    """Messages that repeat their sender, tag (or static slot) and metadata land in buffers made while
+    the receiver waited: every message intact, each in its own memory, and none after the shapes change
+    until they repeat."""
+    for r in worlds.run(2, _spare_buffers, spare_bytes, static, timeout=60):
         assert r["intact"] and r["distinct"], r
         # steps 1-4 repeat step 0's metadata, step 5 brings new metadata, steps 6-7 repeat it
         assert r["hits"] == (6 if spare_bytes else 0), r

@@ -111,9 +111,10 @@ class TransportConfig:
     """Tensors of at most this many bytes travel inside the header instead of as messages of their
     own (one small copy instead of a message round; 0 turns it off)."""
     spare_bytes: int = 64 << 20
-    """MPI transport, static mode: host memory that may be held in receive buffers made ahead of time
-    for static-mode messages (allocated while a receiver waits, used if the next message of that
-    sender and tag has the same metadata; ~50 µs less per 1 MB message here); 0 turns it off."""
+    """MPI transport: host memory that may be held in receive buffers made ahead of time (allocated
+    while a receiver waits, for the next message of a sender and tag, or static slot, whose last message
+    was at least 64 KiB; used if that message has the same metadata: ~50 µs less per 1 MB message
+    here); 0 turns it off."""
     poll_min: float = 20e-6
     """Shortest sleep, in seconds, of a polling progress thread between rounds while it has work in
     flight or a thread waits on a receive."""

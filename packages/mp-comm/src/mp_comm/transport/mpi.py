@@ -171,10 +171,10 @@ class _HeaderOp:
 
 @dataclass(slots=True)
 class _Spare:
-    """Receive buffers made ahead of time for the next static-mode message of one (sender, slot)."""
+    """Receive buffers made ahead of time for the next message of one (sender, slot or tag)."""
 
     metas: tuple[TensorMeta, ...]
-    """The cached metadata they were made for (the very object: a new one means new shapes)."""
+    """The metadata they were made for (static mode: the cached object itself)."""
     tensors: list[torch.Tensor]
     nbytes: int
 
@@ -238,11 +238,11 @@ class MPITransport(MessageTransport):
         self._headers: dict[int, collections.deque[_HeaderOp]] = {}
         self._recvs: list[_RecvOp] = []
         self._status = mpi.Status()  # reused by every probe (only the lock holder probes)
-        # Static mode: receive buffers made while nothing arrives, for the next message of each
-        # (sender, metadata slot) that repeats its metadata (allocating on arrival costs ~45 µs of the
-        # critical path per message here). Wanted: what the last message of each key needs.
-        self._spares: dict[tuple[int, int], _Spare] = {}
-        self._wanted: dict[tuple[int, int], tuple[TensorMeta, ...]] = {}
+        # Receive buffers made while nothing arrives, for the next message of each (sender, metadata
+        # slot or tag) that repeats its metadata (allocating on arrival costs ~45 µs of the critical
+        # path per message here). Wanted: what the last message of each key needs.
+        self._spares: dict[tuple[int, Any], _Spare] = {}
+        self._wanted: dict[tuple[int, Any], tuple[TensorMeta, ...]] = {}
         self._spare_held = 0
         self._error: BaseException | None = None
         self._close_error: BaseException | None = None
@@ -440,13 +440,18 @@ class MPITransport(MessageTransport):
         return worked
 
     def _allocate(self, source: int, header: Header, metas: tuple[TensorMeta, ...]) -> list[torch.Tensor]:
-        if header.slot < 0 or not self.config.spare_bytes or sum(m.nbytes for m in metas) < _SPARE_MIN:
+        if not self.config.spare_bytes or sum(m.nbytes for m in metas) < _SPARE_MIN:
             return super()._allocate(source, header, metas)
-        key = (source, header.slot)
-        spare = self._spares.pop(key, None)
+        # A static message's key is its metadata slot; another's its tag (a sender's messages under one
+        # tag tend to repeat their shapes: a pipeline's activations, a benchmark's ping-pong).
+        key: tuple[int, Any] = (source, header.slot) if header.slot >= 0 else (source, ("tag", header.tag))
+        try:
+            spare = self._spares.pop(key, None)
+        except TypeError:  # an unhashable tag
+            return super()._allocate(source, header, metas)
         if spare is not None:
             self._spare_held -= spare.nbytes
-        if spare is not None and spare.metas is metas:
+        if spare is not None and (spare.metas is metas or spare.metas == metas):
             self.stats["spare_hits"] += 1
             tensors = spare.tensors
         else:
