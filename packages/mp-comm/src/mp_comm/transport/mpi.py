@@ -465,7 +465,11 @@ class MPITransport(MessageTransport):
         for key, metas in wanted.items():
             if key in self._spares:
                 continue
-            tensors = allocate(metas, self.device_map, self.pool)
+            try:
+                tensors = allocate(metas, self.device_map, self.pool)
+            except Exception as exc:  # an optimization only: the message will allocate on arrival
+                log.debug("rank %d: no spare receive buffers for %s: %s", self.rank, key, exc)
+                continue
             if not all(t.is_cpu for t in tensors):
                 continue
             nbytes = sum(t.untyped_storage().nbytes() for t in tensors)
