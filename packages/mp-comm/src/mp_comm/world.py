@@ -124,7 +124,7 @@ class World:
     owns_process_group: bool
     _group_comms: list[Any] = field(default_factory=list, init=False, repr=False)
     """The MPI twins this World created for its groups (freed by `shutdown`)."""
-    _excepthook: Any = field(default=None, init=False, repr=False)
+    previous_excepthook: Any = field(default=None, repr=False)
     """sys.excepthook before this World started torch.distributed (put back by `shutdown`)."""
 
     def __post_init__(self) -> None:
@@ -193,8 +193,8 @@ class World:
         self._group_comms.clear()
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
-            if self._excepthook is not None:
-                sys.excepthook = self._excepthook
+            if self.previous_excepthook is not None:
+                sys.excepthook = self.previous_excepthook
         if self.mpi_comm is not None:
             self.mpi_comm.Free()
             self.mpi_comm = None
@@ -353,6 +353,4 @@ def init_world(
     else:
         dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     log.debug("rank %d/%d started by %s on node %d", info.rank, info.size, launcher.value, info.node)
-    world = World(info, chosen, device, mpi_comm, owns_process_group=True)
-    world._excepthook = excepthook
-    return world
+    return World(info, chosen, device, mpi_comm, owns_process_group=True, previous_excepthook=excepthook)

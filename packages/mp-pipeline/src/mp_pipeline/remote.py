@@ -347,11 +347,10 @@ class Remote:
         tensors: list[Any] = []
         leaves: list[torch.Tensor] = []
         held = {j: self._kept_output(request, rid, k) for j, rid, k in request.refs}
-        versions = {j: (t, t._version) for j, t in held.items()}
         for j, (received, r) in enumerate(zip(request.tensors, request.requires_grad, strict=True)):
             # a shortcut input becomes a fresh leaf on the kept output's memory; its gradient goes back
             # as any input's does
-            t = held[j] if received is None else received
+            t = held[j][0] if received is None else received
             if r:
                 t.requires_grad_(True)
                 leaves.append(t)
@@ -363,8 +362,8 @@ class Remote:
                 out = torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
             else:
                 out = original(*args, **kwargs)
-        if versions:
-            self._check_untouched(request, versions)
+        if held:
+            self._check_untouched(request, held)
         skeleton, outs = flatten(out)
         grad_on = request.state.grad_enabled
         out_requires = tuple(grad_on and t.requires_grad for t in outs)
@@ -375,7 +374,8 @@ class Remote:
             request.step, request.request_id, self.rank, skeleton, [t.detach() for t in outs], out_requires
         )
 
-    def _kept_output(self, request: Request, forward_id: int, index: int) -> torch.Tensor:
+    def _kept_output(self, request: Request, forward_id: int, index: int) -> tuple[torch.Tensor, int]:
+        """The output a shortcut refers to, detached, with its version counter now."""
         saved = self.saved.get((request.requester, forward_id))
         if saved is None or index >= len(saved.outputs):
             raise PipelineError(
@@ -383,7 +383,8 @@ class Remote:
                 f"{request.requester}, which the request for module {request.module!r} refers to (fast "
                 "mode's child-to-child shortcut); its backward already ran"
             )
-        return saved.outputs[index].detach()
+        kept = saved.outputs[index].detach()
+        return kept, kept._version
 
     def _check_untouched(self, request: Request, held: dict[int, tuple[torch.Tensor, int]]) -> None:
         # A shortcut input shares memory (and the version counter) with the producer's kept output: a

@@ -555,23 +555,17 @@ def _template(message: Request | Response) -> Template:
 
 
 def _expand(template: Request | Response, m: Compact) -> Request | Response:
+    # The template's fields, with what travelled in the compact message (its own announce id dropped).
     if isinstance(template, Request):
-        return Request(
-            m.step,
-            m.request_id,
-            template.requester,
-            template.phase,
-            template.module,
-            template.microbatch,
-            template.position,
-            template.payload,
-            m.tensors,
-            template.requires_grad,
-            template.state,
-            template.checkpoint,
-            m.forward_id,
+        return dataclasses.replace(
+            template,
+            step=m.step,
+            request_id=m.request_id,
+            tensors=m.tensors,
+            forward_id=m.forward_id,
             refs=m.refs,
+            template_id=None,
         )
-    return Response(
-        m.step, m.request_id, template.responder, template.payload, m.tensors, template.requires_grad
+    return dataclasses.replace(
+        template, step=m.step, request_id=m.request_id, tensors=m.tensors, template_id=None
     )

@@ -67,6 +67,11 @@ _MODEL_IDS = itertools.count(1)
 _PLACEHOLDER = "_mp_remote_placeholder"
 
 
+_FULL_STATE_FIX = (
+    "save the full model.state_dict() (smp.save(..., partial=False)), which loads under any layout"
+)
+
+
 def _module_path(key: str) -> str:
     return key.rsplit(".", 1)[0] if "." in key else ""
 
@@ -650,8 +655,8 @@ class DistributedModel(nn.Module):
                 "the partial state was saved with a partition that does not fit this job: "
                 + (f"modules {unknown[:5]} are not in this model; " if unknown else "")
                 + (f"pp_ranks {ranks} do not exist at pipeline_parallel_degree={self._pp}; " if ranks else "")
-                + "load it into the model and layout it was saved with, or save the full "
-                "model.state_dict() (smp.save(..., partial=False)), which loads under any layout"
+                + "load it into the model and layout it was saved with, or "
+                + _FULL_STATE_FIX
             )
         self._pinned = dict(saved)
 
@@ -676,8 +681,7 @@ class DistributedModel(nn.Module):
                 "a partial state dict (local_state_dict) does not match this layout: "
                 + "; ".join(found)
                 + ". It was saved with another pipeline_parallel_degree or partition: load it with the "
-                "layout it was saved with, or save the full model.state_dict() (smp.save(..., "
-                "partial=False)), which loads under any layout"
+                "layout it was saved with, or " + _FULL_STATE_FIX
             )
 
     # ------------------------------------------------------------------------------------- hooks
