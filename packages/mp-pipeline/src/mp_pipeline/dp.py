@@ -40,6 +40,12 @@ def buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> Iterator[list
             yield bucket
 
 
+def _copy_back(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Write consecutive slices of ``flat`` into ``tensors`` (the inverse of concatenating them)."""
+    for t, part in zip(tensors, torch.split(flat, [t.numel() for t in tensors]), strict=True):
+        t.copy_(part.view_as(t))
+
+
 def broadcast_tensors(
     tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, *, bucket_bytes: int = 25 << 20
 ) -> None:
@@ -50,11 +56,7 @@ def broadcast_tensors(
         for bucket in buckets(tensors, bucket_bytes):
             flat = torch.cat([t.detach().reshape(-1) for t in bucket])
             broadcast_(flat, group, 0)  # over MPI when the group has an MPI twin (CPU), else torch's
-            offset = 0
-            for t in bucket:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t))
-                offset += n
+            _copy_back(flat, bucket)
 
 
 def agree_any(flags: Sequence[bool], group: dist.ProcessGroup) -> list[bool]:
@@ -103,11 +105,7 @@ def reduce_gradients(
             flat = torch.cat([g.reshape(-1) for g in bucket])
             all_reduce_(flat, group)  # over MPI when the group has an MPI twin (CPU), else torch's
             flat /= scale
-            offset = 0
-            for g in bucket:
-                n = g.numel()
-                g.copy_(flat[offset : offset + n].view_as(g))
-                offset += n
+            _copy_back(flat, bucket)
 
 
 class OverlappedReduction:
@@ -239,15 +237,13 @@ class OverlappedReduction:
                     # again: reduced anew from the local gradients, all members in the same bucket order
                     flat = all_reduce_(self._flat(b), self.group) if again else out
                     flat /= scale
-                    offset = 0
-                    for i in self.buckets[b]:
-                        p = self.params[i]
-                        n = p.numel()
-                        if have[i]:
+                    parts = torch.split(flat, [self.params[i].numel() for i in self.buckets[b]])
+                    for i, part in zip(self.buckets[b], parts, strict=True):
+                        if have[i]:  # a parameter without gradient anywhere keeps None
+                            p = self.params[i]
                             if p.grad is None:
                                 p.grad = torch.zeros_like(p)
-                            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-                        offset += n
+                            p.grad.copy_(part.view_as(p.grad))
 
     def drain(self) -> None:
         """Complete the collectives of a pass that is abandoned (a failed step), on every member."""
