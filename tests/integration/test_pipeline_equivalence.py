@@ -68,7 +68,7 @@ def train_and_compare(
         return loss
 
     losses = []
-    compact = shortcuts = 0
+    compact = shortcuts = handoffs = 0
     for s in range(steps):
         out = train_step(*batch(name, s, smp.dp_rank()))
         assert len(out.outputs) == microbatches
@@ -78,6 +78,7 @@ def train_and_compare(
         if model._runtime is not None:
             compact += model._runtime.last_stats["compact_sent"]
             shortcuts += model._runtime.last_stats["shortcuts"]
+            handoffs += model._runtime.last_stats["handoffs"]
     state = model.state_dict()
     ref_losses, ref_state = reference(
         name, microbatches=microbatches, replicas=smp.dp_size(), layers=layers, steps=steps
@@ -96,6 +97,7 @@ def train_and_compare(
         "total_params": sum(v.numel() for v in ref_state.values()),
         "compact_sent": compact,
         "shortcuts": shortcuts,
+        "handoffs": handoffs,
     }
 
 
@@ -182,7 +184,8 @@ def test_static_and_fast_mode_equal_plain_pytorch(worlds: Any, mode: str, name: 
         pipeline,
         mode=mode,
         layers=4,
-        steps=RECORD_STEPS + 2,
+        # fast mode learns its plan in the first step and records from the second
+        steps=RECORD_STEPS + 2 + (mode == "fast"),
         timeout=180,
     )
     for r in results:
@@ -191,11 +194,12 @@ def test_static_and_fast_mode_equal_plain_pytorch(worlds: Any, mode: str, name: 
         # both ranks send messages (requests, responses) and replayed them compact
         assert r["compact_sent"] > 0, r
     # rank 0 calls the modules on rank 1; the shortcut is fast mode's only
-    shortcuts = results[0]["shortcuts"]
+    shortcuts, handoffs = results[0]["shortcuts"], results[1]["handoffs"]
     if mode == "static":
-        assert shortcuts == 0, results[0]
+        assert shortcuts == handoffs == 0, results
     elif name == "gpt2":  # blocks on rank 1 called one after another (T5's decoder is one call)
         assert shortcuts > 0, results[0]
+        assert handoffs > 0, results[1]  # block outputs stay on rank 1 from the second step on
 
 
 def branch_change(world: Any, mode: str) -> dict[str, Any]:
@@ -210,7 +214,7 @@ def branch_change(world: Any, mode: str) -> dict[str, Any]:
             "default_partition": 0,
         }
     )
-    steps = RECORD_STEPS + 2
+    steps = RECORD_STEPS + 2 + (mode == "fast")  # fast mode records from the second step
 
     def data(s: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids, target = batch("reuse", s, 0)
@@ -418,3 +422,115 @@ def test_fast_mode_refuses_a_child_that_changes_a_shortcut_input(worlds: Any) ->
         assert r["error"] is not None, r
         assert "'2' changed its input 0 in place" in r["error"], r["error"]
         assert "'fast_mode' to False" in r["error"], r["error"]
+
+
+class Relay(torch.nn.Module):
+    """Children on ranks 1, 2, 1 and 3 called in turn from rank 0: what a and b return goes straight to
+    the next child under fast mode; what c returns the parent also reads, so it comes back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Linear(6, 8)
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+        self.c = torch.nn.Linear(8, 8)
+        self.d = torch.nn.Linear(8, 8)
+        self.rewire = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(self.embed(x))  # rank 1, handed to rank 2
+        h = self.d(h) if self.rewire else self.b(h)  # rank 2, handed back to rank 1
+        g = self.c(h)  # rank 1; the parent reads it too
+        return self.d(torch.tanh(g)).sum(-1) + g.mean(-1)
+
+
+RELAY_OWNERS = {"a": 1, "b": 2, "c": 1, "d": 3}
+
+
+def relay_fast(world: Any, rewire_at: int | None) -> dict[str, Any]:
+    microbatches, steps = 2, RECORD_STEPS + 3
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 6, generator=g), torch.randn(8, generator=g)) for _ in range(steps)]
+    ref = Relay()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_losses = []
+    for x, y in data:
+        total = 0.0
+        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+            loss = torch.nn.functional.mse_loss(ref(xs), ys) / microbatches
+            loss.backward()
+            total += loss.item()
+        ref_losses.append(total)
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    with record_steps(RECORD_STEPS):
+        smp.init(
+            {
+                "pipeline_parallel_degree": 4,
+                "microbatches": microbatches,
+                "fast_mode": True,
+                "auto_partition": False,
+                "default_partition": 0,
+            }
+        )
+        net = Relay()
+        for name, owner in RELAY_OWNERS.items():
+            smp.set_partition(getattr(net, name), owner)
+        model = DistributedModel(net)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @step
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    losses, handoffs, error = [], [], None
+    for s, (x, y) in enumerate(data):
+        net.rewire = s == rewire_at
+        try:
+            losses.append(train_step(x, y).reduce_mean().item())
+        except NotSupportedByFastModeError as exc:
+            error = (s, str(exc))
+            break
+        opt.step()
+        opt.zero_grad()
+        assert model._runtime is not None
+        handoffs.append(model._runtime.last_stats["handoffs"])
+    return {
+        "rank": smp.rank(),
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "params": first_difference(model.state_dict(), ref.state_dict()) if error is None else None,
+        "handoffs": handoffs,
+        "error": error,
+    }
+
+
+def test_fast_mode_hands_outputs_from_child_to_child_across_ranks(worlds: Any) -> None:
+    """From the second step on, outputs the parent only passes on go straight from one child's rank to
+    the next child's, and their gradients straight back (one transfer each instead of two); training is
+    still exactly plain PyTorch's."""
+    results = worlds.run(4, relay_fast, None, timeout=240)
+    for r in results:
+        assert r["error"] is None, r["error"]
+        assert r["params"] is None, f"rank {r['rank']}: {r['params']}"
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6), r
+    # per microbatch: a's output 1 -> 2 and its gradient 2 -> 1; b's output 2 -> 1 and gradient 1 -> 2
+    by_rank = {r["rank"]: r["handoffs"] for r in results}
+    assert by_rank[0] == by_rank[3] == [0] * len(by_rank[0])
+    assert by_rank[1] == by_rank[2] == [0] + [2 * 2] * (len(by_rank[1]) - 1)
+
+
+def test_fast_mode_refuses_a_handed_output_sent_elsewhere(worlds: Any) -> None:
+    """A step that passes a handed-off output to another module than in the first step stops on every
+    rank with NotSupportedByFastModeError (its placeholder has no data to send), no hang."""
+    rewire_at = 2
+    results = worlds.run(4, relay_fast, rewire_at, timeout=240)
+    for r in results:
+        assert r["error"] is not None, r
+        assert r["error"][0] == rewire_at, r["error"]
+        assert "'fast_mode' to False" in r["error"][1], r["error"][1]
+        assert r["losses"] == pytest.approx(r["ref_losses"][:rewire_at], rel=1e-5, abs=1e-6), r

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -18,7 +18,19 @@ from mp_pipeline.context import ExecState
 from mp_pipeline.schedule import Phase
 from mp_pipeline.structure import pickled_by_position
 
-__all__ = ["TAG", "Compact", "Failure", "Request", "Response", "StepAbort", "StepEnd", "StepId", "static_tag"]
+__all__ = [
+    "TAG",
+    "Compact",
+    "Failure",
+    "Handoff",
+    "Ref",
+    "Request",
+    "Response",
+    "StepAbort",
+    "StepEnd",
+    "StepId",
+    "static_tag",
+]
 
 TAG = "mp_pipeline"
 """Transport tag of every full pipeline message."""
@@ -37,6 +49,23 @@ class StepId:
 
     model: int
     step: int
+
+
+class Ref(NamedTuple):
+    """Fast mode: a forward input the requester does not send because its owner gets it otherwise."""
+
+    slot: int
+    """Index of the input among the request's tensors (its entry there is None)."""
+    producer: int
+    """Global rank that ran the forward which returned it."""
+    forward_id: int
+    """request_id of that forward (the requester's)."""
+    kept_index: int
+    """Its index among that forward's outputs that require grad (the producer's kept outputs)."""
+    handoff: bool
+    """The producer handed the output to this request's receiver itself (and the requester holds only a
+    placeholder); the input's gradient then goes straight back to the producer. False: the requester has
+    the data, the producer is the receiver, which uses its kept copy."""
 
 
 @pickled_by_position
@@ -71,10 +100,14 @@ class Request:
     template_id: int | None = None
     """Static mode: the receiver keeps this request (less step, ids, tensors) as template ``template_id``
     of the sender, for later :class:`Compact` messages."""
-    refs: tuple[tuple[int, int, int], ...] = ()
-    """FWD, fast mode: inputs that the receiver already holds, as (input index, request_id of the forward
-    that produced it, index among that forward's outputs that require grad); their ``tensors`` entry is
-    None and the receiver uses the output it kept (the child-to-child shortcut)."""
+    refs: tuple[Ref, ...] = ()
+    """FWD, fast mode: the inputs that travel otherwise (the child-to-child shortcut)."""
+    handoff: tuple[tuple[int, int], ...] = ()
+    """FWD, fast mode: (k, rank): hand output k (among those that require grad) to global rank ``rank``,
+    which consumes it next, instead of returning it (the response then carries a meta placeholder)."""
+    handed: tuple[int, ...] = ()
+    """BWD, fast mode: outputs whose gradient the consumer of a handed-off output sends to this request's
+    receiver itself (their ``tensors`` entry is None)."""
 
 
 @pickled_by_position
@@ -152,7 +185,18 @@ class Compact:
     request_id: int
     tensors: list[torch.Tensor | None]
     forward_id: int | None = None
-    refs: tuple[tuple[int, int, int], ...] = ()
+    refs: tuple[Ref, ...] = ()
+
+
+@pickled_by_position
+@dataclass(slots=True)
+class Handoff:
+    """Fast mode: a tensor sent straight from one module's owner to the next one's (seed 001 §4.4)."""
+
+    step: StepId
+    key: tuple[str, int, int, int]
+    """("act" for an output, "grad" for its gradient, requester, forward_id, output index)."""
+    tensor: torch.Tensor
 
 
 @pickled_by_position

@@ -16,12 +16,16 @@ autocast, and keeps inputs and outputs until the backward request, which runs ``
 on the kept outputs; parameter gradients accumulate on the owner and the leaves' gradients go back.
 Hooks registered on a module run once, on the rank that calls it.
 
-The child-to-child shortcut (fast mode, seed 001 §4.4): a tensor that came back from a module's owner
-and goes, unchanged, into another module on that same owner is not sent back: the request names it
-(:attr:`Request.refs`) and the owner uses the output it kept for the backward. Consecutive children on
-one rank then cost one transfer each instead of two. "Unchanged" is checked, not assumed: the same
-tensor object, its version counter not bumped since it arrived (no in-place change), and the forward
-that produced it not yet backwarded; otherwise the data travels as usual.
+The child-to-child shortcut (fast mode, seed 001 §4.4) comes in two forms, both named in the request
+(:attr:`Request.refs`). (1) A tensor that came back from a module's owner and goes, unchanged, into
+another module on that same owner is not sent back: the owner uses the output it kept for the
+backward. "Unchanged" is checked, not assumed: the same tensor object, its version counter not bumped
+since it arrived (no in-place change), and the forward that produced it not yet backwarded; otherwise
+the data travels as usual. (2) From the second step on, an output that the parent only passes on to
+one other module (learned in the first step, :mod:`mp_pipeline.fast`) does not come back at all: its
+owner hands it to the next module's owner (:attr:`Request.handoff`), the parent holds a ``meta``
+placeholder, and the gradient goes straight back from consumer to producer (:attr:`Request.handed`).
+Consecutive children then cost one transfer per activation and per gradient instead of two.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ import torch.utils.checkpoint
 from torch import nn
 
 from mp_pipeline.context import TaskContext, applied, capture, current, task_context
-from mp_pipeline.errors import NotInStepError, PipelineError, RemoteExecutionError
-from mp_pipeline.messages import Failure, Request, Response, StepId
+from mp_pipeline.errors import FlowChangedError, NotInStepError, PipelineError, RemoteExecutionError
+from mp_pipeline.fast import CallKey, FastPlan
+from mp_pipeline.messages import Failure, Ref, Request, Response, StepId
 from mp_pipeline.schedule import Phase
 from mp_pipeline.structure import flatten, unflatten
 from mp_pipeline.timeline import RECORDER, EventKind
@@ -68,6 +73,8 @@ def remote_error(failure: Failure) -> RemoteExecutionError:
 class _Saved:
     inputs: list[torch.Tensor]
     outputs: list[torch.Tensor]
+    routes: list[Ref | None]
+    """Per input: the handed-off output it was (its gradient goes back to the producer), or None."""
 
 
 class _Link:
@@ -123,6 +130,8 @@ class _Link:
                 f"the backward of module {self.module!r} (called in a pipelined step) ran after that step "
                 "ended; call model.backward(loss) inside the @smp.step function"
             )
+        # a meta gradient is the placeholder of one the consumer sent to the owner itself (fast mode)
+        handed = tuple(k for k, g in enumerate(grads) if g is not None and g.is_meta)
         request = Request(
             step=self.step,
             request_id=server.next_request_id(),
@@ -132,10 +141,11 @@ class _Link:
             microbatch=self.microbatch,
             position=self.position,
             payload=None,
-            tensors=[g.detach() if g is not None else None for g in grads],
+            tensors=[None if g is None or g.is_meta else g.detach() for g in grads],
             requires_grad=(),
             state=capture(),
             forward_id=self.request_id,
+            handed=handed,
         )
         response = server.call(self.dest, request)
         if response.failure is not None:
@@ -195,6 +205,8 @@ class _Produced(NamedTuple):
     """Its index among the forward's outputs that require grad (the owner's kept outputs)."""
     version: int
     """Its version counter when it arrived."""
+    handed_to: int | None
+    """Fast mode: the global rank its owner handed it to (it is a placeholder here), or None."""
 
 
 class Remote:
@@ -219,6 +231,10 @@ class Remote:
         """Fast mode: send references instead of tensors their owner already holds (module docstring)."""
         self._produced: dict[int, _Produced] = {}
         self._produced_step: StepId | None = None
+        self.plan = FastPlan()
+        """Fast mode: which outputs of this rank's remote calls go straight to the next module."""
+        self._calls: dict[tuple[tuple[str, ...], int], int] = {}
+        """Remote calls made in this step by position and microbatch (for their CallKey)."""
         self.backward_requests = 0
         """Backward requests this rank has executed (for the data-parallel reduction decision)."""
 
@@ -259,13 +275,43 @@ class Remote:
         skeleton, tensors = flatten((args, kwargs))
         state = capture()
         requires = tuple(state.grad_enabled and t.requires_grad for t in tensors)
-        request_id = server.next_request_id()
         dest = self.peers[owner]
+        parts = (server, path, dest, skeleton, tensors, requires, state, microbatch, position)
+        if not self.shortcut:
+            return self._call(*parts, None)
+        key = (position, microbatch)
+        n = self._calls.get(key, 0)
+        self._calls[key] = n + 1
+        call: CallKey = (position, microbatch, n)
+        if not self.plan.learning:
+            return self._call(*parts, call)
+        self.plan.consumed(tensors, requires, dest)
+        with torch._C.DisableTorchFunction():  # our own tensor operations are not the parent's use
+            return self._call(*parts, call)
+
+    def _call(  # noqa: PLR0917 - the parts of one call, split off call() for the watch
+        self,
+        server: Any,
+        path: str,
+        dest: int,
+        skeleton: Any,
+        tensors: list[torch.Tensor],
+        requires: tuple[bool, ...],
+        state: Any,
+        microbatch: int,
+        position: tuple[str, ...],
+        call: CallKey | None,
+    ) -> Any:
+        request_id = server.next_request_id()
         sent: list[torch.Tensor | None] = [t.detach() for t in tensors]
-        refs = self._references(tensors, requires, dest, server.step) if self.shortcut else ()
-        for j, _, _ in refs:
-            sent[j] = None
-        server.stats["shortcuts"] += len(refs)
+        refs: tuple[Ref, ...] = ()
+        handoff: tuple[tuple[int, int], ...] = ()
+        if call is not None:
+            refs = self._references(path, tensors, requires, dest, server.step)
+            for ref in refs:
+                sent[ref.slot] = None
+            server.stats["shortcuts"] += len(refs)
+            handoff = self.plan.handoff(call)
         request = Request(
             step=server.step,
             request_id=request_id,
@@ -280,6 +326,7 @@ class Remote:
             state=state,
             checkpoint=path in self.checkpointed,
             refs=refs,
+            handoff=handoff,
         )
         response = server.call(dest, request)
         if response.failure is not None:
@@ -304,33 +351,58 @@ class Remote:
             wired = _Unpack.apply(link, token)  # type: ignore[no-untyped-call]
             for i, t in zip(wire, wired, strict=True):
                 outputs[i] = t
-            if self.shortcut:
-                self._remember(link, wired, server.step)
+            if call is not None:
+                self._remember(link, wired, dict(handoff))
+                if self.plan.learning:
+                    self.plan.produced(call, wired)
         return unflatten(response.payload, outputs)
 
-    def _remember(self, link: _Link, outputs: tuple[torch.Tensor, ...], step: StepId) -> None:
-        if self._produced_step != step:  # ids of the last step's tensors mean nothing now
-            self._produced.clear()
-            self._produced_step = step
+    def begin_step(self, step: StepId) -> None:
+        # ids of the last step's tensors mean nothing now
+        self._produced.clear()
+        self._calls.clear()
+        self._produced_step = step
+        if self.shortcut:
+            self.plan.begin_step()
+
+    def end_step(self, *, completed: bool) -> None:
+        self._produced.clear()
+        self._produced_step = None
+        if self.shortcut:
+            self.plan.end_step(completed=completed)
+
+    def _remember(self, link: _Link, outputs: tuple[torch.Tensor, ...], handoff: dict[int, int]) -> None:
         ref = weakref.ref(link)
         for k, t in enumerate(outputs):
-            self._produced[id(t)] = _Produced(weakref.ref(t), ref, k, t._version)
+            handed_to = handoff.get(k) if t.is_meta else None
+            self._produced[id(t)] = _Produced(weakref.ref(t), ref, k, t._version, handed_to)
 
     def _references(
-        self, tensors: list[torch.Tensor], requires: tuple[bool, ...], dest: int, step: StepId
-    ) -> tuple[tuple[int, int, int], ...]:
-        """The inputs that ``dest`` kept as outputs of an earlier forward of this step, unchanged."""
+        self, path: str, tensors: list[torch.Tensor], requires: tuple[bool, ...], dest: int, step: StepId
+    ) -> tuple[Ref, ...]:
+        """The inputs that ``dest`` holds already: outputs it kept from an earlier forward of this step,
+        unchanged, or outputs handed to it. A placeholder that cannot go as planned is a flow change."""
         if self._produced_step != step:
             return ()
         refs = []
         for j, (t, r) in enumerate(zip(tensors, requires, strict=True)):
-            made = self._produced.get(id(t)) if r else None
-            if made is None or made.tensor() is not t or t._version != made.version:
+            made = self._produced.get(id(t))
+            if made is None or made.tensor() is not t:
                 continue
             link = made.link()
-            if link is None or link.dest != dest or link.backward_sent:
-                continue
-            refs.append((j, link.request_id, made.kept_index))
+            usable = r and link is not None and not link.backward_sent and t._version == made.version
+            if made.handed_to is not None:
+                if not usable or made.handed_to != dest:
+                    raise FlowChangedError(
+                        f"rank {self.rank}: under fast mode, output {made.kept_index} of a module was to go "
+                        f"straight to rank {made.handed_to} (as in the first step), but module {path!r} on "
+                        f"rank {dest} takes it now, or it was changed in place; the flow changed. Set "
+                        "'fast_mode' to False, or keep the flow the same in every step."
+                    )
+                assert link is not None
+                refs.append(Ref(j, link.dest, link.request_id, made.kept_index, True))
+            elif usable and link is not None and link.dest == dest:
+                refs.append(Ref(j, dest, link.request_id, made.kept_index, False))
         return tuple(refs)
 
     # -- owner side ------------------------------------------------------------------------------------
@@ -346,18 +418,37 @@ class Remote:
         original: Callable[..., Any] = module.__dict__[_ORIGINAL]
         tensors: list[Any] = []
         leaves: list[torch.Tensor] = []
-        held = {j: self._kept_output(request, rid, k) for j, rid, k in request.refs}
+        routes: list[Ref | None] = []
+        by_slot = {ref.slot: ref for ref in request.refs}
+        held = {
+            ref.slot: self._kept_output(request, ref.forward_id, ref.kept_index)
+            for ref in request.refs
+            if ref.producer == self.rank
+        }
         for j, (received, r) in enumerate(zip(request.tensors, request.requires_grad, strict=True)):
-            # a shortcut input becomes a fresh leaf on the kept output's memory; its gradient goes back
-            # as any input's does
-            t = held[j][0] if received is None else received
+            # a shortcut input becomes a fresh leaf (on the kept output's memory, or a handed-off one)
+            ref = by_slot.get(j)
+            t: torch.Tensor
+            if ref is None:
+                assert received is not None
+                t = received
+            elif j in held:
+                t = held[j][0]
+            else:
+                t = self.server.take(("act", request.requester, ref.forward_id, ref.kept_index))
             if r:
                 t.requires_grad_(True)
                 leaves.append(t)
+                routes.append(ref if ref is not None and ref.handoff else None)
             tensors.append(t)
         args, kwargs = unflatten(request.payload, tensors)
         task = TaskContext(request.microbatch, request.position)
-        with self._recorded(EventKind.FWD, request), task_context(task), applied(request.state):
+        with (
+            self._recorded(EventKind.FWD, request),
+            task_context(task),
+            applied(request.state),
+            self.plan.watching(),
+        ):
             if request.checkpoint and request.state.grad_enabled:
                 out = torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
             else:
@@ -365,14 +456,22 @@ class Remote:
         if held:
             self._check_untouched(request, held)
         skeleton, outs = flatten(out)
+        if self.plan.learning:
+            self.plan.touched(outs)  # what this module returns leaves its hands: used
         grad_on = request.state.grad_enabled
         out_requires = tuple(grad_on and t.requires_grad for t in outs)
+        sent: list[torch.Tensor | None] = [t.detach() for t in outs]
         if any(out_requires):
-            kept = [t for t, r in zip(outs, out_requires, strict=True) if r]
-            self.saved[(request.requester, request.request_id)] = _Saved(leaves, kept)
-        return Response(
-            request.step, request.request_id, self.rank, skeleton, [t.detach() for t in outs], out_requires
-        )
+            wired = [i for i, r in enumerate(out_requires) if r]
+            kept = [outs[i] for i in wired]
+            self.saved[(request.requester, request.request_id)] = _Saved(leaves, kept, routes)
+            for k, dest in request.handoff:  # fast mode: straight to the next module's owner
+                if k < len(kept):
+                    if dest != self.rank:
+                        key = ("act", request.requester, request.request_id, k)
+                        self.server.hand(dest, key, sent[wired[k]])
+                    sent[wired[k]] = torch.empty_like(kept[k], device="meta")
+        return Response(request.step, request.request_id, self.rank, skeleton, sent, out_requires)
 
     def _kept_output(self, request: Request, forward_id: int, index: int) -> tuple[torch.Tensor, int]:
         """The output a shortcut refers to, detached, with its version counter now."""
@@ -415,12 +514,22 @@ class Remote:
                 f"{request.forward_id} from rank {request.requester}) to run backward on; was its "
                 "backward requested twice?"
             )
-        pairs = [(o, g) for o, g in zip(saved.outputs, request.tensors, strict=True) if g is not None]
+        given = list(request.tensors)
+        for k in request.handed:  # gradients the consumers of handed-off outputs sent here themselves
+            given[k] = self.server.take(("grad", request.requester, request.forward_id, k))
+        pairs = [(o, g) for o, g in zip(saved.outputs, given, strict=True) if g is not None]
         task = TaskContext(request.microbatch, request.position)
         if pairs:
             with self._recorded(EventKind.BWD, request), task_context(task), applied(request.state):
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        grads: list[torch.Tensor | None] = [leaf.grad for leaf in saved.inputs]
+        grads: list[torch.Tensor | None] = []
+        for leaf, route in zip(saved.inputs, saved.routes, strict=True):
+            g = leaf.grad
+            if route is not None and g is not None:  # to the producer; the requester gets a placeholder
+                key = ("grad", request.requester, route.forward_id, route.kept_index)
+                self.server.hand(route.producer, key, g)
+                g = torch.empty_like(g, device="meta")
+            grads.append(g)
         return Response(request.step, request.request_id, self.rank, tensors=grads)
 
 

@@ -22,12 +22,13 @@ from torch import nn
 from mp_comm.transport.base import Transport
 from mp_pipeline.context import ExecState, TaskContext, applied, current, task_context
 from mp_pipeline.errors import NotInStepError
+from mp_pipeline.fast import FastPlan
 from mp_pipeline.messages import StepId
 from mp_pipeline.remote import Remote
 from mp_pipeline.schedule import Phase, Scheduler, Task
 from mp_pipeline.server import Server, ServerClosed, WorkerPool
 from mp_pipeline.static import FlowRecorder, TemplateStore, default_record_steps
-from mp_pipeline.structure import map_structure
+from mp_pipeline.structure import flatten, map_structure
 from mp_pipeline.timeline import RECORDER, STEP_MODULE, EventKind
 
 __all__ = ["PipelineRuntime", "StepDriver", "default_timeout", "pipelined_backward"]
@@ -59,9 +60,16 @@ class StepDriver:
     """pp_rank 0's side of a step: the scheduler's tasks as jobs of the module server."""
 
     def __init__(
-        self, server: Server, scheduler: Scheduler, body: Callable[[int], Any], state: ExecState
+        self,
+        server: Server,
+        scheduler: Scheduler,
+        body: Callable[[int], Any],
+        state: ExecState,
+        plan: FastPlan | None = None,
     ) -> None:
         self.server = server
+        self.plan = plan
+        """Fast mode: the plan that watches the step function while it learns."""
         self.scheduler = scheduler
         self.body = body
         self.state = state
@@ -117,8 +125,11 @@ class StepDriver:
             start = RECORDER.now()
             task = TaskContext(mb, (STEP_MODULE,), on_backward=on_backward)
             try:
-                with task_context(task), applied(self.state):
+                watch = self.plan.watching() if self.plan is not None else contextlib.nullcontext()
+                with task_context(task), applied(self.state), watch:
                     out = self.body(mb)
+                if self.plan is not None and self.plan.learning:
+                    self.plan.touched(flatten(out)[1])  # the step's results are used
             except ServerClosed:
                 raise
             except BaseException as exc:
@@ -168,7 +179,9 @@ class PipelineRuntime:
         self.flow: FlowRecorder | None = None
         if static or strict:
             steps = default_record_steps() if record_steps is None else max(1, record_steps)
-            self.flow = FlowRecorder(rank, record_steps=steps, strict=strict)
+            # fast mode learns its plan in the first step and follows it from the second: the recording
+            # starts there
+            self.flow = FlowRecorder(rank, record_steps=steps, strict=strict, skip_steps=int(strict))
         self.templates = TemplateStore()
 
     @property
@@ -181,7 +194,7 @@ class PipelineRuntime:
     def replaying_static(self) -> bool:
         """Whether the last step came after the recorded ones (the same on every rank of the pipeline,
         unlike whether this rank replays, so a collective may depend on it)."""
-        return self.flow is not None and self._step > self.flow.record_steps
+        return self.flow is not None and self._step > self.flow.skip_steps + self.flow.record_steps
 
     def install(self, root: nn.Module, assignment: Mapping[str, int]) -> None:
         self.remote.install(root, assignment)
@@ -211,6 +224,7 @@ class PipelineRuntime:
             templates=self.templates,
         )
         self.remote.server = server
+        self.remote.begin_step(step)
         if self.flow is not None:
             self.flow.begin_step()
         completed = False
@@ -220,7 +234,8 @@ class PipelineRuntime:
         try:
             with recorded:
                 if self.pp_rank == 0:
-                    driver = StepDriver(server, scheduler, body, state)
+                    plan = self.remote.plan if self.remote.shortcut else None
+                    driver = StepDriver(server, scheduler, body, state, plan)
                     server.serve(driver)
                     results = [driver.results[m] for m in range(scheduler.microbatches)]
                     log.debug("step %d: schedule %s", self._step, " ".join(map(str, scheduler.issued)))
@@ -230,6 +245,7 @@ class PipelineRuntime:
         finally:
             if self.flow is not None:
                 self.flow.end_step(completed=completed)
+            self.remote.end_step(completed=completed)
             self.remote.server = None
             self.remote.saved.clear()
             self.last_stats = dict(server.stats)

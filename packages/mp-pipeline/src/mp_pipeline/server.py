@@ -24,6 +24,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
+
 from mp_comm.errors import PeerTimeoutError
 from mp_comm.transport.base import ANY_SOURCE, ANY_TAG, SendHandle, Transport
 from mp_pipeline.errors import PipelineAbortedError, PipelineTimeoutError
@@ -31,6 +33,7 @@ from mp_pipeline.messages import (
     TAG,
     Compact,
     Failure,
+    Handoff,
     Request,
     Response,
     StepAbort,
@@ -223,10 +226,11 @@ class WorkerPool:
 
 
 class _Slot:
-    __slots__ = ("response",)
+    __slots__ = ("handed", "response")
 
     def __init__(self) -> None:
         self.response: Response | None = None
+        self.handed: torch.Tensor | None = None
 
 
 class Driver(Protocol):
@@ -289,7 +293,11 @@ class Server:
             "compact_sent": 0,
             "compact_received": 0,
             "shortcuts": 0,
+            "handoffs": 0,
         }
+        self._handed: dict[tuple[str, int, int, int], torch.Tensor] = {}
+        """Fast mode: tensors handed to this rank (or kept here) for a later request, by Handoff key."""
+        self._awaited: dict[tuple[str, int, int, int], _Slot] = {}
 
     # -- used by worker threads ------------------------------------------------------------------------
     def next_request_id(self) -> int:
@@ -316,6 +324,28 @@ class Server:
             worker.state = WorkerState.EXECUTING
         assert slot.response is not None
         return slot.response
+
+    def hand(self, dest: int, key: tuple[str, int, int, int], tensor: torch.Tensor) -> None:
+        """Fast mode: give ``tensor`` to rank ``dest`` (this rank too) for the request that will name
+        ``key`` (see mp_pipeline.fast)."""
+        self.stats["handoffs"] += 1
+        if dest == self.rank:
+            # the consumer on this rank asks later (its request comes after this one's response)
+            self._handed[key] = tensor
+        elif not self.closed:
+            self._sends.append(self.transport.send(Handoff(self.step, key, tensor), dest, TAG))
+
+    def take(self, key: tuple[str, int, int, int]) -> torch.Tensor:
+        """Fast mode: the tensor handed over under ``key``, waiting for it (the rank serves other work
+        meanwhile): it comes from another rank than the request that names it, in no fixed order."""
+        found = self._handed.pop(key, None)
+        if found is not None:
+            return found
+        slot = _Slot()
+        self._awaited[key] = slot
+        self.pause(slot)
+        assert slot.handed is not None
+        return slot.handed
 
     def _record_wait(self, request: Request, dest: int, sent: int) -> None:
         """Timeline: the request sent at ``sent`` (an instant) and this thread's wait for its response."""
@@ -439,6 +469,13 @@ class Server:
                 return
             slot.response = message
             self.baton.switch(slot, MAIN)
+        elif isinstance(message, Handoff):
+            waiter = self._awaited.pop(message.key, None)
+            if waiter is None:
+                self._handed[message.key] = message.tensor
+            else:
+                waiter.handed = message.tensor
+                self.baton.switch(waiter, MAIN)
         elif isinstance(message, StepEnd):
             self.finished = True
             self.results = message.results
@@ -548,7 +585,9 @@ def _template(message: Request | Response) -> Template:
             message.state,
             message.checkpoint,
             metas,
-            tuple(j for j, _, _ in message.refs),
+            tuple(ref.slot for ref in message.refs),
+            message.handoff,
+            message.handed,
         )
         return Template(flow, message.payload)
     return Template((message.requires_grad, metas), message.payload)

@@ -121,6 +121,8 @@ class FlowRecorder:
     record_steps: int = DEFAULT_RECORD_STEPS
     strict: bool = False
     """Fast mode: a mismatch raises FlowChangedError instead of falling back to full messages."""
+    skip_steps: int = 0
+    """Completed steps to let pass before recording (fast mode: the one its plan is learned from)."""
     recorded: list[dict[Key, Template]] = field(default_factory=list)
     replaying: bool = False
     disabled: bool = False
@@ -134,6 +136,7 @@ class FlowRecorder:
     _step: dict[Key, Template] = field(default_factory=dict)
     _counts: Counter[Key] = field(default_factory=Counter)
     _used: int = 0
+    _skipped: int = 0
 
     def begin_step(self) -> None:
         self._step = {}
@@ -178,6 +181,9 @@ class FlowRecorder:
         """Close the step: record it, decide to replay, or check that the replay sent everything."""
         if self.disabled or not completed:
             return  # an aborted step proves nothing either way
+        if self._skipped < self.skip_steps:
+            self._skipped += 1
+            return
         if not self.replaying:
             self.recorded.append(self._step)
             if len(self.recorded) < self.record_steps:
