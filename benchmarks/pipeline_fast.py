@@ -1,19 +1,20 @@
-"""Fast mode's child-to-child shortcut: static mode vs fast mode on HF GPT-2 with per-block calls (pp=2).
+"""Fast mode's child-to-child path: static mode vs fast mode on HF GPT-2 with per-block calls (pp=2).
 
 HF GPT-2 (``--layers`` blocks, hidden ``--hidden``, sequence ``--seq``, vocab 2048) built from a config,
 trained with SGD through smp on 2 ranks of one host (pp=2, ``--microbatches`` microbatches of a
 ``--batch`` batch, float32 CPU, one torch thread per rank). The automatic partition puts the second
 half of the blocks (and the head) on rank 1; the model's own forward runs on rank 0 and calls those
-blocks one after another, so every block's hidden state goes rank 1 -> rank 0 -> rank 1. Both variants
-record 2 steps and then replay them compact (static mode); fast mode also passes each hidden state
-that goes unchanged from one block on rank 1 to the next as a reference to the copy rank 1 kept (the
-shortcut), so it travels once instead of twice.
+blocks one after another, so under static mode every block's hidden state goes rank 1 -> rank 0 ->
+rank 1, and its gradient the same way back. Both variants replay compact messages after their recorded
+steps; fast mode, from its second step on, keeps each hidden state that the parent only passes on to
+the next block on rank 1 (the parent holds a placeholder) and its gradient there too (seed 001 §4.4).
 
 A step's time is the slowest rank's, from a barrier to the optimizer step. Each repetition builds both
 variants anew (smp.reset) in alternating order and times ``--steps`` replayed steps after the recorded
-ones; the ratio is paired within a repetition, median over repetitions. Reported with it: tensors sent
-by reference per step and the bytes they would have moved, and the losses of both variants (they must
-agree: the shortcut changes where a tensor comes from, not its value).
+ones; the ratio is paired within a repetition, median over repetitions. Reported with it: the tensor
+bytes the pipeline's messages moved per step (all ranks, measured by the module servers), tensors sent
+by reference and handed off per step, and the losses of both variants (they must agree: fast mode
+changes where a tensor comes from, not its value).
 
 Run: ``python benchmarks/pipeline_fast.py`` (starts itself under ``mpiexec -n 2``); ``--quick`` for a
 smoke run. Results go to benchmarks/results/pipeline_fast.json and .md.
@@ -77,8 +78,10 @@ def run_variant(args: argparse.Namespace, fast: bool, comm: Any) -> dict[str, An
         model.backward(loss)
         return loss
 
-    times, losses, shortcuts = [], [], []
-    for s in range(RECORD_STEPS + args.steps):
+    times, losses, shortcuts, handoffs, moved = [], [], [], [], []
+    # fast mode learns its plan in a step of its own before recording: time both from the same step on
+    warm = RECORD_STEPS + 1
+    for s in range(warm + args.steps):
         comm.Barrier()
         t0 = time.perf_counter()
         out = train_step(ids)
@@ -87,13 +90,23 @@ def run_variant(args: argparse.Namespace, fast: bool, comm: Any) -> dict[str, An
         elapsed = comm.allreduce(time.perf_counter() - t0, op=_max())
         losses.append(out.reduce_mean().item())
         assert model._runtime is not None
-        if s >= RECORD_STEPS:
+        if s >= warm:
+            stats = model._runtime.last_stats
             times.append(elapsed)
-            shortcuts.append(comm.allreduce(model._runtime.last_stats["shortcuts"]))
+            shortcuts.append(comm.allreduce(stats["shortcuts"]))
+            handoffs.append(comm.allreduce(stats["handoffs"]))
+            moved.append(comm.allreduce(stats["tensor_bytes"]))
     mine = sum(1 for name, _ in model.local_named_modules() if name.count(".") == 2 and ".h." in name)
     on_rank1 = comm.bcast(mine, root=1)
     smp.reset()
-    return {"times": times, "losses": losses, "shortcuts": shortcuts, "blocks_on_rank1": on_rank1}
+    return {
+        "times": times,
+        "losses": losses,
+        "shortcuts": shortcuts,
+        "handoffs": handoffs,
+        "moved": moved,
+        "blocks_on_rank1": on_rank1,
+    }
 
 
 def _max() -> Any:
@@ -142,7 +155,8 @@ def _report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], ela
     ]
     per_step = statistics.median(n for r in runs["fast"] for n in r["shortcuts"])
     static_shortcuts = max(n for r in runs["static"] for n in r["shortcuts"])
-    activation_bytes = args.batch // args.microbatches * args.seq * args.hidden * 4
+    handed = statistics.median(n for r in runs["fast"] for n in r["handoffs"])
+    moved = {k: statistics.median(n for r in v for n in r["moved"]) for k, v in runs.items()}
     loss_diff = max(
         abs(a - b)
         for s, f in zip(runs["static"], runs["fast"], strict=True)
@@ -176,32 +190,36 @@ def _report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], ela
         },
         "shortcuts_per_step": per_step,
         "static_mode_shortcuts": static_shortcuts,
-        "bytes_not_sent_per_step": per_step * activation_bytes,
+        "handoffs_per_step": handed,
+        "tensor_bytes_per_step": moved,
+        "fast_over_static_bytes": moved["fast"] / moved["static"],
         "max_abs_loss_difference": loss_diff,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "pipeline_fast.json").write_text(json.dumps(payload, indent=2) + "\n")
     lines = [
-        "# pipeline_fast: static mode vs fast mode (child-to-child shortcut), HF GPT-2, pp=2, CPU",
+        "# pipeline_fast: static mode vs fast mode (child-to-child path), HF GPT-2, pp=2, CPU",
         "",
         f"GPT-2 with {args.layers} blocks (hidden {args.hidden}, sequence {args.seq}, vocab 2048), batch "
         f"{args.batch} in {args.microbatches} microbatches, interleaved schedule; the automatic partition "
         "put "
         f"{payload['model']['blocks_on_rank1']} blocks on rank 1, called one after another from rank 0. "
         f"{args.reps} repetitions x {args.steps} replayed steps per variant (after {RECORD_STEPS} "
-        "recorded); "
+        "recorded, and fast mode's learning step); "
         f"host: {os.cpu_count()} CPUs, 1-minute load {payload['host']['load_1min']:.1f} at the end. "
         "`python benchmarks/pipeline_fast.py` regenerates this file.",
         "",
-        "| mode | ms/step | samples/s | tensors by reference per step |",
-        "|---|---:|---:|---:|",
-        f"| static | {1000 * med['static']:.0f} | {samples['static']:.2f} | {static_shortcuts} |",
-        f"| fast | {1000 * med['fast']:.0f} | {samples['fast']:.2f} | {per_step:g} |",
+        "| mode | ms/step | samples/s | tensor MiB moved per step | by reference | handed off |",
+        "|---|---:|---:|---:|---:|---:|",
+        f"| static | {1000 * med['static']:.0f} | {samples['static']:.2f} | {moved['static'] / 2**20:.1f} | "
+        f"{static_shortcuts} | 0 |",
+        f"| fast | {1000 * med['fast']:.0f} | {samples['fast']:.2f} | {moved['fast'] / 2**20:.1f} | "
+        f"{per_step:g} | {handed:g} |",
         "",
         f"Fast over static throughput: **{statistics.median(ratios):.2f}x** (paired per repetition; range "
-        f"{min(ratios):.2f}-{max(ratios):.2f}x). Per step the shortcut kept {per_step:g} hidden states "
-        f"({per_step * activation_bytes / 2**20:.1f} MiB) off the wire. Largest loss difference between the "
-        f"variants: {loss_diff:.1e}.",
+        f"{min(ratios):.2f}-{max(ratios):.2f}x). Tensor bytes moved per step, fast over static: "
+        f"**{moved['fast'] / moved['static']:.2f}x**. Largest loss difference between the variants: "
+        f"{loss_diff:.1e}.",
         "",
     ]
     (RESULTS / "pipeline_fast.md").write_text("\n".join(lines))

@@ -487,7 +487,7 @@ def relay_fast(world: Any, rewire_at: int | None) -> dict[str, Any]:
         model.backward(loss)
         return loss
 
-    losses, handoffs, error = [], [], None
+    losses, handoffs, moved, error = [], [], [], None
     for s, (x, y) in enumerate(data):
         net.rewire = s == rewire_at
         try:
@@ -499,12 +499,14 @@ def relay_fast(world: Any, rewire_at: int | None) -> dict[str, Any]:
         opt.zero_grad()
         assert model._runtime is not None
         handoffs.append(model._runtime.last_stats["handoffs"])
+        moved.append(model._runtime.last_stats["tensor_bytes"])
     return {
         "rank": smp.rank(),
         "losses": losses,
         "ref_losses": ref_losses,
         "params": first_difference(model.state_dict(), ref.state_dict()) if error is None else None,
         "handoffs": handoffs,
+        "moved": moved,
         "error": error,
     }
 
@@ -522,6 +524,10 @@ def test_fast_mode_hands_outputs_from_child_to_child_across_ranks(worlds: Any) -
     by_rank = {r["rank"]: r["handoffs"] for r in results}
     assert by_rank[0] == by_rank[3] == [0] * len(by_rank[0])
     assert by_rank[1] == by_rank[2] == [0] + [2 * 2] * (len(by_rank[1]) - 1)
+    # every tensor is 4x8 floats: 16 of them per microbatch in the first step (each of the 4 calls: input,
+    # output, output gradient, input gradient), 12 after it (a's and b's outputs and gradients move once)
+    moved = [sum(step) for step in zip(*(r["moved"] for r in results), strict=True)]
+    assert moved == [2 * 16 * 128] + [2 * 12 * 128] * (len(moved) - 1), moved
 
 
 def test_fast_mode_refuses_a_handed_output_sent_elsewhere(worlds: Any) -> None:

@@ -294,6 +294,7 @@ class Server:
             "compact_received": 0,
             "shortcuts": 0,
             "handoffs": 0,
+            "tensor_bytes": 0,
         }
         self._handed: dict[tuple[str, int, int, int], torch.Tensor] = {}
         """Fast mode: tensors handed to this rank (or kept here) for a later request, by Handoff key."""
@@ -333,6 +334,7 @@ class Server:
             # the consumer on this rank asks later (its request comes after this one's response)
             self._handed[key] = tensor
         elif not self.closed:
+            self.stats["tensor_bytes"] += tensor.nbytes
             self._sends.append(self.transport.send(Handoff(self.step, key, tensor), dest, TAG))
 
     def take(self, key: tuple[str, int, int, int]) -> torch.Tensor:
@@ -506,6 +508,8 @@ class Server:
     # -- static mode -----------------------------------------------------------------------------------
     def _send_flow(self, dest: int, message: Request | Response, request: Request) -> None:
         """Send a request or the response to ``request``: compact when static mode replays it."""
+        moved = sum(t.nbytes for t in message.tensors if t is not None and not t.is_meta)  # meta: no data
+        self.stats["tensor_bytes"] += moved
         flow = self.flow
         if flow is None or self.closed or (isinstance(message, Response) and message.failure is not None):
             self.send(dest, message)
