@@ -17,7 +17,10 @@ by reference and handed off per step, and the losses of both variants (they must
 changes where a tensor comes from, not its value).
 
 Run: ``python benchmarks/pipeline_fast.py`` (starts itself under ``mpiexec -n 2``); ``--quick`` for a
-smoke run. Results go to benchmarks/results/pipeline_fast.json and .md.
+smoke run. Results go to benchmarks/results/pipeline_fast.json and .md. ``--pp 4`` runs the same on 4
+ranks (pp=4; the blocks spread over ranks 1-3 as well, so hidden states also go from rank to rank
+without passing rank 0), into pipeline_fast_pp4.json and .md; with 4 ranks on 2 cores its times say
+little, its bytes are the point.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def run_variant(args: argparse.Namespace, fast: bool, comm: Any) -> dict[str, An
 
     smp.init(
         {
-            "pipeline_parallel_degree": 2,
+            "pipeline_parallel_degree": args.pp,
             "microbatches": args.microbatches,
             "pipeline": "interleaved",
             "static_mode": True,
@@ -97,7 +100,7 @@ def run_variant(args: argparse.Namespace, fast: bool, comm: Any) -> dict[str, An
             handoffs.append(comm.allreduce(stats["handoffs"]))
             moved.append(comm.allreduce(stats["tensor_bytes"]))
     mine = sum(1 for name, _ in model.local_named_modules() if name.count(".") == 2 and ".h." in name)
-    on_rank1 = comm.bcast(mine, root=1)
+    blocks = comm.allgather(mine)
     smp.reset()
     return {
         "times": times,
@@ -105,7 +108,7 @@ def run_variant(args: argparse.Namespace, fast: bool, comm: Any) -> dict[str, An
         "shortcuts": shortcuts,
         "handoffs": handoffs,
         "moved": moved,
-        "blocks_on_rank1": on_rank1,
+        "blocks_per_rank": blocks,
     }
 
 
@@ -123,6 +126,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--pp", type=int, default=2, help="pipeline degree = ranks")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--quick", action="store_true")
@@ -130,7 +134,7 @@ def main() -> None:
     if args.quick:
         args.layers, args.hidden, args.seq, args.steps, args.reps = 4, 64, 32, 2, 2
     if not under_mpi():
-        sys.exit(relaunch(__file__, 2))
+        sys.exit(relaunch(__file__, args.pp))
     os.environ["MP_PIPELINE_STATIC_STEPS"] = str(RECORD_STEPS)
     import torch
     from mpi4py import MPI
@@ -171,7 +175,8 @@ def _report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], ela
             "seq": args.seq,
             "batch": args.batch,
             "microbatches": args.microbatches,
-            "blocks_on_rank1": runs["fast"][0]["blocks_on_rank1"],
+            "pp": args.pp,
+            "blocks_per_rank": runs["fast"][0]["blocks_per_rank"],
         },
         "host": {
             "cpus": os.cpu_count(),
@@ -196,14 +201,15 @@ def _report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], ela
         "max_abs_loss_difference": loss_diff,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "pipeline_fast.json").write_text(json.dumps(payload, indent=2) + "\n")
+    stem = "pipeline_fast" if args.pp == 2 else f"pipeline_fast_pp{args.pp}"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=2) + "\n")
     lines = [
-        "# pipeline_fast: static mode vs fast mode (child-to-child path), HF GPT-2, pp=2, CPU",
+        f"# pipeline_fast: static mode vs fast mode (child-to-child path), HF GPT-2, pp={args.pp}, CPU",
         "",
         f"GPT-2 with {args.layers} blocks (hidden {args.hidden}, sequence {args.seq}, vocab 2048), batch "
         f"{args.batch} in {args.microbatches} microbatches, interleaved schedule; the automatic partition "
-        "put "
-        f"{payload['model']['blocks_on_rank1']} blocks on rank 1, called one after another from rank 0. "
+        f"put {payload['model']['blocks_per_rank']} blocks on ranks 0-{args.pp - 1}, called one after "
+        "another from rank 0. "
         f"{args.reps} repetitions x {args.steps} replayed steps per variant (after {RECORD_STEPS} "
         "recorded, and fast mode's learning step); "
         f"host: {os.cpu_count()} CPUs, 1-minute load {payload['host']['load_1min']:.1f} at the end. "
@@ -222,7 +228,7 @@ def _report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], ela
         f"{loss_diff:.1e}.",
         "",
     ]
-    (RESULTS / "pipeline_fast.md").write_text("\n".join(lines))
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 

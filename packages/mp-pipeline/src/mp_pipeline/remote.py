@@ -467,7 +467,9 @@ class Remote:
             self.saved[(request.requester, request.request_id)] = _Saved(leaves, kept, routes)
             for k, dest in request.handoff:  # fast mode: straight to the next module's owner
                 if k < len(kept):
-                    if dest != self.rank:
+                    if dest == self.rank:  # the consumer is here too: it takes the kept output
+                        self.server.stats["handoffs"] += 1
+                    else:
                         key = ("act", request.requester, request.request_id, k)
                         self.server.hand(dest, key, sent[wired[k]])
                     sent[wired[k]] = torch.empty_like(kept[k], device="meta")
