@@ -202,6 +202,7 @@ def _report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], ela
     }
     RESULTS.mkdir(exist_ok=True)
     stem = "pipeline_fast" if args.pp == 2 else f"pipeline_fast_pp{args.pp}"
+    command = "" if args.pp == 2 else f" --pp {args.pp} --reps {args.reps}"
     (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=2) + "\n")
     lines = [
         f"# pipeline_fast: static mode vs fast mode (child-to-child path), HF GPT-2, pp={args.pp}, CPU",
@@ -213,7 +214,7 @@ def _report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], ela
         f"{args.reps} repetitions x {args.steps} replayed steps per variant (after {RECORD_STEPS} "
         "recorded, and fast mode's learning step); "
         f"host: {os.cpu_count()} CPUs, 1-minute load {payload['host']['load_1min']:.1f} at the end. "
-        "`python benchmarks/pipeline_fast.py` regenerates this file.",
+        f"`python benchmarks/pipeline_fast.py{command}` regenerates this file.",
         "",
         "| mode | ms/step | samples/s | tensor MiB moved per step | by reference | handed off |",
         "|---|---:|---:|---:|---:|---:|",

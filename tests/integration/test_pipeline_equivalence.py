@@ -436,11 +436,16 @@ class Relay(torch.nn.Module):
         self.b = torch.nn.Linear(8, 8)
         self.c = torch.nn.Linear(8, 8)
         self.d = torch.nn.Linear(8, 8)
-        self.rewire = False
+        self.rewire = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(self.embed(x))  # rank 1, handed to rank 2
-        h = self.d(h) if self.rewire else self.b(h)  # rank 2, handed back to rank 1
+        if self.rewire == "elsewhere":
+            h = self.d(h)
+        elif self.rewire == "twice":
+            h = self.b(h) + self.b(h)
+        else:
+            h = self.b(h)  # rank 2, handed back to rank 1
         g = self.c(h)  # rank 1; the parent reads it too
         return self.d(torch.tanh(g)).sum(-1) + g.mean(-1)
 
@@ -448,7 +453,7 @@ class Relay(torch.nn.Module):
 RELAY_OWNERS = {"a": 1, "b": 2, "c": 1, "d": 3}
 
 
-def relay_fast(world: Any, rewire_at: int | None) -> dict[str, Any]:
+def relay_fast(world: Any, rewire_at: int | None, rewire: str = "") -> dict[str, Any]:
     microbatches, steps = 2, RECORD_STEPS + 3
     g = torch.Generator().manual_seed(3)
     data = [(torch.randn(8, 6, generator=g), torch.randn(8, generator=g)) for _ in range(steps)]
@@ -489,7 +494,7 @@ def relay_fast(world: Any, rewire_at: int | None) -> dict[str, Any]:
 
     losses, handoffs, moved, error = [], [], [], None
     for s, (x, y) in enumerate(data):
-        net.rewire = s == rewire_at
+        net.rewire = rewire if s == rewire_at else ""
         try:
             losses.append(train_step(x, y).reduce_mean().item())
         except NotSupportedByFastModeError as exc:
@@ -530,11 +535,13 @@ def test_fast_mode_hands_outputs_from_child_to_child_across_ranks(worlds: Any) -
     assert moved == [2 * 16 * 128] + [2 * 12 * 128] * (len(moved) - 1), moved
 
 
-def test_fast_mode_refuses_a_handed_output_sent_elsewhere(worlds: Any) -> None:
-    """A step that passes a handed-off output to another module than in the first step stops on every
-    rank with NotSupportedByFastModeError (its placeholder has no data to send), no hang."""
+@pytest.mark.parametrize("rewire", ["elsewhere", "twice"])
+def test_fast_mode_refuses_a_handed_output_sent_elsewhere(worlds: Any, rewire: str) -> None:
+    """A step that passes a handed-off output to another module than in the first step, or to a second
+    one, stops on every rank with NotSupportedByFastModeError (its placeholder has no data to send; the
+    data went to one consumer), no hang."""
     rewire_at = 2
-    results = worlds.run(4, relay_fast, rewire_at, timeout=240)
+    results = worlds.run(4, relay_fast, rewire_at, rewire, timeout=240)
     for r in results:
         assert r["error"] is not None, r
         assert r["error"][0] == rewire_at, r["error"]

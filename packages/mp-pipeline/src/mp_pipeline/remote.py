@@ -235,6 +235,8 @@ class Remote:
         """Fast mode: which outputs of this rank's remote calls go straight to the next module."""
         self._calls: dict[tuple[tuple[str, ...], int], int] = {}
         """Remote calls made in this step by position and microbatch (for their CallKey)."""
+        self._taken: set[int] = set()
+        """Placeholders of handed-off outputs already passed on in this step (by id)."""
         self.backward_requests = 0
         """Backward requests this rank has executed (for the data-parallel reduction decision)."""
 
@@ -361,6 +363,7 @@ class Remote:
         # ids of the last step's tensors mean nothing now
         self._produced.clear()
         self._calls.clear()
+        self._taken.clear()
         self._produced_step = step
         if self.shortcut:
             self.plan.begin_step()
@@ -392,14 +395,17 @@ class Remote:
             link = made.link()
             usable = r and link is not None and not link.backward_sent and t._version == made.version
             if made.handed_to is not None:
-                if not usable or made.handed_to != dest:
+                if not usable or made.handed_to != dest or id(t) in self._taken:
+                    producer = repr(link.module) if link is not None else "a module"
                     raise FlowChangedError(
-                        f"rank {self.rank}: under fast mode, output {made.kept_index} of a module was to go "
-                        f"straight to rank {made.handed_to} (as in the first step), but module {path!r} on "
-                        f"rank {dest} takes it now, or it was changed in place; the flow changed. Set "
-                        "'fast_mode' to False, or keep the flow the same in every step."
+                        f"rank {self.rank}: under fast mode, output {made.kept_index} of {producer} was to "
+                        f"go straight to rank {made.handed_to}, its only consumer in the first step; now "
+                        f"module {path!r} on rank {dest} takes it (or takes it a second time), or it was "
+                        "changed in place. The flow changed: set 'fast_mode' to False, or keep the flow the "
+                        "same in every step."
                     )
                 assert link is not None
+                self._taken.add(id(t))  # handed over once: a second consumer would wait for it forever
                 refs.append(Ref(j, link.dest, link.request_id, made.kept_index, True))
             elif usable and link is not None and link.dest == dest:
                 refs.append(Ref(j, dest, link.request_id, made.kept_index, False))
