@@ -3,9 +3,10 @@
 Every model of tests/mp_pipeline/models.py (an MLP, a CNN, the reuse-and-branch model, GPT-2 and T5
 from transformers configs) x pp in {1, 2, 4} x microbatches in {1, 2, 4, 8} x both schedules, without
 and with data parallelism (2 replicas), plus static and fast mode for pp > 1 at 2 and 8 microbatches
-(one recorded step, two replayed): 3 optimizer steps, then the losses and every parameter are compared
-with plain single-process PyTorch running the same microbatches (fp32, rtol 1e-5, atol 1e-6). Also
-times a step (median of steps 2-3) against the plain PyTorch step on the same data.
+(static: one recorded step, two replayed; fast: one learning step, one recorded, one replayed, with
+outputs handed child to child in the last two): 3 optimizer steps, then the losses and every parameter
+are compared with plain single-process PyTorch running the same microbatches (fp32, rtol 1e-5, atol
+1e-6). Also times a step (median of steps 2-3) against the plain PyTorch step on the same data.
 
     python benchmarks/pipeline_grid.py            # starts mpiexec -n 2 and -n 4 itself
 Writes benchmarks/results/pipeline_grid.{json,md}.
@@ -72,7 +73,7 @@ def worker(ranks: int) -> None:
     )
 
     rows = []
-    os.environ["MP_PIPELINE_STATIC_STEPS"] = "1"  # static and fast mode replay steps 2 and 3
+    os.environ["MP_PIPELINE_STATIC_STEPS"] = "1"  # static mode replays steps 2-3, fast mode step 3
     for case in cases(ranks):
         name, pp, mbs = case["name"], case["pp"], case["microbatches"]
         cfg: dict[str, Any] = {
@@ -149,6 +150,7 @@ def worker(ranks: int) -> None:
                     "first_difference": error,
                     "compact_sent": sum(st.get("compact_sent", 0) for st in all_stats),
                     "shortcuts": sum(st.get("shortcuts", 0) for st in all_stats),
+                    "handoffs": sum(st.get("handoffs", 0) for st in all_stats),
                     "step_s": statistics.median(times[1:]) if len(times) > 1 else float("nan"),
                     "plain_step_s": statistics.median(ref_times[1:]),
                 }
@@ -182,19 +184,21 @@ def main() -> int:
         "Step times: CPU, 2 cores shared "
         "by all ranks, median of steps 2-3 (noisy; for orientation only).",
         "",
-        "Static and fast mode record step 1 and replay steps 2-3 (MP_PIPELINE_STATIC_STEPS=1); *compact*: "
-        "messages sent compact over all ranks and steps; *shortcuts*: tensors that went child to child "
-        "(fast mode).",
+        "Static mode records step 1 and replays steps 2-3 (MP_PIPELINE_STATIC_STEPS=1); fast mode learns "
+        "its plan in step 1, records step 2 and replays step 3. *compact*: messages sent compact over all "
+        "ranks and steps; *shortcuts*: inputs sent by reference (fast mode); *handoffs*: outputs and "
+        "gradients handed straight to the next module's rank (fast mode, steps 2-3).",
         "",
-        "| ranks | model | pp | dp | microbatches | schedule | mode | equal | compact | shortcuts | step ms "
-        "| plain PyTorch ms |",
-        "|---|---|---|---|---|---|---|---|---:|---:|---:|---:|",
+        "| ranks | model | pp | dp | microbatches | schedule | mode | equal | compact | shortcuts | handoffs "
+        "| step ms | plain PyTorch ms |",
+        "|---|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         eq = "yes" if r["equal"] else f"NO: {r['first_difference'][:80]}"
         lines.append(
             f"| {r['ranks']} | {r['name']} | {r['pp']} | {r['dp']} | {r['microbatches']} | {r['pipeline']} | "
-            f"{r['mode']} | {eq} | {r['compact_sent']} | {r['shortcuts']} | {1000 * r['step_s']:.1f} | "
+            f"{r['mode']} | {eq} | {r['compact_sent']} | {r['shortcuts']} | {r['handoffs']} | "
+            f"{1000 * r['step_s']:.1f} | "
             f"{1000 * r['plain_step_s']:.1f} |"
         )
     (RESULTS / "pipeline_grid.md").write_text("\n".join(lines) + "\n")

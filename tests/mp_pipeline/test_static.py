@@ -115,3 +115,15 @@ def test_template_store_names_a_missing_template() -> None:
     assert store.get(1, 0) == "template"
     with pytest.raises(FlowChangedError, match="template 7"):
         store.get(1, 7)
+
+
+def test_fast_mode_records_from_the_step_after_its_learning_step() -> None:
+    flow = FlowRecorder(rank=0, record_steps=2, strict=True, skip_steps=1)
+    flow.begin_step()
+    send(flow, shape=(2, 8))  # the first step is not recorded, whatever it sent
+    flow.end_step(completed=False)  # nor does an aborted step count as the one skipped
+    step(flow, [{"shape": (3, 8)}])
+    step(flow, STATIC)
+    step(flow, STATIC)
+    assert flow.replaying
+    assert all(p is not None and p.announce for p in step(flow, STATIC))

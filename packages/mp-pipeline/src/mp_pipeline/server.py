@@ -441,7 +441,8 @@ class Server:
                     return None
                 raise PipelineTimeoutError(
                     f"rank {self.rank} received no pipeline message within {timeout:g} s in step "
-                    f"{self.step.step} (waiting on {len(self._pending)} response(s); workers: "
+                    f"{self.step.step} (waiting on {len(self._pending)} response(s) and "
+                    f"{len(self._awaited)} handed-off tensor(s); workers: "
                     f"{[w.state.value for w in self.pool.workers]}). A rank of pipeline "
                     f"{list(self.peers)} is stuck or dead; raise MP_PIPELINE_TIMEOUT for very long module "
                     "executions."
