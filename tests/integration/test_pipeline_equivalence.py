@@ -302,37 +302,42 @@ class Chain(torch.nn.Module):
         return (torch.tanh(h3) * h1).sum(-1)  # the parent reads h1 itself as well
 
 
-def chain_fast(world: Any, inplace: bool) -> dict[str, Any]:
-    microbatches, steps = 2, RECORD_STEPS + 2
-    g = torch.Generator().manual_seed(7)
-    data = [(torch.randn(8, 6, generator=g), torch.randn(8, generator=g)) for _ in range(steps)]
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
-    ref = Chain(inplace)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    ref_losses = []
+
+def plain_sgd(ref: torch.nn.Module, data: Batches, microbatches: int) -> list[float]:
+    """The losses of plain PyTorch training ``ref`` (MSE, SGD) on ``data`` split into microbatches."""
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    losses = []
     for x, y in data:
         total = 0.0
         for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
             loss = torch.nn.functional.mse_loss(ref(xs), ys) / microbatches
             loss.backward()
             total += loss.item()
-        ref_losses.append(total)
-        ref_opt.step()
-        ref_opt.zero_grad()
+        losses.append(total)
+        opt.step()
+        opt.zero_grad()
+    return losses
 
+
+def fast_trainer(
+    net: torch.nn.Module, pp: int, owners: dict[str, int], microbatches: int
+) -> tuple[Any, Any, Any]:
+    """``net`` under fast mode (children named in ``owners`` on those pp_ranks, the rest on 0), its SGD
+    optimizer and an MSE training step."""
     with record_steps(RECORD_STEPS):
         smp.init(
             {
-                "pipeline_parallel_degree": 2,
+                "pipeline_parallel_degree": pp,
                 "microbatches": microbatches,
                 "fast_mode": True,
                 "auto_partition": False,
                 "default_partition": 0,
             }
         )
-        net = Chain(inplace)
-        for child in (net.a, net.b, net.c):
-            smp.set_partition(child, 1)
+        for name, owner in owners.items():
+            smp.set_partition(getattr(net, name), owner)
         model = DistributedModel(net)
         opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
@@ -341,6 +346,20 @@ def chain_fast(world: Any, inplace: bool) -> dict[str, Any]:
         loss = torch.nn.functional.mse_loss(model(x), y)
         model.backward(loss)
         return loss
+
+    return model, opt, train_step
+
+
+def chain_fast(world: Any, inplace: bool) -> dict[str, Any]:
+    microbatches, steps = 2, RECORD_STEPS + 2
+    g = torch.Generator().manual_seed(7)
+    data = [(torch.randn(8, 6, generator=g), torch.randn(8, generator=g)) for _ in range(steps)]
+
+    ref = Chain(inplace)
+    ref_losses = plain_sgd(ref, data, microbatches)
+
+    net = Chain(inplace)
+    model, opt, train_step = fast_trainer(net, 2, {"a": 1, "b": 1, "c": 1}, microbatches)
 
     losses, shortcuts = [], 0
     for x, y in data:
@@ -458,39 +477,10 @@ def relay_fast(world: Any, rewire_at: int | None, rewire: str = "") -> dict[str,
     g = torch.Generator().manual_seed(3)
     data = [(torch.randn(8, 6, generator=g), torch.randn(8, generator=g)) for _ in range(steps)]
     ref = Relay()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    ref_losses = []
-    for x, y in data:
-        total = 0.0
-        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
-            loss = torch.nn.functional.mse_loss(ref(xs), ys) / microbatches
-            loss.backward()
-            total += loss.item()
-        ref_losses.append(total)
-        ref_opt.step()
-        ref_opt.zero_grad()
+    ref_losses = plain_sgd(ref, data, microbatches)
 
-    with record_steps(RECORD_STEPS):
-        smp.init(
-            {
-                "pipeline_parallel_degree": 4,
-                "microbatches": microbatches,
-                "fast_mode": True,
-                "auto_partition": False,
-                "default_partition": 0,
-            }
-        )
-        net = Relay()
-        for name, owner in RELAY_OWNERS.items():
-            smp.set_partition(getattr(net, name), owner)
-        model = DistributedModel(net)
-        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-
-    @step
-    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        model.backward(loss)
-        return loss
+    net = Relay()
+    model, opt, train_step = fast_trainer(net, 4, RELAY_OWNERS, microbatches)
 
     losses, handoffs, moved, error = [], [], [], None
     for s, (x, y) in enumerate(data):
