@@ -219,6 +219,22 @@ def test_fp16_params_logs_a_deprecation(caplog: pytest.LogCaptureFixture) -> Non
     assert any("deprecated" in r.getMessage() for r in caplog.records)
 
 
+def test_keys_without_an_implementation_say_so(caplog: pytest.LogCaptureFixture) -> None:
+    """smp scripts set these; mp accepts them (the script runs, training is correct) and warns once that
+    they have no effect yet, naming each with what happens instead."""
+    with caplog.at_level(logging.WARNING, logger="mp.config"):
+        build(pipeline_parallel_degree=2)
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING, logger="mp.config"):
+        build(fp16=True, shard_optimizer_state=True, offload_activations=True)
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "not implemented in mp yet" in message
+    for key in ("fp16 (", "shard_optimizer_state (", "offload_activations ("):
+        assert key in message, message
+    assert "sharded_data_parallel_degree" not in message
+
+
 def test_derived_properties() -> None:
     cfg = build(partitions=2, tensor_parallel_degree=4, placement_strategy="spread", default_partition=1)
     assert (cfg.pp, cfg.tp, cfg.mp_size, cfg.partitions, cfg.placement_order) == (2, 4, 8, 2, "TPD")

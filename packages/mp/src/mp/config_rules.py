@@ -8,7 +8,7 @@ needed DistributedDataParallel switched on (see the ``ddp`` field).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from mp.config_schema import MODEL_KWARGS, UNSUPPORTED_KEYS, WRAPPER_KEYS, config_error, did_you_mean, show
@@ -17,7 +17,7 @@ from mp.errors import ConfigError
 if TYPE_CHECKING:
     from mp.config_model import ModelParallelConfig
 
-__all__ = ["alias_conflict", "check_rules", "log_resolutions", "unknown_key"]
+__all__ = ["alias_conflict", "check_rules", "log_resolutions", "not_built", "unknown_key"]
 
 logger = logging.getLogger("mp.config")
 
@@ -207,8 +207,48 @@ def _check_atp_mesh(c: ModelParallelConfig) -> None:
         )
 
 
+# Keys smp scripts set whose feature mp has not built yet (the mp-memory package): accepted, so that those
+# scripts run and train correctly, but said out loud, since each changes memory use or precision.
+_NOT_BUILT: tuple[tuple[str, Callable[[ModelParallelConfig], bool], str], ...] = (
+    ("fp16", lambda c: c.fp16, "training runs in the parameters' own dtype"),
+    ("bf16", lambda c: c.bf16, "training runs in the parameters' own dtype"),
+    ("_fp32_grad_accumulation", lambda c: c.fp32_grad_accumulation, "gradients accumulate in their dtype"),
+    ("offload_activations", lambda c: c.offload_activations, "activations stay on their device"),
+    ("_shard_offloaded_activations", lambda c: c.shard_offloaded_activations, "nothing is offloaded"),
+    (
+        "shard_optimizer_state",
+        lambda c: c.shard_optimizer_state,
+        "every data-parallel rank keeps its partition's whole optimizer state",
+    ),
+    (
+        "sharded_data_parallel_degree",
+        lambda c: c.sharded_data_parallel_degree > 1,
+        "parameters are not sharded: plain data parallelism",
+    ),
+    (
+        "delayed_parameter_initialization",
+        lambda c: c.delayed_parameter_initialization,
+        "parameters are created when the model is built",
+    ),
+    ("load_partition", lambda c: c.load_partition, "the partition is decided as without it"),
+)
+
+
+def not_built(c: ModelParallelConfig) -> list[str]:
+    """The keys set in ``c`` whose feature mp does not implement yet, each with what happens instead."""
+    return [f"{key} ({instead})" for key, active, instead in _NOT_BUILT if active(c)]
+
+
 def log_resolutions(c: ModelParallelConfig) -> None:
-    """Log what construction decided for the user (deprecations, forced or disabled options)."""
+    """Log what construction decided for the user (deprecations, forced or disabled options, keys that
+    have no effect yet)."""
+    missing = not_built(c)
+    if missing:
+        logger.warning(
+            "config keys accepted for compatibility with smp but not implemented in mp yet, so they have no "
+            "effect: %s",
+            "; ".join(missing),
+        )
     if c.fp16_params:
         logger.warning("config key 'fp16_params' is deprecated in smp; use 'fp16': true instead")
     if c.resolved_pipeline != c.pipeline:
