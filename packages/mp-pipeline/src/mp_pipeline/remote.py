@@ -30,10 +30,10 @@ Consecutive children then cost one transfer per activation and per gradient inst
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -278,86 +278,72 @@ class Remote:
         state = capture()
         requires = tuple(state.grad_enabled and t.requires_grad for t in tensors)
         dest = self.peers[owner]
-        parts = (server, path, dest, skeleton, tensors, requires, state, microbatch, position)
-        if not self.shortcut:
-            return self._call(*parts, None)
-        key = (position, microbatch)
-        n = self._calls.get(key, 0)
-        self._calls[key] = n + 1
-        call: CallKey = (position, microbatch, n)
-        if not self.plan.learning:
-            return self._call(*parts, call)
-        self.plan.consumed(tensors, requires, dest)
-        with torch._C.DisableTorchFunction():  # our own tensor operations are not the parent's use
-            return self._call(*parts, call)
-
-    def _call(  # noqa: PLR0917 - the parts of one call, split off call() for the watch
-        self,
-        server: Any,
-        path: str,
-        dest: int,
-        skeleton: Any,
-        tensors: list[torch.Tensor],
-        requires: tuple[bool, ...],
-        state: Any,
-        microbatch: int,
-        position: tuple[str, ...],
-        call: CallKey | None,
-    ) -> Any:
-        request_id = server.next_request_id()
-        sent: list[torch.Tensor | None] = [t.detach() for t in tensors]
-        refs: tuple[Ref, ...] = ()
-        handoff: tuple[tuple[int, int], ...] = ()
-        if call is not None:
-            refs = self._references(path, tensors, requires, dest, server.step)
-            for ref in refs:
-                sent[ref.slot] = None
-            server.stats["shortcuts"] += len(refs)
-            handoff = self.plan.handoff(call)
-        request = Request(
-            step=server.step,
-            request_id=request_id,
-            requester=self.rank,
-            phase=Phase.FORWARD,
-            module=path,
-            microbatch=microbatch,
-            position=position,
-            payload=skeleton,
-            tensors=sent,
-            requires_grad=requires,
-            state=state,
-            checkpoint=path in self.checkpointed,
-            refs=refs,
-            handoff=handoff,
-        )
-        response = server.call(dest, request)
-        if response.failure is not None:
-            raise remote_error(response.failure)
-        outputs: list[Any] = list(response.tensors)
-        wire = [i for i, r in enumerate(response.requires_grad) if r]
-        if wire and state.grad_enabled:
-            grad_inputs = [t for t, r in zip(tensors, requires, strict=True) if r]
-            link = _Link(
-                self,
-                dest,
-                server.step,
-                request_id,
-                path,
-                microbatch,
-                position,
-                len(grad_inputs),
-                [outputs[i] for i in wire],
-            )
-            anchor = torch.empty(0, requires_grad=True)
-            token = _RemoteFunction.apply(link, anchor, *grad_inputs)  # type: ignore[no-untyped-call]
-            wired = _Unpack.apply(link, token)  # type: ignore[no-untyped-call]
-            for i, t in zip(wire, wired, strict=True):
-                outputs[i] = t
+        call: CallKey | None = None
+        if self.shortcut:
+            key = (position, microbatch)
+            n = self._calls.get(key, 0)
+            self._calls[key] = n + 1
+            call = (position, microbatch, n)
+            if self.plan.learning:
+                self.plan.consumed(tensors, requires, dest)
+        # while fast mode learns, our own tensor operations below are not the parent's use of its outputs
+        learning = call is not None and self.plan.learning
+        unwatched = torch._C.DisableTorchFunction() if learning else contextlib.nullcontext()
+        with unwatched:
+            request_id = server.next_request_id()
+            sent: list[torch.Tensor | None] = [t.detach() for t in tensors]
+            refs: tuple[Ref, ...] = ()
+            handoff: tuple[tuple[int, int], ...] = ()
             if call is not None:
-                self._remember(link, wired, dict(handoff))
-                if self.plan.learning:
-                    self.plan.produced(call, wired)
-        return unflatten(response.payload, outputs)
+                refs = self._references(path, tensors, requires, dest, server.step)
+                for ref in refs:
+                    sent[ref.slot] = None
+                server.stats["shortcuts"] += len(refs)
+                handoff = self.plan.handoff(call)
+            request = Request(
+                step=server.step,
+                request_id=request_id,
+                requester=self.rank,
+                phase=Phase.FORWARD,
+                module=path,
+                microbatch=microbatch,
+                position=position,
+                payload=skeleton,
+                tensors=sent,
+                requires_grad=requires,
+                state=state,
+                checkpoint=path in self.checkpointed,
+                refs=refs,
+                handoff=handoff,
+            )
+            response = server.call(dest, request)
+            if response.failure is not None:
+                raise remote_error(response.failure)
+            outputs: list[Any] = list(response.tensors)
+            wire = [i for i, r in enumerate(response.requires_grad) if r]
+            if wire and state.grad_enabled:
+                grad_inputs = [t for t, r in zip(tensors, requires, strict=True) if r]
+                link = _Link(
+                    self,
+                    dest,
+                    server.step,
+                    request_id,
+                    path,
+                    microbatch,
+                    position,
+                    len(grad_inputs),
+                    [outputs[i] for i in wire],
+                )
+                anchor = torch.empty(0, requires_grad=True)
+                token = _RemoteFunction.apply(link, anchor, *grad_inputs)  # type: ignore[no-untyped-call]
+                wired = _Unpack.apply(link, token)  # type: ignore[no-untyped-call]
+                for i, t in zip(wire, wired, strict=True):
+                    outputs[i] = t
+                if call is not None:
+                    self._remember(link, wired, dict(handoff))
+                    if learning:
+                        self.plan.produced(call, wired)
+            return unflatten(response.payload, outputs)
 
     def begin_step(self, step: StepId) -> None:
         # ids of the last step's tensors mean nothing now
@@ -506,7 +492,7 @@ class Remote:
                     "set 'fast_mode' to False."
                 )
 
-    def _recorded(self, kind: EventKind, request: Request) -> AbstractContextManager[None]:
+    def _recorded(self, kind: EventKind, request: Request) -> contextlib.AbstractContextManager[None]:
         """The execution as a timeline event (a no-op unless the timeline is recording)."""
         return RECORDER.span(
             kind, rank=self.rank, step=request.step.step, module=request.module, microbatch=request.microbatch

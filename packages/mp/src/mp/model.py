@@ -177,8 +177,8 @@ class DistributedModel(nn.Module):
         if self._pp > 1:
             transport = _pipeline_transport(world)
             # static_mode: record the first steps' messages, then send them compact (mp_pipeline.static);
-            # fast_mode: the same, plus the child-to-child tensor shortcut (mp_pipeline.remote); a flow
-            # that changes after the recording raises NotSupportedByFastModeError.
+            # fast_mode: the same, plus the child-to-child path (mp_pipeline.remote, mp_pipeline.fast); a
+            # flow that changes after the recording raises NotSupportedByFastModeError.
             self._runtime = PipelineRuntime(
                 transport=transport,
                 rank=world.rank,
