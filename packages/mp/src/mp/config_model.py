@@ -209,10 +209,11 @@ class ModelParallelConfig:
     herring: bool = _key(False, KeySpec(kind="bool", example="false"))
     """Internal smp key: use SageMaker's data-parallel library (herring). Accepted and informational."""
     load_partition: bool = _key(False, KeySpec(kind="bool", example="false"))
-    """Internal smp key: load the partition decision from ``partition_file`` instead of computing it;
-    requires ``partition_file``."""
+    """Internal smp key: read the partition decision from ``partition_file`` instead of computing it
+    (no tracing); requires ``partition_file``."""
     partition_file: str | None = _key(None, KeySpec(kind="str", nullable=True, example='"partition.json"'))
-    """Internal smp key: the file a partition decision is loaded from (see ``load_partition``)."""
+    """Internal smp key: a JSON file for the partition decision. Global rank 0 writes the decision there
+    once the model is partitioned, unless ``load_partition`` reads it from there (mp.partition_file)."""
 
     _specs: ClassVar[dict[str, tuple[str, KeySpec]]]
     """Per smp key: the field name and the spec (filled in below the class)."""

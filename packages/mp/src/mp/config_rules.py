@@ -230,7 +230,6 @@ _NOT_BUILT: tuple[tuple[str, Callable[[ModelParallelConfig], bool], str], ...] =
         lambda c: c.delayed_parameter_initialization,
         "parameters are created when the model is built",
     ),
-    ("load_partition", lambda c: c.load_partition, "the partition is decided as without it"),
 )
 
 
@@ -258,5 +257,7 @@ def log_resolutions(c: ModelParallelConfig) -> None:
             c.resolved_active_microbatches,
             c.microbatches,
         )
+    if c.partition_file is not None and c.pipeline_parallel_degree == 1:
+        logger.info("partition_file has no effect with pipeline_parallel_degree 1: nothing is partitioned")
     if c.checkpoint_attentions and c.pipeline_parallel_degree > 1:
         logger.info("checkpoint_attentions is disabled because pipeline_parallel_degree > 1")

@@ -175,6 +175,10 @@ class IncompatibleCheckpointFoundError(SMPCheckpointError):
     """A checkpoint was written for a layout or format that cannot be loaded here."""
 
 
+class PartitionFileError(SMPValidationError):
+    """The ``partition_file`` is missing or unreadable, or does not fit the model and layout (mp)."""
+
+
 # ----------------------------------------------------------------------------- unsupported errors
 class NotSupportedByFastModeError(SMPUnsupportedError):
     """The graph changed between steps, which fast mode does not support; set 'fast_mode' to False."""

@@ -36,6 +36,7 @@ from mp.errors import (
     SMPValidationError,
 )
 from mp.optimizer import keep_local_parameters
+from mp.partition_file import check_assignment, read_partition, write_partition
 from mp.state import state
 from mp.tensor_api import replace_tp_modules
 from mp_comm import GroupKind, LoopbackTransport, Router, Transport, TransportConfig, World
@@ -423,26 +424,26 @@ class DistributedModel(nn.Module):
     def _partition(self, body: Callable[[int], Any]) -> None:
         world = state.require()[1]
         if self._pp > 1:
+            cfg = state.require()[0]
             payload: tuple[str, Any] = ("error", "rank 0 did not compute a partition")
             # The trace runs the model's forward: with tensor parallelism its distributed modules run
             # collectives in rank 0's TP group, so every member of that group traces (its own first
             # microbatch) and rank 0's plan is the one everybody uses.
             tracers = state.require()[2].group(GroupKind.TP, 0)
-            # Whether rank 0 takes a pinned partition decides whether anybody traces: agreed first.
-            pinned: list[Any] = [self._pinned is not None]
+            # Whether rank 0 takes a given partition decides whether anybody traces: agreed first.
+            pinned: list[Any] = [self._pinned is not None or cfg.load_partition]
             dist.broadcast_object_list(pinned, src=0)
             if world.rank in tracers and world.rank != 0 and not pinned[0]:
                 try:
                     self._compute_plan(body)
                 except Exception:
                     log.exception("tracing on rank %d (a TP peer of rank 0) failed", world.rank)
-            if world.rank == 0 and self._pinned is not None:
-                payload = ("ok", dict(self._pinned))
-                log.info("partition taken from the partial checkpoint loaded before the first step")
-            elif world.rank == 0:
+            if world.rank == 0:
                 try:
-                    self.plan = self._compute_plan(body)
-                    payload = ("ok", dict(self.plan.assignment))
+                    assignment = self._decide_partition(body)
+                    if cfg.partition_file is not None and not cfg.load_partition:
+                        write_partition(cfg.partition_file, assignment, self._pp)
+                    payload = ("ok", assignment)
                 except Exception as exc:
                     payload = (
                         "error",
@@ -469,6 +470,22 @@ class DistributedModel(nn.Module):
         if optimizer is not None:
             keep_local_parameters(optimizer, self._is_remote)
         self._run_hooks(self._post_partition_hooks)
+
+    def _decide_partition(self, body: Callable[[int], Any]) -> dict[str, int]:
+        """On global rank 0: the partition of a partial checkpoint loaded before the first step, else the
+        one in ``partition_file`` (``load_partition``), else a computed one."""
+        cfg = state.require()[0]
+        if self._pinned is not None:
+            log.info("partition taken from the partial checkpoint loaded before the first step")
+            return dict(self._pinned)
+        if cfg.load_partition:
+            assert cfg.partition_file is not None  # the config requires it
+            modules = (name for name, _ in self.module.named_modules())
+            assignment = read_partition(cfg.partition_file, modules, self._pp)
+            log.info("partition read from partition_file %r", cfg.partition_file)
+            return assignment
+        self.plan = self._compute_plan(body)
+        return dict(self.plan.assignment)
 
     def _compute_plan(self, body: Callable[[int], Any]) -> PartitionPlan:
         cfg = state.require()[0]
@@ -640,25 +657,14 @@ class DistributedModel(nn.Module):
 
     def _pin_partition(self, saved: Any) -> None:
         """Use the partition a partial state was saved with, after checking that it fits this model."""
-        modules = dict(self.module.named_modules())
-        if not isinstance(saved, dict) or not all(
-            isinstance(k, str) and isinstance(v, int) for k, v in saved.items()
-        ):
-            raise IncompatibleCheckpointFoundError(
-                f"the partial state's '_smp_partition' entry is {type(saved).__name__}; expected the "
-                "{module path: pp_rank} dict that local_state_dict() writes"
-            )
-        unknown = sorted(k for k in saved if k not in modules)
-        ranks = sorted({v for v in saved.values() if not 0 <= v < self._pp})
-        if unknown or ranks:
-            raise IncompatibleCheckpointFoundError(
-                "the partial state was saved with a partition that does not fit this job: "
-                + (f"modules {unknown[:5]} are not in this model; " if unknown else "")
-                + (f"pp_ranks {ranks} do not exist at pipeline_parallel_degree={self._pp}; " if ranks else "")
-                + "load it into the model and layout it was saved with, or "
-                + _FULL_STATE_FIX
-            )
-        self._pinned = dict(saved)
+        self._pinned = check_assignment(
+            saved,
+            (name for name, _ in self.module.named_modules()),
+            self._pp,
+            source="the partial state's '_smp_partition' entry",
+            fix="load it into the model and layout it was saved with, or " + _FULL_STATE_FIX,
+            error=IncompatibleCheckpointFoundError,
+        )
 
     def _check_partial_keys(self, loaded: set[str], collective: bool) -> None:
         """Raise IncompatibleCheckpointFoundError unless ``loaded`` is exactly this rank's part;
