@@ -11,23 +11,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import mp as smp
 from mp_partition import set_partition
+from tests.integration.test_smp_checkpoint import PP2, Net
 
-BASE = {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0}
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 16)
-        self.b = nn.Linear(16, 16)
-        self.c = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+BASE = dict(PP2)  # manual partitioning, default partition 0: unmarked modules stay on pp_rank 0
 
 
 @smp.step
