@@ -84,16 +84,26 @@ def _check_path(f: object) -> str:
     return os.fspath(f)
 
 
-def _atomic_save(obj: Any, target: str, pickle_module: ModuleType, pickle_protocol: int, rank: int) -> None:
-    """Write to a rank-private temporary file and rename it, so replicas writing the same part (all
-    rdp ranks calling a non-v3 partial save) never interleave and a crash leaves no torn file."""
-    tmp = f"{target}.tmp{rank}"
+def atomic_write(target: str, write: Callable[[str], object], writer: object) -> None:
+    """``write`` a file at a temporary name private to ``writer``, then rename it to ``target``: writers
+    of the same file never interleave, and a crash leaves no torn file."""
+    tmp = f"{target}.tmp{writer}"
     try:
-        torch.save(obj, tmp, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
+        write(tmp)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _atomic_save(obj: Any, target: str, pickle_module: ModuleType, pickle_protocol: int, rank: int) -> None:
+    """``torch.save`` atomically (replicas writing the same part: all rdp ranks calling a non-v3 partial
+    save)."""
+
+    def write(tmp: str) -> None:
+        torch.save(obj, tmp, pickle_module=pickle_module, pickle_protocol=pickle_protocol)
+
+    atomic_write(target, write, rank)
 
 
 def _agree(error: BaseException | None, group_kind: GroupKind, what: str) -> None:

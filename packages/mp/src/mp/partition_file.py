@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
+from mp.checkpoint import atomic_write
 from mp.errors import PartitionFileError
 
 __all__ = ["check_assignment", "read_partition", "write_partition"]
@@ -94,11 +96,4 @@ def write_partition(path: str, assignment: Mapping[str, int], pp: int) -> None:
         {"format": FORMAT, "pipeline_parallel_degree": pp, "partition": dict(sorted(assignment.items()))},
         indent=1,
     )
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text + "\n", encoding="utf-8"), os.getpid())
