@@ -191,15 +191,17 @@ def main() -> None:
                 dist.recv(into, peer)
                 dist.send(x, peer)
 
-    variants: dict[str, Callable[[int, int], None]] = {
-        "mpi4py": raw_mpi,
-        "mpi4py-2msg": two_message,
-        "mp-mpi": transport(ours_mpi),
-        "mp-mpi-static": transport(ours_mpi, static=True),
-        "gloo": gloo,
-    }
-    if ours_ucx is not None:
-        variants["mp-ucx"] = transport(ours_ucx)
+    Run = Callable[[int, int], None]
+
+    def paths(raw: Run, ours: Callable[..., Run], peer_path: Run, **more: Run) -> dict[str, Run]:
+        """The variants of one measurement, by name: raw MPI, `more`, mp's transports, gloo."""
+        out = {"mpi4py": raw, **more, "mp-mpi": ours(ours_mpi), "mp-mpi-static": ours(ours_mpi, static=True)}
+        out["gloo"] = peer_path
+        if ours_ucx is not None:
+            out["mp-ucx"] = ours(ours_ucx)
+        return out
+
+    variants = paths(raw_mpi, transport, gloo, **{"mpi4py-2msg": two_message})
 
     stream_sizes = [n for n in sizes if n >= STREAM_MIN]
     into = {n: [torch.empty(n, dtype=torch.uint8) for _ in range(_window(n))] for n in stream_sizes}
@@ -242,14 +244,7 @@ def main() -> None:
                     work.wait()
                 dist.send(ack_out, peer)
 
-    streams: dict[str, Callable[[int, int], None]] = {
-        "mpi4py": raw_mpi_stream,
-        "mp-mpi": transport_stream(ours_mpi),
-        "mp-mpi-static": transport_stream(ours_mpi, static=True),
-        "gloo": gloo_stream,
-    }
-    if ours_ucx is not None:
-        streams["mp-ucx"] = transport_stream(ours_ucx)
+    streams = paths(raw_mpi_stream, transport_stream, gloo_stream)
 
     # Warm-up: every path once at every size.
     for fn in variants.values():
