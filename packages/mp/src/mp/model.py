@@ -480,8 +480,7 @@ class DistributedModel(nn.Module):
             return dict(self._pinned)
         if cfg.load_partition:
             assert cfg.partition_file is not None  # the config requires it
-            modules = (name for name, _ in self.module.named_modules())
-            assignment = read_partition(cfg.partition_file, modules, self._pp)
+            assignment = read_partition(cfg.partition_file, self._module_paths(), self._pp)
             log.info("partition read from partition_file %r", cfg.partition_file)
             return assignment
         self.plan = self._compute_plan(body)
@@ -655,11 +654,15 @@ class DistributedModel(nn.Module):
                 )
         return self.module.load_state_dict(subset, strict=False)
 
+    def _module_paths(self) -> Iterator[str]:
+        """The paths of the wrapped model's modules (what a partition assigns)."""
+        return (name for name, _ in self.module.named_modules())
+
     def _pin_partition(self, saved: Any) -> None:
         """Use the partition a partial state was saved with, after checking that it fits this model."""
         self._pinned = check_assignment(
             saved,
-            (name for name, _ in self.module.named_modules()),
+            self._module_paths(),
             self._pp,
             source="the partial state's '_smp_partition' entry",
             fix="load it into the model and layout it was saved with, or " + _FULL_STATE_FIX,
