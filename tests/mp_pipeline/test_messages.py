@@ -10,6 +10,7 @@ import torch
 from mp_pipeline.context import ExecState
 from mp_pipeline.messages import Compact, Failure, Request, Response, StepAbort, StepEnd, StepId
 from mp_pipeline.schedule import Phase
+from mp_pipeline.sequence import Order
 from mp_pipeline.structure import Slot
 
 STEP = StepId(model=2, step=7)
@@ -43,6 +44,7 @@ MESSAGES = [
     Compact(STEP, 5, 13, [torch.zeros(3), None], forward_id=2, refs=((1, 0, 0),)),
     StepEnd(STEP, results=[1.5, {"a": 2}]),
     StepAbort(STEP, FAILURE),
+    Order(STEP, ("hand", "act", 1, 4, 0)),
     FAILURE,
 ]
 

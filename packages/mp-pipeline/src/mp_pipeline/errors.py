@@ -6,6 +6,8 @@ user as they are (they derive from ``RuntimeError``/``ValueError`` as smp's did)
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "FlowChangedError",
     "InvalidStepOutputError",
@@ -82,9 +84,11 @@ class PipelineAbortedError(PipelineError):
     the message carries that rank's error and traceback; ``exc_type`` names the original exception's
     class."""
 
-    def __init__(self, message: str, exc_type: str = "") -> None:
+    def __init__(self, message: str, exc_type: str = "", failure: Any = None) -> None:
         super().__init__(message)
         self.exc_type = exc_type
+        self.failure = failure
+        """The original failure (an mp_pipeline.messages.Failure), for passing it on."""
 
 
 class FlowChangedError(PipelineError):

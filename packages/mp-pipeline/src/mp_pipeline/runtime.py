@@ -159,14 +159,18 @@ class PipelineRuntime:
         static: bool = False,
         strict: bool = False,
         record_steps: int | None = None,
+        tp_group: tuple[int, ...] = (),
     ) -> None:
-        """``static``: static mode (see mp_pipeline.static), recording ``record_steps`` steps (default
-        MP_PIPELINE_STATIC_STEPS or 5) before replaying; ``strict`` (fast mode, implies static): a flow
-        that changes after the recording raises FlowChangedError instead of falling back."""
+        """``tp_group``: the global ranks of this rank's tensor-parallel group, whose servers then run in
+        lockstep (mp_pipeline.sequence). ``static``: static mode (see mp_pipeline.static), recording
+        ``record_steps`` steps (default MP_PIPELINE_STATIC_STEPS or 5) before replaying; ``strict``
+        (fast mode, implies static): a flow that changes after the recording raises FlowChangedError
+        instead of falling back."""
         self.transport = transport
         self.rank = rank
         self.peers = peers
         self.pp_rank = peers.index(rank)
+        self.tp_group = tp_group
         self.model_id = model_id
         self.timeout = default_timeout() if timeout is None else timeout
         self.remote = Remote(rank, peers)
@@ -222,6 +226,7 @@ class PipelineRuntime:
             pool=self.pool,
             flow=self.flow,
             templates=self.templates,
+            group=self.tp_group,
         )
         self.remote.server = server
         self.remote.begin_step(step)

@@ -28,7 +28,7 @@ import torch
 
 from mp_comm.errors import PeerTimeoutError
 from mp_comm.transport.base import ANY_SOURCE, ANY_TAG, SendHandle, Transport
-from mp_pipeline.errors import PipelineAbortedError, PipelineTimeoutError
+from mp_pipeline.errors import PipelineAbortedError, PipelineError, PipelineTimeoutError
 from mp_pipeline.messages import (
     TAG,
     Compact,
@@ -42,6 +42,7 @@ from mp_pipeline.messages import (
     static_tag,
 )
 from mp_pipeline.schedule import Phase, Task
+from mp_pipeline.sequence import FINISH, TASK, Event, Order, Sequencer, event_of
 from mp_pipeline.static import FlowRecorder, Key, Template, TemplateStore, tensor_metas
 from mp_pipeline.timeline import RECORDER, EventKind
 
@@ -264,7 +265,10 @@ class Server:
         pool: WorkerPool | None = None,
         flow: FlowRecorder | None = None,
         templates: TemplateStore | None = None,
+        group: tuple[int, ...] = (),
     ) -> None:
+        """``group``: the global ranks of this rank's tensor-parallel group (tp_rank order), whose
+        servers must run in lockstep (:mod:`mp_pipeline.sequence`); empty or just this rank: no TP."""
         self.transport = transport
         self.rank = rank
         self.peers = peers
@@ -276,6 +280,8 @@ class Server:
         self.flow = flow
         """Static mode: the record of this rank's messages (None: every message is sent in full)."""
         self.templates = templates if templates is not None else TemplateStore()
+        self.sequencer = Sequencer(rank, group, peers) if len(group) > 1 else None
+        """Tensor parallelism: the TP group's one order of events (None without TP)."""
         self._handle_request = handle_request
         self._timeout = timeout
         self._pending: dict[int, _Slot] = {}
@@ -390,27 +396,31 @@ class Server:
         """The main loop: until the step ends here (pp_rank 0: the driver is done; others: StepEnd)."""
         try:
             for message in self._take_early():
-                self._dispatch(message)
+                self._arrived(message)
             while not self.finished:
+                if driver is not None and driver.failure is not None:
+                    raise driver.failure
+                if self.sequencer is not None and not self.sequencer.is_leader:
+                    self._follow(driver)
+                    continue
                 if driver is not None:
-                    if driver.failure is not None:
-                        raise driver.failure
                     message = self._poll(0.0)
                     if message is None:
                         task = driver.next_task()
                         if task is not None:
                             log.debug("rank %d starts %s", self.rank, task)
+                            self._announce((TASK, str(task)))
                             driver.start(task)
                             continue
                         if driver.done:
-                            self.finished = True
-                            self._send_end(driver.peer_results())
+                            self._announce((FINISH,))
+                            self._finish(driver)
                             break
                         message = self._poll(self._timeout)
                 else:
                     message = self._poll(self._timeout)
                 if message is not None:
-                    self._dispatch(message)
+                    self._arrived(message)
             if driver is not None and driver.failure is not None:
                 raise driver.failure
         except BaseException as exc:
@@ -419,6 +429,73 @@ class Server:
         finally:
             self._shutdown()
         return self.results
+
+    def _sequence_state(self) -> str:
+        seq = self.sequencer
+        if seq is None:
+            return ""
+        if seq.is_leader:
+            return f"; TP leader of {list(seq.group)}"
+        return f"; TP follower of rank {seq.leader}, {seq.describe()}"
+
+    def _finish(self, driver: Driver) -> None:
+        self.finished = True
+        self._send_end(driver.peer_results())
+
+    def _arrived(self, message: Any) -> None:
+        """A message of this step: dispatched now (a leader first tells its followers), or, on a
+        follower, held until the leader names it. An abort, or a failed request's answer, is dispatched
+        at once everywhere: the step ends either way, and the failure must not wait for an order."""
+        seq = self.sequencer
+        failed = isinstance(message, Response) and message.failure is not None
+        if seq is None or failed or isinstance(message, StepAbort):
+            self._dispatch(message)
+        elif seq.is_leader:
+            self._announce(event_of(message, self.peers))
+            self._dispatch(message)
+        else:
+            seq.hold(message)
+
+    def _announce(self, event: Event) -> None:
+        """Leader: tell the followers the event dispatched next (before it runs: it may wait for them)."""
+        if self.sequencer is not None:
+            log.debug("rank %d (TP leader) dispatches %s", self.rank, event)
+            for follower in self.sequencer.followers:
+                self.send(follower, Order(self.step, event))
+
+    def _follow(self, driver: Driver | None) -> None:
+        """Follower: dispatch the event the leader dispatched next, waiting for its order and message."""
+        seq = self.sequencer
+        assert seq is not None
+        event = seq.next_order()
+        if event is None:
+            self._arrived(self._poll(self._timeout))
+        elif event[0] in (TASK, FINISH):
+            if driver is None:
+                raise PipelineError(f"rank {self.rank}: the leader ordered {event}; this is not pp_rank 0")
+            seq.done_order()
+            if event[0] == FINISH:
+                if not driver.done:
+                    raise PipelineError(
+                        f"rank {self.rank}: TP leader rank {seq.leader} ended the step, this rank's schedule "
+                        "is not done: the tensor-parallel ranks ran different steps"
+                    )
+                self._finish(driver)
+                return
+            task = driver.next_task()
+            if task is None or str(task) != event[1]:
+                raise PipelineError(
+                    f"rank {self.rank}: TP leader rank {seq.leader} started task {event[1]}, this rank's "
+                    f"schedule has {task}: the tensor-parallel ranks ran different steps"
+                )
+            driver.start(task)
+        else:
+            message = seq.take(event)
+            if message is None:
+                self._arrived(self._poll(self._timeout))
+            else:
+                log.debug("rank %d (TP follower) dispatches %s", self.rank, event)
+                self._dispatch(message)
 
     def _send_end(self, results: Any) -> None:
         # pp_rank 0: tell the other ranks of the pipeline that the step is over.
@@ -443,9 +520,9 @@ class Server:
                     f"rank {self.rank} received no pipeline message within {timeout:g} s in step "
                     f"{self.step.step} (waiting on {len(self._pending)} response(s) and "
                     f"{len(self._awaited)} handed-off tensor(s); workers: "
-                    f"{[w.state.value for w in self.pool.workers]}). A rank of pipeline "
-                    f"{list(self.peers)} is stuck or dead; raise MP_PIPELINE_TIMEOUT for very long module "
-                    "executions."
+                    f"{[w.state.value for w in self.pool.workers]}{self._sequence_state()}). A rank of "
+                    f"pipeline {list(self.peers)} is stuck or dead; raise MP_PIPELINE_TIMEOUT for very long "
+                    "module executions."
                 ) from None
             message = self._received(received.source, received.tag, received.obj)
             step = getattr(message, "step", None)
@@ -487,6 +564,7 @@ class Server:
             raise PipelineAbortedError(
                 f"the step was aborted: {f.describe()}\n--- traceback on rank {f.rank} ---\n{f.traceback}",
                 f.exc_type,
+                f,
             )
         else:  # pragma: no cover - _poll filters
             log.error("rank %d: unknown message %r dropped", self.rank, type(message))
@@ -548,19 +626,26 @@ class Server:
         return message
 
     def _abort(self, exc: BaseException) -> None:
+        """Tell the pipeline (and, with TP, the TP group: its ranks wait on each other's orders and
+        collectives) that the step failed. A rank told by another passes the news on only under TP: the
+        failing rank reaches its own pipeline and TP group, the others reach theirs."""
+        targets = set(self.peers) | set(self.sequencer.group if self.sequencer is not None else ())
+        targets.discard(self.rank)
         if isinstance(exc, PipelineAbortedError):
-            return  # another rank aborted and told everyone
-        failure = Failure.from_exception(exc, rank=self.rank, module="<step>", microbatch=-1, phase="step")
-        if failure.rank == self.rank and getattr(exc, "microbatch", None) is None:
-            failure.microbatch = getattr(exc, "_mp_microbatch", -1)
-        for peer in self.peers:
-            if peer != self.rank:
-                try:
-                    self.send(peer, StepAbort(self.step, failure))
-                except Exception as send_exc:  # pragma: no cover - transport already broken
-                    log.error(
-                        "rank %d: could not tell rank %d about the failure: %s", self.rank, peer, send_exc
-                    )
+            if self.sequencer is None or exc.failure is None:
+                return  # another rank aborted and told everyone
+            failure: Failure = exc.failure
+        else:
+            failure = Failure.from_exception(
+                exc, rank=self.rank, module="<step>", microbatch=-1, phase="step"
+            )
+            if failure.rank == self.rank and getattr(exc, "microbatch", None) is None:
+                failure.microbatch = getattr(exc, "_mp_microbatch", -1)
+        for peer in sorted(targets):
+            try:
+                self.send(peer, StepAbort(self.step, failure))
+            except Exception as send_exc:  # pragma: no cover - transport already broken
+                log.error("rank %d: could not tell rank %d about the failure: %s", self.rank, peer, send_exc)
 
     def _shutdown(self) -> None:
         self.closed = True

@@ -187,6 +187,8 @@ class DistributedModel(nn.Module):
                 model_id=self._model_id,
                 static=cfg.static_mode or cfg.fast_mode,
                 strict=cfg.fast_mode,
+                # TP modules issue collectives in the TP group: its servers run one order of events
+                tp_group=tuple(topo.group(GroupKind.TP, world.rank)) if cfg.tp > 1 else (),
             )
         state.model = self
 
@@ -276,9 +278,8 @@ class DistributedModel(nn.Module):
                     cfg.resolved_pipeline,
                     len(inputs),
                     min(cfg.resolved_active_microbatches, len(inputs)),
-                    # Tensor-parallel modules issue collectives in their TP group, so every TP rank
-                    # must run the same requests in the same order: only the fixed order ensures it.
-                    deterministic=cfg.deterministic_server or cfg.tp > 1,
+                    # TP ranks agree on one order of events through their servers, whatever the schedule
+                    deterministic=cfg.deterministic_server,
                 )
                 results = self._runtime.run_step(body, scheduler, exec_state)
         except BaseException as exc:
