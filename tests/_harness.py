@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-START_TIMEOUT = 120.0
+START_TIMEOUT = 300.0  # starting n ranks imports torch n times: minutes on a starved 2-vCPU host
 FAILURE_GRACE = 3.0  # after one rank fails, how long to wait for the others' own errors
 
 
