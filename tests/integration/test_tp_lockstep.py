@@ -19,7 +19,16 @@ import torch
 
 import mp as smp
 from mp_pipeline.context import current
-from tests.integration.test_tp_model import PER_RANK, _config, _data, _optimizer, _reference
+from tests.integration.test_tp_model import (
+    PER_RANK,
+    _config,
+    _data,
+    _optimizer,
+    _reference,
+    assert_losses,
+    global_loss,
+    gpt_step,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,31 +85,19 @@ def _train(world: Any) -> dict[str, Any]:
     _hold_ready(model.get_module().transformer.ln_f)
     opt = smp.DistributedOptimizer(_optimizer(model.parameters()))
 
-    @smp.step
-    def train_step(model: Any, ids: torch.Tensor) -> torch.Tensor:
-        loss = model(input_ids=ids, labels=ids).loss
-        model.backward(loss)
-        return loss
-
+    train_step = gpt_step()
     dp, rank = smp.dp_size(), smp.dp_rank()
     losses = []
     for ids in _data(dp):
         opt.zero_grad()
         out = train_step(model, ids[rank * PER_RANK : (rank + 1) * PER_RANK])
         opt.step()
-        losses.append(sum(smp.allgather(out.reduce_mean().item(), smp.DP_GROUP)) / dp)
-    assert model._runtime is not None
-    return {"losses": losses, "dp": dp, "stats": model._runtime.last_stats}
+        losses.append(global_loss(out, dp))
+    return {"losses": losses, "dp": dp}
 
 
 def test_tensor_parallel_ranks_serve_one_order_of_events(worlds: Any) -> None:
     results = worlds.run(4, _train, timeout=240)
     ref_losses, _, _ = _reference(results[0]["dp"], False, 4)
     for r, res in enumerate(results):
-        torch.testing.assert_close(
-            torch.tensor(res["losses"]),
-            torch.tensor(ref_losses),
-            rtol=1e-5,
-            atol=1e-6,
-            msg=lambda m, r=r: f"rank {r} losses: {m}",
-        )
+        assert_losses(res["losses"], ref_losses, r)

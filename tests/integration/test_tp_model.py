@@ -63,6 +63,33 @@ def _reference(
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 
+def gpt_step() -> Any:
+    """The step function of these tests: the LM loss of a GPT-2 and its backward."""
+
+    @smp.step
+    def train_step(model: Any, ids: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids).loss
+        model.backward(loss)
+        return loss
+
+    return train_step
+
+
+def global_loss(out: Any, dp: int) -> float:
+    """Every rank's mean over its samples; the global loss is their mean over the DP group."""
+    return float(sum(smp.allgather(out.reduce_mean().item(), smp.DP_GROUP)) / dp)
+
+
+def assert_losses(losses: list[float], reference: list[float], rank: int) -> None:
+    torch.testing.assert_close(
+        torch.tensor(losses),
+        torch.tensor(reference),
+        rtol=1e-5,
+        atol=1e-6,
+        msg=lambda m: f"rank {rank} losses: {m}",
+    )
+
+
 def _train(world: Any, pp: int, microbatches: int, clip: bool = False, fast: bool = False) -> dict[str, Any]:
     smp.init(
         {
@@ -87,12 +114,7 @@ def _train(world: Any, pp: int, microbatches: int, clip: bool = False, fast: boo
             os.environ["MP_PIPELINE_STATIC_STEPS"] = before
     opt = smp.DistributedOptimizer(_optimizer(model.parameters()))
 
-    @smp.step
-    def train_step(model: Any, ids: torch.Tensor) -> torch.Tensor:
-        loss = model(input_ids=ids, labels=ids).loss
-        model.backward(loss)
-        return loss
-
+    train_step = gpt_step()
     dp, rank = smp.dp_size(), smp.dp_rank()
     losses, norms, shortcuts = [], [], 0
     for ids in _data(dp):
@@ -103,8 +125,7 @@ def _train(world: Any, pp: int, microbatches: int, clip: bool = False, fast: boo
         if clip:  # the norm of the whole model's gradient: over the stages and the TP shards
             norms.append(float(opt.clip_master_grads(CLIP)))  # type: ignore[attr-defined]
         opt.step()
-        # every rank's mean over its samples; the global loss is their mean over the DP group
-        losses.append(sum(smp.allgather(out.reduce_mean().item(), smp.DP_GROUP)) / dp)
+        losses.append(global_loss(out, dp))
     result: dict[str, Any] = {"losses": losses, "dp": dp, "norms": norms, "shortcuts": shortcuts}
     if pp == 1:
         from mp_tensor import gather_state_dict
@@ -133,13 +154,7 @@ def test_tensor_parallel_gpt2_trains_like_single_process(  # noqa: PLR0917 - pyt
         assert results[0]["shortcuts"] > 0, results[0]
     for r, res in enumerate(results):
         assert res["norms"] == pytest.approx(ref_norms, rel=1e-5), f"rank {r} clipped norms"
-        torch.testing.assert_close(
-            torch.tensor(res["losses"]),
-            torch.tensor(ref_losses),
-            rtol=1e-5,
-            atol=1e-6,
-            msg=lambda m, r=r: f"rank {r} losses: {m}",
-        )
+        assert_losses(res["losses"], ref_losses, r)
         if "state" in res:
             assert set(res["state"]) == set(ref_state)
             for key, value in ref_state.items():
