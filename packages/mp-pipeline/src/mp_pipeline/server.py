@@ -447,8 +447,11 @@ class Server:
         follower, held until the leader names it. An abort, or a failed request's answer, is dispatched
         at once everywhere: the step ends either way, and the failure must not wait for an order."""
         seq = self.sequencer
-        failed = isinstance(message, Response) and message.failure is not None
-        if seq is None or failed or isinstance(message, StepAbort):
+        if (
+            seq is None
+            or isinstance(message, StepAbort)
+            or (isinstance(message, Response) and message.failure is not None)
+        ):
             self._dispatch(message)
         elif seq.is_leader:
             self._announce(event_of(message, self.peers))
@@ -468,34 +471,38 @@ class Server:
         seq = self.sequencer
         assert seq is not None
         event = seq.next_order()
-        if event is None:
+        if event is not None and event[0] in (TASK, FINISH):
+            self._follow_task(driver, event)
+            return
+        message = seq.take(event) if event is not None else None
+        if message is None:  # the order or its message has not arrived yet
             self._arrived(self._poll(self._timeout))
-        elif event[0] in (TASK, FINISH):
-            if driver is None:
-                raise PipelineError(f"rank {self.rank}: the leader ordered {event}; this is not pp_rank 0")
-            seq.done_order()
-            if event[0] == FINISH:
-                if not driver.done:
-                    raise PipelineError(
-                        f"rank {self.rank}: TP leader rank {seq.leader} ended the step, this rank's schedule "
-                        "is not done: the tensor-parallel ranks ran different steps"
-                    )
-                self._finish(driver)
-                return
-            task = driver.next_task()
-            if task is None or str(task) != event[1]:
+            return
+        log.debug("rank %d (TP follower) dispatches %s", self.rank, event)
+        self._dispatch(message)
+
+    def _follow_task(self, driver: Driver | None, event: Event) -> None:
+        """Follower on pp_rank 0: start the task the leader started, or end the step as it did."""
+        seq = self.sequencer
+        assert seq is not None
+        if driver is None:
+            raise PipelineError(f"rank {self.rank}: the leader ordered {event}; this is not pp_rank 0")
+        seq.done_order()
+        if event[0] == FINISH:
+            if not driver.done:
                 raise PipelineError(
-                    f"rank {self.rank}: TP leader rank {seq.leader} started task {event[1]}, this rank's "
-                    f"schedule has {task}: the tensor-parallel ranks ran different steps"
+                    f"rank {self.rank}: TP leader rank {seq.leader} ended the step, this rank's schedule "
+                    "is not done: the tensor-parallel ranks ran different steps"
                 )
-            driver.start(task)
-        else:
-            message = seq.take(event)
-            if message is None:
-                self._arrived(self._poll(self._timeout))
-            else:
-                log.debug("rank %d (TP follower) dispatches %s", self.rank, event)
-                self._dispatch(message)
+            self._finish(driver)
+            return
+        task = driver.next_task()
+        if task is None or str(task) != event[1]:
+            raise PipelineError(
+                f"rank {self.rank}: TP leader rank {seq.leader} started task {event[1]}, this rank's "
+                f"schedule has {task}: the tensor-parallel ranks ran different steps"
+            )
+        driver.start(task)
 
     def _send_end(self, results: Any) -> None:
         # pp_rank 0: tell the other ranks of the pipeline that the step is over.
