@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -61,3 +68,28 @@ def test_validate_runs_before_any_process_group() -> None:
         init_world(environ={}, validate=refuse)
     assert seen and seen[0].size == 1 and seen[0].launcher is Launcher.SINGLE
     assert not dist.is_initialized()
+
+
+def test_uncaught_exception_under_plain_mpiexec_stops_every_rank(tmp_path: Path) -> None:
+    """Without mp-launch: rank 1 raises while rank 0 waits for it in a collective; the job still ends
+    (MPI_Abort from the world's excepthook) instead of rank 0 waiting forever."""
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "from mp_comm import init_world\n"
+        "world = init_world()\n"
+        "if world.rank == 1:\n"
+        "    raise RuntimeError('rank one is broken')\n"
+        "world.mpi_comm.Barrier()  # never completes: rank 1 does not come\n"
+    )
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    assert mpiexec is not None, "mpiexec not found; install it with `pip install mpich`"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [mpiexec, "-n", "2", sys.executable, str(script)], capture_output=True, text=True, timeout=240
+    )
+    took = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert "RuntimeError: rank one is broken" in output and 'fail.py", line 4' in output, output
+    assert "[rank 1] mp: uncaught RuntimeError; aborting the MPI job" in output, output
+    assert took < 120, f"the job took {took:.0f} s to stop"

@@ -352,5 +352,33 @@ def init_world(
         dist.init_process_group(chosen, init_method="env://", timeout=timeout)
     else:
         dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    if launcher is Launcher.MPI and info.size > 1:
+        sys.excepthook = _abort_job_after(sys.excepthook, info.rank)
     log.debug("rank %d/%d started by %s on node %d", info.rank, info.size, launcher.value, info.node)
     return World(info, chosen, device, mpi_comm, owns_process_group=True, previous_excepthook=excepthook)
+
+
+def _abort_job_after(report: Callable[..., Any], rank: int) -> Callable[..., None]:
+    """A sys.excepthook that reports an uncaught exception, then aborts the whole MPI job.
+
+    Under plain `mpiexec` a rank that dies of an exception would otherwise exit normally (atexit,
+    MPI_Finalize) while its peers wait for it, in a collective or in MPI_Finalize itself, until the job's
+    time runs out: mpiexec tears a job down only when a rank exits non-zero or is killed. MPI_Abort
+    stops every rank now, with this rank's traceback as the last word (`mp-launch` does the same).
+    """
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        try:
+            report(exc_type, exc, tb)
+            print(
+                f"[rank {rank}] mp: uncaught {exc_type.__name__}; aborting the MPI job so that no rank "
+                "waits for this one",
+                file=sys.stderr,
+                flush=True,
+            )
+        finally:
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Abort(1)
+
+    return hook
