@@ -4,7 +4,7 @@ import mp as smp
 smp.init({"pipeline_parallel_degree": 2, "microbatches": 4})
 """
 
-from mp import nn, timeline
+from mp import amp, nn, timeline
 from mp.activation_checkpointing import set_activation_checkpointing
 from mp.checkpoint import load, resume_from_checkpoint, save, save_checkpoint
 from mp.comm import (
@@ -155,6 +155,7 @@ __all__ = [
     "UnsupportedTPModuleError",
     "WorkerSizeError",
     "allgather",
+    "amp",
     "barrier",
     "broadcast",
     "dp_barrier",

@@ -210,8 +210,12 @@ def _check_atp_mesh(c: ModelParallelConfig) -> None:
 # Keys smp scripts set whose feature mp has not built yet (the mp-memory package): accepted, so that those
 # scripts run and train correctly, but said out loud, since each changes memory use or precision.
 _NOT_BUILT: tuple[tuple[str, Callable[[ModelParallelConfig], bool], str], ...] = (
-    ("fp16", lambda c: c.fp16, "training runs in the parameters' own dtype"),
-    ("bf16", lambda c: c.bf16, "training runs in the parameters' own dtype"),
+    (
+        "fp16",
+        lambda c: c.fp16,
+        "training runs in the parameters' own dtype; torch.autocast with smp.amp.GradScaler works",
+    ),
+    ("bf16", lambda c: c.bf16, "training runs in the parameters' own dtype; torch.autocast works"),
     ("_fp32_grad_accumulation", lambda c: c.fp32_grad_accumulation, "gradients accumulate in their dtype"),
     ("offload_activations", lambda c: c.offload_activations, "activations stay on their device"),
     ("_shard_offloaded_activations", lambda c: c.shard_offloaded_activations, "nothing is offloaded"),
