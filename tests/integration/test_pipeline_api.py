@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import pytest
@@ -253,3 +255,57 @@ def test_clip_master_grads_uses_the_whole_models_norm(worlds: Any, norm_type: fl
         assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5)
         assert all(n > 0.05 for n in r["ref_norms"])  # the clip really applied
         assert r["diff"] is None, r["diff"]
+
+
+def _state_dict_on_some_ranks(world: Any, misuse: str) -> dict[str, Any]:
+    """smp's most common hang: a gather of the model's state called on some ranks of a pipeline only."""
+    os.environ["MP_PIPELINE_TIMEOUT"] = "8"  # read when the pipeline starts (the first step)
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    try:
+        torch.manual_seed(0)
+        model = DistributedModel(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)))
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+        @step
+        def train(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.mse_loss(model(x), y)
+            model.backward(loss)
+            return loss
+
+        train(torch.randn(4, 6), torch.randn(4, 3))
+        opt.step()
+        start = time.monotonic()
+        try:
+            if misuse == "rank 0 only":
+                if smp.rank() == 0:
+                    model.state_dict()
+                train(torch.randn(4, 6), torch.randn(4, 3))
+            else:  # the two ranks call different gathers
+                model.state_dict() if smp.rank() == 0 else opt.state_dict()
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}", "took": time.monotonic() - start}
+        return {"error": None, "took": time.monotonic() - start}
+    finally:
+        os.environ.pop("MP_PIPELINE_TIMEOUT", None)
+        smp.reset()
+
+
+@pytest.mark.parametrize("misuse", ["rank 0 only", "different gathers"])
+def test_a_state_gather_on_some_ranks_only_is_an_error_not_a_hang(worlds: Any, misuse: str) -> None:
+    results = worlds.run(2, _state_dict_on_some_ranks, misuse, timeout=120)
+    first, second = (r["error"] or "" for r in results)
+    if misuse == "rank 0 only":
+        # rank 1, in its next step, hears of rank 0's gather at once; rank 0 waits for rank 1 in vain
+        assert (
+            "rank 0 (pp_rank 0) entered model.state_dict(), which every rank of pipeline [0, 1] must "
+            in second
+        )
+        assert "while rank 1 is in training step 2" in second and "smp.rdp_rank() == 0" in second
+        assert results[1]["took"] < 5, results[1]
+        assert "rank 0 entered model.state_dict()" in first and "rank 1 did not within 8 s" in first, first
+    else:
+        for text in (first, second):
+            assert "entered model.state_dict() (its collective number 1" in text or (
+                "entered optimizer.state_dict() (its collective number 1" in text
+            ), text
+            assert "must call the same collectives, in the same order" in text, text

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mp_pipeline.context import ExecState
-from mp_pipeline.messages import Compact, Failure, Request, Response, StepAbort, StepEnd, StepId
+from mp_pipeline.messages import Compact, Entered, Failure, Request, Response, StepAbort, StepEnd, StepId
 from mp_pipeline.schedule import Phase
 from mp_pipeline.sequence import Order
 from mp_pipeline.structure import Slot
@@ -45,6 +45,7 @@ MESSAGES = [
     StepEnd(STEP, results=[1.5, {"a": 2}]),
     StepAbort(STEP, FAILURE),
     Order(STEP, ("hand", "act", 1, 4, 0)),
+    Entered("model.state_dict()", 3),
     FAILURE,
 ]
 

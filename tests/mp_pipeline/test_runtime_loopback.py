@@ -208,3 +208,44 @@ def test_an_error_on_the_owner_reaches_both_ranks() -> None:
     assert results[0].rank == 1 and results[0].module == "1" and "no such thing" in str(results[0])
     assert "raise KeyError" in results[0].remote_traceback
     assert "rank 1" in str(results[1]) and "no such thing" in str(results[1])
+
+
+def test_a_collective_entered_by_a_rank_that_finished_the_step_first_is_kept_for_it() -> None:
+    """pp=3: rank 2 entered a gather (its Entered reaches ranks 0 and 1 while they still serve the step,
+    as when rank 2 got the step's end first). The servers keep it instead of dropping it, and the
+    gather's arrival check on ranks 0 and 1 then completes with it."""
+    from mp_pipeline.messages import ENTERED_TAG, Entered
+
+    hub = LoopbackHub(3, config=TransportConfig(timeout=30.0, spin_time=0.0, poll_min=5e-4, poll_max=5e-4))
+    transports = [hub.transport(r) for r in range(3)]
+    torch.manual_seed(1)
+    model = ReuseBranch()
+    runtimes = [
+        PipelineRuntime(transport=transports[r], rank=r, peers=(0, 1, 2), model_id=1, timeout=10.0)
+        for r in range(3)
+    ]
+    for r in range(3):
+        runtimes[r].install(model if r == 0 else ReuseBranch(), ASSIGN)  # rank 2 owns nothing
+    for dest in (0, 1):  # already waiting in their mailboxes when the step starts
+        transports[2].send(Entered("model.state_dict()", 1), dest, ENTERED_TAG).wait()
+    ids = torch.randint(0, 16, (4, 5))
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            runtimes[r].run_step(
+                lambda mb: model(ids)["logits"].sum().detach(), Scheduler("simple", 1), ExecState(True)
+            )
+            if r < 2:
+                runtimes[r].enter("model.state_dict()")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert all(not t.is_alive() for t in threads)
+    assert runtimes[0]._entered == {2: []} and runtimes[1]._entered == {2: []}  # taken from the servers' keep

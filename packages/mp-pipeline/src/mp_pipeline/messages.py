@@ -19,8 +19,10 @@ from mp_pipeline.schedule import Phase
 from mp_pipeline.structure import pickled_by_position
 
 __all__ = [
+    "ENTERED_TAG",
     "TAG",
     "Compact",
+    "Entered",
     "Failure",
     "Handoff",
     "Ref",
@@ -34,6 +36,10 @@ __all__ = [
 
 TAG = "mp_pipeline"
 """Transport tag of every full pipeline message."""
+
+
+ENTERED_TAG = (TAG, "entered")
+"""Transport tag of :class:`Entered`: its own, so that a rank waiting for one takes nothing else."""
 
 
 def static_tag(template_id: int) -> tuple[str, int]:
@@ -215,3 +221,13 @@ class StepAbort:
 
     step: StepId
     failure: Failure
+
+
+@pickled_by_position
+@dataclass(slots=True)
+class Entered:
+    """A rank, between steps, to the other ranks of its pipeline: it entered `what`, a collective over
+    the pipeline (a gather of the model's state), its `count`-th (see PipelineRuntime.enter)."""
+
+    what: str
+    count: int

@@ -13,17 +13,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from mp_comm.errors import PeerTimeoutError
 from mp_comm.transport.base import Transport
 from mp_pipeline.context import ExecState, TaskContext, applied, current, task_context
-from mp_pipeline.errors import NotInStepError
+from mp_pipeline.errors import NotInStepError, PipelineError
 from mp_pipeline.fast import FastPlan
-from mp_pipeline.messages import StepId
+from mp_pipeline.messages import ENTERED_TAG, TAG, Entered, StepId
 from mp_pipeline.remote import Remote
 from mp_pipeline.schedule import Phase, Scheduler, Task
 from mp_pipeline.server import Server, ServerClosed, WorkerPool
@@ -187,6 +189,9 @@ class PipelineRuntime:
             # starts there
             self.flow = FlowRecorder(rank, record_steps=steps, strict=strict, skip_steps=int(strict))
         self.templates = TemplateStore()
+        self._entered: dict[int, list[Entered]] = {}
+        """Entered messages that the server took during a step (from ranks that finished it first)."""
+        self._entries = 0
 
     @property
     def flow_mismatch(self) -> str | None:
@@ -211,6 +216,58 @@ class PipelineRuntime:
         self.pool.close()
         self.pool = WorkerPool(self.rank, alive=lambda: not self.transport.closed)
 
+    def enter(self, what: str) -> None:
+        """Enter `what`, a collective over this pipeline's ranks between steps (a gather of the model's
+        state): tell the other ranks of the pipeline, and wait until each has entered it too.
+
+        A collective that some ranks of a pipeline call and others do not (``if smp.rank() == 0:
+        model.state_dict()``) would otherwise hang until a transport timeout, with nothing naming the
+        cause. Here the ranks that went on into the next step learn of it from pp_rank 0's message at
+        once (their server raises), and a rank waiting here raises PipelineError after
+        MP_PIPELINE_TIMEOUT, naming the rank that did not come; so does a mismatch (another collective,
+        or the same one a different number of times).
+        """
+        self._entries += 1
+        mine = Entered(what, self._entries)
+        others = [p for p in self.peers if p != self.rank]
+        sends = [self.transport.send(mine, p, ENTERED_TAG) for p in others]
+        deadline = time.monotonic() + self.timeout
+        for peer in others:
+            theirs = self._take_entered(peer, what, deadline)
+            if (theirs.what, theirs.count) != (what, mine.count):
+                raise PipelineError(
+                    f"rank {self.rank} entered {what} (its collective number {mine.count} over pipeline "
+                    f"{list(self.peers)}) while rank {peer} entered {theirs.what} (its number "
+                    f"{theirs.count}): every rank of the pipeline must call the same collectives, in the "
+                    "same order"
+                )
+        for handle in sends:
+            handle.wait(max(0.0, deadline - time.monotonic()))
+
+    def _take_entered(self, peer: int, what: str, deadline: float) -> Entered:
+        kept = self._entered.get(peer)
+        if kept:
+            return kept.pop(0)
+        try:
+            received = self.transport.recv(peer, ENTERED_TAG, timeout=max(0.0, deadline - time.monotonic()))
+        except PeerTimeoutError:
+            mailbox = getattr(self.transport, "mailbox", None)
+            stepping = mailbox is not None and any(
+                source == peer and (tag == TAG or (isinstance(tag, tuple) and tag[:1] == (TAG,)))
+                for source, tag in mailbox.pending()
+            )
+            where = f" (its pipeline messages are waiting here: rank {peer} is in a training step)"
+            raise PipelineError(
+                f"rank {self.rank} entered {what}, which every rank of pipeline {list(self.peers)} must "
+                f"call together, and rank {peer} did not within {self.timeout:g} s{where if stepping else ''}"
+                ": call it on every rank of the pipeline at the same point of the script (e.g. under `if "
+                "smp.rdp_rank() == 0:` rather than `if smp.rank() == 0:`), or raise MP_PIPELINE_TIMEOUT "
+                "if a rank can legitimately arrive that much later"
+            ) from None
+        message = received.obj
+        assert isinstance(message, Entered), type(message)
+        return message
+
     def run_step(self, body: Callable[[int], Any], scheduler: Scheduler, state: ExecState) -> list[Any]:
         """Run one step; returns the per-microbatch results of the step function on every rank."""
         self._step += 1
@@ -227,6 +284,7 @@ class PipelineRuntime:
             flow=self.flow,
             templates=self.templates,
             group=self.tp_group,
+            entered=self._entered,
         )
         self.remote.server = server
         self.remote.begin_step(step)

@@ -32,6 +32,7 @@ from mp_pipeline.errors import PipelineAbortedError, PipelineError, PipelineTime
 from mp_pipeline.messages import (
     TAG,
     Compact,
+    Entered,
     Failure,
     Handoff,
     Request,
@@ -266,9 +267,12 @@ class Server:
         flow: FlowRecorder | None = None,
         templates: TemplateStore | None = None,
         group: tuple[int, ...] = (),
+        entered: dict[int, list[Entered]] | None = None,
     ) -> None:
         """``group``: the global ranks of this rank's tensor-parallel group (tp_rank order), whose
-        servers must run in lockstep (:mod:`mp_pipeline.sequence`); empty or just this rank: no TP."""
+        servers must run in lockstep (:mod:`mp_pipeline.sequence`); empty or just this rank: no TP.
+        ``entered``: where to keep the :class:`Entered` messages of ranks that finished the step first
+        (PipelineRuntime.enter takes them from there)."""
         self.transport = transport
         self.rank = rank
         self.peers = peers
@@ -288,6 +292,7 @@ class Server:
         self._ids = itertools.count()
         self._early = early
         """Messages of later steps seen while serving this one (kept for them; shared across steps)."""
+        self._entered = entered if entered is not None else {}
         self._sends: list[SendHandle] = []
         self.finished = False
         self.results: Any = None
@@ -532,6 +537,9 @@ class Server:
                     "module executions."
                 ) from None
             message = self._received(received.source, received.tag, received.obj)
+            if isinstance(message, Entered):
+                self._entered_meanwhile(received.source, message)
+                continue
             step = getattr(message, "step", None)
             if not isinstance(step, StepId):
                 log.error("rank %d: dropping a non-pipeline message %r", self.rank, type(received.obj))
@@ -543,6 +551,21 @@ class Server:
                 self._early.append(message)
                 continue
             return message
+
+    def _entered_meanwhile(self, source: int, message: Entered) -> None:
+        """Another rank of the pipeline entered a collective while this rank serves a step. From pp_rank 0,
+        which starts every step and sent this step's end before anything later, it means that pp_rank 0
+        will not come back to this step: the script called the collective on some ranks only (smp's most
+        common hang). From another rank it may just have finished the step first: kept for later."""
+        top = self.peers[0]
+        if source == top and self.rank != top:
+            raise PipelineError(
+                f"rank {top} (pp_rank 0) entered {message.what}, which every rank of pipeline "
+                f"{list(self.peers)} must call together, while rank {self.rank} is in training step "
+                f"{self.step.step}: call it on every rank of the pipeline at the same point of the script "
+                "(e.g. under `if smp.rdp_rank() == 0:` rather than `if smp.rank() == 0:`)"
+            )
+        self._entered.setdefault(source, []).append(message)
 
     def _dispatch(self, message: Any) -> None:
         if isinstance(message, Request):

@@ -604,6 +604,8 @@ class DistributedModel(nn.Module):
                 )
                 for k, v in full.items()
             )
+        if self._runtime is not None:  # a clear error, not a hang, when a rank of the pipeline does not come
+            self._runtime.enter("model.state_dict()")
         local = self.local_state_dict(cast_to_cpu=True)
         local.pop("_smp_is_partial", None)
         parts: list[Any] = [None] * self._pp
