@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from typing import Any
 
@@ -280,6 +281,10 @@ def _state_dict_on_some_ranks(world: Any, misuse: str) -> dict[str, Any]:
                 if smp.rank() == 0:
                     model.state_dict()
                 train(torch.randn(4, 6), torch.randn(4, 3))
+            elif misuse == "smp.save on rank 0 only":
+                if smp.rank() == 0:
+                    smp.save(model.local_state_dict(), os.path.join(tempfile.mkdtemp(), "ckpt"))
+                train(torch.randn(4, 6), torch.randn(4, 3))
             else:  # the two ranks call different gathers
                 model.state_dict() if smp.rank() == 0 else opt.state_dict()
         except Exception as exc:
@@ -290,19 +295,17 @@ def _state_dict_on_some_ranks(world: Any, misuse: str) -> dict[str, Any]:
         smp.reset()
 
 
-@pytest.mark.parametrize("misuse", ["rank 0 only", "different gathers"])
+@pytest.mark.parametrize("misuse", ["rank 0 only", "smp.save on rank 0 only", "different gathers"])
 def test_a_state_gather_on_some_ranks_only_is_an_error_not_a_hang(worlds: Any, misuse: str) -> None:
     results = worlds.run(2, _state_dict_on_some_ranks, misuse, timeout=120)
     first, second = (r["error"] or "" for r in results)
-    if misuse == "rank 0 only":
+    if misuse != "different gathers":
         # rank 1, in its next step, hears of rank 0's gather at once; rank 0 waits for rank 1 in vain
-        assert (
-            "rank 0 (pp_rank 0) entered model.state_dict(), which every rank of pipeline [0, 1] must "
-            in second
-        )
+        what = "model.state_dict()" if misuse == "rank 0 only" else "smp.save(partial=True)"
+        assert f"rank 0 (pp_rank 0) entered {what}, which every rank of pipeline [0, 1]" in second, second
         assert "while rank 1 is in training step 2" in second and "smp.rdp_rank() == 0" in second
         assert results[1]["took"] < 5, results[1]
-        assert "rank 0 entered model.state_dict()" in first and "rank 1 did not within 8 s" in first, first
+        assert f"rank 0 entered {what}" in first and "rank 1 did not within 8 s" in first, first
     else:
         for text in (first, second):
             assert "entered model.state_dict() (its collective number 1" in text or (
