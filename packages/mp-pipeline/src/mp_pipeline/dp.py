@@ -8,7 +8,9 @@ MPI communicator, torch.distributed otherwise).
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -17,6 +19,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from mp_comm.collectives import CollectiveHandle, all_reduce_, all_reduce_async, broadcast_
+from mp_pipeline.errors import PipelineTimeoutError
 
 __all__ = ["OverlappedReduction", "agree_any", "broadcast_tensors", "buckets", "reduce_gradients"]
 
@@ -59,14 +62,38 @@ def broadcast_tensors(
             _copy_back(flat, bucket)
 
 
-def agree_any(flags: Sequence[bool], group: dist.ProcessGroup) -> list[bool]:
-    """Element-wise OR of ``flags`` over the group (every member passes the same number)."""
+def agree_any(flags: Sequence[bool], group: dist.ProcessGroup, *, timeout: float | None = None) -> list[bool]:
+    """Element-wise OR of ``flags`` over the group (every member passes the same number).
+
+    With ``timeout``, a member that has not joined within that many seconds raises PipelineTimeoutError
+    here instead of waiting for good (the all-reduce is left behind: the job is beyond repair).
+    """
     if not flags:
         return []
     t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.uint8)
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=timeout is not None)
+        if work is not None:
+            _wait_within(work, timeout or 0.0)
     return [bool(x) for x in t.tolist()]
+
+
+def _wait_within(work: dist.Work, timeout: float) -> None:
+    # Polled, not work.wait(timeout): a timed-out wait can leave gloo's process group unusable. gloo
+    # moves the data on its own threads, so polling does not slow the collective; a few yields first,
+    # then naps of 1 ms at most, so that a member arriving late costs little latency.
+    deadline = time.monotonic() + timeout
+    spins = 0
+    while not work.is_completed():
+        now = time.monotonic()
+        if now >= deadline:
+            raise PipelineTimeoutError(f"the all-reduce did not complete within {timeout:g} s")
+        if spins < 200:
+            spins += 1
+            os.sched_yield()
+        else:
+            time.sleep(min(1e-3, deadline - now))
+    work.wait()  # raises the collective's own error, if it failed
 
 
 def reduce_gradients(

@@ -45,6 +45,7 @@ from mp_partition import PartitionPlan, Tracer, auto_partition, manual_partition
 from mp_pipeline import (
     FlowChangedError,
     PipelineRuntime,
+    PipelineTimeoutError,
     Scheduler,
     TaskContext,
     agree_any,
@@ -52,6 +53,7 @@ from mp_pipeline import (
     capture,
     caused_by,
     current,
+    default_timeout,
     pipelined_backward,
     reduce_gradients,
     task_context,
@@ -326,7 +328,9 @@ class DistributedModel(nn.Module):
         if self._dp_size > 1 and group is not None:
             overlap = self._overlap
             launched = overlap is not None and overlap.launched > 0
-            failed, any_backward, any_launched = agree_any([error is not None, did_backward, launched], group)
+            failed, any_backward, any_launched = self._agree_after_step(
+                [error is not None, did_backward, launched], group
+            )
             if failed:
                 if any_launched:  # every member completes the collectives some member started
                     assert overlap is not None
@@ -356,6 +360,23 @@ class DistributedModel(nn.Module):
                 overlap.drain()
         elif error is not None:
             raise error
+
+    def _agree_after_step(self, flags: list[bool], group: dist.ProcessGroup) -> list[bool]:
+        """The data-parallel replicas' first meeting after a step; a replica that never comes (it ran out
+        of batches: S8's mis-sized sampler) is an error after the pipeline timeout, not a hang."""
+        timeout = self._runtime.timeout if self._runtime is not None else default_timeout()
+        try:
+            return agree_any(flags, group, timeout=timeout)
+        except PipelineTimeoutError:
+            members = state.require()[2].group(GroupKind.DP, self._rank)
+            raise SMPRuntimeError(
+                f"rank {self._rank}: the data-parallel replicas {list(members)} did not all finish step "
+                f"{self._step_count + 1} within {timeout:g} s. Every replica must run the same number of "
+                "steps: one that runs out of batches first (a data loader whose length differs between "
+                "dp_ranks; use DistributedSampler(..., drop_last=True), or give every dp_rank the same "
+                "number of batches) leaves the others waiting here. Raise MP_PIPELINE_TIMEOUT if a replica "
+                "can legitimately lag that long."
+            ) from None
 
     def _reduces_this_step(self) -> bool:
         """Whether this step ends a backward_passes_per_step accumulation (gradients are reduced)."""

@@ -1,0 +1,64 @@
+"""Data-parallel replicas that run different numbers of steps end the job with an error, not a hang.
+
+smp_clients.md's S8: a data loader sized differently on the replicas (a mis-sized DistributedSampler)
+lets one replica finish its loop while the other goes on into a step whose gradient averaging waits for
+it forever. Here the waiting ranks raise SMPRuntimeError after MP_PIPELINE_TIMEOUT, naming the replicas
+and the fix, and the first of them ends the MPI job.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SCRIPT = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+import mp as smp
+
+smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+torch.manual_seed(0)
+model = smp.DistributedModel(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)))
+opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@smp.step
+def train(x, y):
+    loss = F.mse_loss(model(x), y)
+    model.backward(loss)
+    return loss
+
+
+for _ in range(3 if smp.dp_rank() == 0 else 2):  # replica 1 has one batch less
+    train(torch.randn(4, 6), torch.randn(4, 3))
+    opt.step()
+    opt.zero_grad()
+print(f"rank {smp.rank()} finished its loop", flush=True)
+"""
+
+TIMEOUT = 8
+
+
+def test_a_replica_that_runs_out_of_batches_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    script = tmp_path / "uneven.py"
+    script.write_text(SCRIPT)
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    assert mpiexec is not None, "mpiexec not found; install it with `pip install mpich`"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), MP_PIPELINE_TIMEOUT=str(TIMEOUT))
+    start = time.monotonic()
+    command = [mpiexec, "-n", "4", sys.executable, str(script)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    took = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert "rank 2 finished its loop" in output and "rank 0 finished its loop" not in output, output
+    assert "the data-parallel replicas [0, 2] did not all finish step 3 within 8 s" in output or (
+        "the data-parallel replicas [1, 3] did not all finish step 3 within 8 s" in output
+    ), output
+    assert "DistributedSampler(..., drop_last=True)" in output and "aborting the MPI job" in output, output
+    assert took < 120, f"the job took {took:.0f} s to end"
