@@ -42,6 +42,18 @@ def mpiexec() -> str:
     return found
 
 
+def run_script(
+    script: Path, n: int, *, env: dict[str, str] | None = None, timeout: float = 240.0
+) -> tuple[str, int, float]:
+    """Run a Python script on n ranks under plain ``mpiexec`` (no mp-launch, no test harness), with this
+    interpreter's import path: (its stdout and stderr together, its exit code, seconds it took)."""
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(env or {})}
+    start = time.monotonic()
+    command = [mpiexec(), "-n", str(n), sys.executable, str(script)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environ)
+    return proc.stdout + proc.stderr, proc.returncode, time.monotonic() - start
+
+
 class Pool:
     """n ranks under one mpiexec, serving test functions until closed."""
 

@@ -8,12 +8,10 @@ aborts the MPI job (mp_comm.world's excepthook), taking the waiting peer with it
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from tests._harness import run_script
 
 SCRIPT = """
 import sys, time
@@ -69,19 +67,9 @@ print("STEP FINISHED", flush=True)
 def test_a_module_failing_on_one_tp_rank_ends_the_job(tmp_path: Path) -> None:
     script = tmp_path / "tp_fail.py"
     script.write_text(SCRIPT)
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-    assert mpiexec is not None, "mpiexec not found; install it with `pip install mpich`"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run(
-        [mpiexec, "-n", "4", sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    output, code, _ = run_script(script, 4, timeout=300)
     ended = time.time()
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0, output
+    assert code != 0, output
     assert "STEP FINISHED" not in output, output
     failed_at = [float(line.split()[-1]) for line in output.splitlines() if "FAILING AT" in line]
     assert failed_at, output

@@ -8,12 +8,9 @@ and the fix, and the first of them ends the MPI job.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+from tests._harness import run_script
 
 SCRIPT = """
 import torch
@@ -47,15 +44,8 @@ TIMEOUT = 8
 def test_a_replica_that_runs_out_of_batches_is_an_error_not_a_hang(tmp_path: Path) -> None:
     script = tmp_path / "uneven.py"
     script.write_text(SCRIPT)
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-    assert mpiexec is not None, "mpiexec not found; install it with `pip install mpich`"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), MP_PIPELINE_TIMEOUT=str(TIMEOUT))
-    start = time.monotonic()
-    command = [mpiexec, "-n", "4", sys.executable, str(script)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
-    took = time.monotonic() - start
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0, output
+    output, code, took = run_script(script, 4, env={"MP_PIPELINE_TIMEOUT": str(TIMEOUT)})
+    assert code != 0, output
     assert "rank 2 finished its loop" in output and "rank 0 finished its loop" not in output, output
     assert "the data-parallel replicas [0, 2] did not all finish step 3 within 8 s" in output or (
         "the data-parallel replicas [1, 3] did not all finish step 3 within 8 s" in output

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +9,7 @@ import torch
 
 from mp_comm import Launcher, WorldError, WorldInfo, detect_launcher, init_world
 from mp_comm.world import _set_thread_count
+from tests._harness import run_script
 
 
 @pytest.mark.parametrize(
@@ -81,15 +77,8 @@ def test_uncaught_exception_under_plain_mpiexec_stops_every_rank(tmp_path: Path)
         "    raise RuntimeError('rank one is broken')\n"
         "world.mpi_comm.Barrier()  # never completes: rank 1 does not come\n"
     )
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-    assert mpiexec is not None, "mpiexec not found; install it with `pip install mpich`"
-    start = time.monotonic()
-    proc = subprocess.run(
-        [mpiexec, "-n", "2", sys.executable, str(script)], capture_output=True, text=True, timeout=240
-    )
-    took = time.monotonic() - start
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0, output
+    output, code, took = run_script(script, 2)
+    assert code != 0, output
     assert "RuntimeError: rank one is broken" in output and 'fail.py", line 4' in output, output
     assert "[rank 1] mp: uncaught RuntimeError; aborting the MPI job" in output, output
     assert took < 120, f"the job took {took:.0f} s to stop"
