@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import sys
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 # Environment variables that MPI launchers set in every rank (MPICH/hydra, Open MPI, PMIx, Intel MPI).
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+_REPORT_GRACE = 1.0  # seconds for the launcher to forward a dying rank's traceback before MPI_Abort
 
 # The MPI twin of a torch process group: a communicator over the same ranks, in the same order, so that
 # CPU-tensor collectives can run on MPICH (several times faster than gloo here) instead of gloo.
@@ -376,6 +378,9 @@ def _abort_job_after(report: Callable[..., Any], rank: int) -> Callable[..., Non
                 file=sys.stderr,
                 flush=True,
             )
+            # MPI_Abort tears the job down at once, and the launcher drops what it has not yet forwarded
+            # of the ranks' output: seen on a loaded host, where only an earlier line reached the user.
+            time.sleep(_REPORT_GRACE)
         finally:
             from mpi4py import MPI
 
