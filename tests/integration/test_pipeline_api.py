@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import tempfile
 import time
@@ -312,3 +314,65 @@ def test_a_state_gather_on_some_ranks_only_is_an_error_not_a_hang(worlds: Any, m
                 "entered optimizer.state_dict() (its collective number 1" in text
             ), text
             assert "must call the same collectives, in the same order" in text, text
+
+
+class _Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(6, 8)
+        self.norm = nn.BatchNorm1d(8)  # a buffer on each stage
+        self.second = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.norm(self.first(x))))
+
+
+def _inspection(world: Any) -> dict[str, Any]:
+    cfg = {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0}
+    smp.init(cfg)
+    try:
+        net = _Normed()
+        set_partition(net.second, 1)
+        model = DistributedModel(net)
+
+        @step
+        def train(x: torch.Tensor) -> torch.Tensor:
+            loss = model(x).square().mean()
+            model.backward(loss)
+            return loss
+
+        train(torch.randn(4, 6))
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            model.display_partition()
+        names = {model.get_param_name(p): n for n, p in model.local_named_parameters()}
+        try:
+            model.get_param_name(torch.nn.Parameter(torch.zeros(2)))
+            foreign = "no error"
+        except smp.SMPValidationError as exc:
+            foreign = str(exc)
+        return {
+            "names_match": all(k == v for k, v in names.items()) and bool(names),
+            "local_buffers": sorted(n for n, b in model.named_buffers() if model.is_local_buffer(b)),
+            "partition": printed.getvalue(),
+            "foreign": foreign,
+            "default": sorted(n for n, _ in model.default_reducer_named_parameters()),
+            "local": sorted(n for n, _ in model.local_named_parameters()),
+            "scaled": list(model.scaled_batch_reducer_named_parameters()),
+            "distributed": list(model.distributed_modules()),
+        }
+    finally:
+        smp.reset()
+
+
+def test_smp_model_inspection_helpers(worlds: Any) -> None:
+    r0, r1 = worlds.run(2, _inspection, timeout=120)
+    for r in (r0, r1):
+        assert r["names_match"]
+        assert "not a parameter of this DistributedModel" in r["foreign"]
+        assert "second" in r["partition"], r["partition"]
+        # without tensor parallelism every local parameter is averaged over the data-parallel group
+        assert r["default"] == r["local"] and r["scaled"] == [] and r["distributed"] == []
+    assert "second: pp_rank 1" in r1["partition"] and "p1" in r0["partition"], (r0, r1)
+    assert r0["local_buffers"] and all(n.startswith("module.norm.") for n in r0["local_buffers"])
+    assert r1["local_buffers"] and all(n.startswith("module.second.") for n in r1["local_buffers"])

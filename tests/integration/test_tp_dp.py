@@ -70,3 +70,44 @@ def test_tp_with_dp_matches_single_process(worlds: Any, optimize: str, prescaled
     for rank, diffs in enumerate(results):
         bad = {k: v for k, v in diffs.items() if not v < 2e-6}
         assert not bad, (rank, bad)
+
+
+def _tp_inspection(world: Any) -> dict[str, Any]:
+    import mp.nn
+
+    smp.init({"tensor_parallel_degree": 2, "ddp": True})
+    try:
+        kw = {**SMALL, "num_layers": 2, "causal_mask_size": 8}
+        with smp.tensor_parallelism():
+            model = smp.DistributedModel(Model(mp.nn.DistributedTransformer(**kw)))
+
+        @smp.step
+        def train(ids: torch.Tensor) -> torch.Tensor:
+            loss = model(ids).float().square().mean()
+            model.backward(loss)
+            return loss
+
+        train(torch.randint(0, V, (LOCAL_B, S)))
+        local = dict(model.local_named_parameters())
+        default = dict(model.default_reducer_named_parameters())
+        scaled = dict(model.scaled_batch_reducer_named_parameters())
+        return {
+            "modules": sorted({type(m).__name__ for m in model.distributed_modules()}),
+            "split": set(default) | set(scaled) == set(local) and not set(default) & set(scaled),
+            "scaled_flags": all(model.is_scaled_batch_parameter(p) for p in scaled.values())
+            and not any(model.is_scaled_batch_parameter(p) for p in default.values()),
+            "sharded": sum(model.is_distributed_parameter(p) for p in local.values()),
+            "sharded_in_tp_modules": {id(p) for p in local.values() if model.is_distributed_parameter(p)}
+            <= {id(p) for m in model.distributed_modules() for p in m.parameters()},
+            "buffers": [model.is_distributed_buffer(b) for b in model.buffers()],
+        }
+    finally:
+        smp.reset()
+
+
+def test_tp_inspection_helpers(worlds: Any) -> None:
+    for r in worlds.run(2, _tp_inspection, timeout=120):
+        assert "DistributedTransformer" in r["modules"], r
+        assert r["split"] and r["scaled_flags"], r
+        assert r["sharded"] > 0 and r["sharded_in_tp_modules"], r
+        assert not any(r["buffers"]), r

@@ -61,6 +61,7 @@ from mp_pipeline import (
 from mp_pipeline.dp import OverlappedReduction
 from mp_pipeline.timeline import RECORDER, EventKind
 from mp_tensor import is_distributed_parameter, is_scaled_batch_parameter
+from mp_tensor.nn.base import DistributedModule
 
 __all__ = ["DistributedModel"]
 
@@ -589,6 +590,59 @@ class DistributedModel(nn.Module):
 
     def is_local_parameter(self, param: torch.Tensor) -> bool:
         return not self._is_remote(param)
+
+    def is_local_buffer(self, buf: torch.Tensor) -> bool:
+        return not self._is_remote(buf)
+
+    def get_param_name(self, param: torch.Tensor) -> str:
+        """The name of ``param`` among ``named_parameters()`` (smp's helper, e.g. for optimizer groups)."""
+        for name, p in self.named_parameters():
+            if p is param:
+                return name
+        raise SMPValidationError(
+            f"get_param_name: the tensor of shape {tuple(param.shape)} is not a parameter of this "
+            "DistributedModel (a parameter of another model, or a copy made before wrapping?)"
+        )
+
+    def display_partition(self) -> None:
+        """Print which pp_rank holds which modules: the partition report on the rank that computed the
+        partition, the assignment (module path: pp_rank) on the others."""
+        self._require_partitioned("display_partition")
+        if self.plan is not None:
+            print(self.plan.report())
+        elif self._pp == 1:
+            print(f"pipeline_parallel_degree=1: rank {self._rank} holds the whole model")
+        else:
+            for path, pp_rank in sorted(self._assignment.items()):
+                print(f"{path or '(root)'}: pp_rank {pp_rank}")
+
+    # -------------------------------------------------------------- tensor parallelism (smp v1.6)
+    def distributed_modules(self) -> Iterator[nn.Module]:
+        """The tensor-parallel modules of the model (those smp.tensor_parallelism replaced)."""
+        return (m for m in self.module.modules() if isinstance(m, DistributedModule))
+
+    def is_distributed_parameter(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is this rank's shard of a parameter split over the TP group."""
+        return is_distributed_parameter(param)
+
+    def is_distributed_buffer(self, buf: torch.Tensor) -> bool:
+        return is_distributed_parameter(buf)
+
+    def is_scaled_batch_parameter(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s gradient already covers the TP group's whole batch (it is then averaged
+        over the reduced data-parallel group only)."""
+        return is_scaled_batch_parameter(param)
+
+    def is_scaled_batch_buffer(self, buf: torch.Tensor) -> bool:
+        return is_scaled_batch_parameter(buf)
+
+    def default_reducer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The local parameters whose gradients are averaged over the data-parallel group."""
+        return ((n, p) for n, p in self.local_named_parameters() if not is_scaled_batch_parameter(p))
+
+    def scaled_batch_reducer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The local parameters whose gradients are averaged over the reduced data-parallel group."""
+        return ((n, p) for n, p in self.local_named_parameters() if is_scaled_batch_parameter(p))
 
     # -------------------------------------------------------------------------------- state dicts
     def local_state_dict(self, *args: Any, cast_to_cpu: bool = True, **kwargs: Any) -> dict[str, Any]:
