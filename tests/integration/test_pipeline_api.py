@@ -376,3 +376,45 @@ def test_smp_model_inspection_helpers(worlds: Any) -> None:
     assert "second: pp_rank 1" in r1["partition"] and "p1" in r0["partition"], (r0, r1)
     assert r0["local_buffers"] and all(n.startswith("module.norm.") for n in r0["local_buffers"])
     assert r1["local_buffers"] and all(n.startswith("module.second.") for n in r1["local_buffers"])
+
+
+def _evaluate_on_rank_0_only(world: Any) -> dict[str, Any]:
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    try:
+        torch.manual_seed(0)
+        model = DistributedModel(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)))
+
+        @step
+        def train(x: torch.Tensor) -> torch.Tensor:
+            loss = model(x).square().mean()
+            model.backward(loss)
+            return loss
+
+        @step
+        def evaluate(x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return model(x).square().mean()
+
+        train(torch.randn(4, 6))
+        start = time.monotonic()
+        try:
+            if smp.rank() == 0:
+                evaluate(torch.randn(4, 6))
+            train(torch.randn(4, 6))
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}", "took": time.monotonic() - start}
+        return {"error": None}
+    finally:
+        smp.reset()
+
+
+def test_a_step_function_called_on_some_ranks_only_is_an_error(worlds: Any) -> None:
+    """Served, rank 0's evaluation would have run inside rank 1's training step as if it were part of it."""
+    r0, r1 = worlds.run(2, _evaluate_on_rank_0_only, timeout=120)
+    where = "_evaluate_on_rank_0_only.<locals>"
+    assert f"rank 0 runs step function '{where}.evaluate' as step 2 of the model, while rank 1 runs " in (
+        r1["error"] or ""
+    ), r1
+    assert f"rank 1 runs step function '{where}.train' as step 2" in (r0["error"] or ""), r0
+    assert "every rank must call the same step functions in the same order" in r0["error"]
+    assert r0["took"] < 10 and r1["took"] < 10, (r0, r1)

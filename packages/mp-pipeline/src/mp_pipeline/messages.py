@@ -51,10 +51,12 @@ def static_tag(template_id: int) -> tuple[str, int]:
 @pickled_by_position
 @dataclass(frozen=True, order=True, slots=True)
 class StepId:
-    """Which step of which DistributedModel (a per-process counter, equal on all ranks)."""
+    """Which step of which DistributedModel (a per-process counter, equal on all ranks), and the step
+    function it runs (its qualified name: every rank of the pipeline must run the same one)."""
 
     model: int
     step: int
+    fn: str = ""
 
 
 class Ref(NamedTuple):

@@ -268,10 +268,14 @@ class PipelineRuntime:
         assert isinstance(message, Entered), type(message)
         return message
 
-    def run_step(self, body: Callable[[int], Any], scheduler: Scheduler, state: ExecState) -> list[Any]:
-        """Run one step; returns the per-microbatch results of the step function on every rank."""
+    def run_step(
+        self, body: Callable[[int], Any], scheduler: Scheduler, state: ExecState, *, name: str = ""
+    ) -> list[Any]:
+        """Run one step; returns the per-microbatch results of the step function on every rank.
+
+        ``name`` names the step function (every rank of the pipeline must run the same one)."""
         self._step += 1
-        step = StepId(self.model_id, self._step)
+        step = StepId(self.model_id, self._step, name)
         server = Server(
             transport=self.transport,
             rank=self.rank,

@@ -517,9 +517,24 @@ class Server:
 
     # -- internals -------------------------------------------------------------------------------------
     def _take_early(self) -> list[Any]:
+        for m in self._early:
+            self._check_function(m.step, None)
         mine = [m for m in self._early if m.step == self.step]
         self._early[:] = [m for m in self._early if m.step > self.step]
         return mine
+
+    def _check_function(self, step: StepId, source: int | None) -> None:
+        """A message of this step number from another step function: the script called a step function
+        on some ranks only (an evaluation step on rank 0, say). Served, its requests would run inside
+        this rank's step as if they were part of it."""
+        if step.model == self.step.model and step.step == self.step.step and step.fn != self.step.fn:
+            who = f"rank {source}" if source is not None else "another rank of the pipeline"
+            raise PipelineError(
+                f"{who} runs step function {step.fn!r} as step {step.step} of the model, while rank "
+                f"{self.rank} runs {self.step.fn!r}: every rank must call the same step functions in the "
+                "same order (a step function called on some ranks only, e.g. an evaluation under "
+                "`if smp.rank() == 0:`?)"
+            )
 
     def _poll(self, timeout: float) -> Any:
         while True:
@@ -544,6 +559,7 @@ class Server:
             if not isinstance(step, StepId):
                 log.error("rank %d: dropping a non-pipeline message %r", self.rank, type(received.obj))
                 continue
+            self._check_function(step, received.source)
             if step < self.step:
                 log.debug("rank %d: dropping a message of the earlier step %s", self.rank, step)
                 continue

@@ -284,7 +284,8 @@ class DistributedModel(nn.Module):
                     # TP ranks agree on one order of events through their servers, whatever the schedule
                     deterministic=cfg.deterministic_server,
                 )
-                results = self._runtime.run_step(body, scheduler, exec_state)
+                name = getattr(func, "__qualname__", "")
+                results = self._runtime.run_step(body, scheduler, exec_state, name=name)
         except BaseException as exc:
             error = exc
         finally:
