@@ -256,7 +256,7 @@ class PipelineRuntime:
                 source == peer and (tag == TAG or (isinstance(tag, tuple) and tag[:1] == (TAG,)))
                 for source, tag in mailbox.pending()
             )
-            where = f" (its pipeline messages are waiting here: rank {peer} is in a training step)"
+            where = f" (its pipeline messages are waiting here: rank {peer} is in a step)"
             raise PipelineError(
                 f"rank {self.rank} entered {what}, which every rank of pipeline {list(self.peers)} must "
                 f"call together, and rank {peer} did not within {self.timeout:g} s{where if stepping else ''}"

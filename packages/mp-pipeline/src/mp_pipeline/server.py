@@ -577,8 +577,9 @@ class Server:
         if source == top and self.rank != top:
             raise PipelineError(
                 f"rank {top} (pp_rank 0) entered {message.what}, which every rank of pipeline "
-                f"{list(self.peers)} must call together, while rank {self.rank} is in training step "
-                f"{self.step.step}: call it on every rank of the pipeline at the same point of the script "
+                f"{list(self.peers)} must call together, while rank {self.rank} is in step {self.step.step} "
+                f"(of {self.step.fn or 'a step function'}): call it on every rank of the pipeline at the "
+                "same point of the script "
                 "(e.g. under `if smp.rdp_rank() == 0:` rather than `if smp.rank() == 0:`)"
             )
         self._entered.setdefault(source, []).append(message)
