@@ -181,6 +181,18 @@ def test_step_output_api() -> None:
     assert out[1].tolist() == [3.0, 4.0] and len(out) == 2
 
 
+def _square_loss_step(model: DistributedModel) -> Any:
+    """A training step function for `model` (loss: the mean square of its output)."""
+
+    @step
+    def train(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).square().mean()
+        model.backward(loss)
+        return loss
+
+    return train
+
+
 def _cpu_gathers(world: Any) -> dict[str, Any]:
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
     try:
@@ -189,13 +201,7 @@ def _cpu_gathers(world: Any) -> dict[str, Any]:
             nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3), nn.BatchNorm1d(3))
         )
         opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-
-        @step
-        def train(x: torch.Tensor) -> torch.Tensor:
-            loss = model(x).square().mean()
-            model.backward(loss)
-            return loss
-
+        train = _square_loss_step(model)
         train(torch.randn(8, 6))
         opt.step()
         gathered = model.state_dict()
@@ -335,14 +341,7 @@ def _inspection(world: Any) -> dict[str, Any]:
         net = _Normed()
         set_partition(net.second, 1)
         model = DistributedModel(net)
-
-        @step
-        def train(x: torch.Tensor) -> torch.Tensor:
-            loss = model(x).square().mean()
-            model.backward(loss)
-            return loss
-
-        train(torch.randn(4, 6))
+        _square_loss_step(model)(torch.randn(4, 6))
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             model.display_partition()
