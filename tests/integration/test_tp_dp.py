@@ -111,3 +111,37 @@ def test_tp_inspection_helpers(worlds: Any) -> None:
         assert r["split"] and r["scaled_flags"], r
         assert r["sharded"] > 0 and r["sharded_in_tp_modules"], r
         assert not any(r["buffers"]), r
+
+
+def _model_creation(world: Any) -> dict[str, Any]:
+    smp.init({"tensor_parallel_degree": 2, "ddp": True})
+    try:
+        with smp.model_creation(tensor_parallelism=True, dtype=torch.float64):
+            net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+        inside_default = torch.get_default_dtype()
+        model = smp.DistributedModel(net)
+        return {
+            "modules": sorted(type(m).__name__ for m in model.distributed_modules()),
+            "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "default_after": str(inside_default),
+            "shapes": [tuple(p.shape) for p in model.parameters()],
+        }
+    finally:
+        smp.reset()
+
+
+def test_model_creation_marks_for_tp_and_sets_the_dtype(worlds: Any) -> None:
+    for r in worlds.run(2, _model_creation, timeout=120):
+        assert r["modules"] == ["DistributedLinear", "DistributedLinear"], r
+        assert r["dtypes"] == ["torch.float64"] and r["default_after"] == "torch.float32", r
+        assert (8, 4) in r["shapes"] or (4, 8) in r["shapes"] or (2, 8) in r["shapes"], r  # sharded over 2
+
+
+def test_model_creation_restores_the_default_dtype_on_error() -> None:
+    try:
+        with smp.model_creation(dtype=torch.float16):
+            assert nn.Linear(2, 2).weight.dtype == torch.float16
+            raise KeyError("boom")
+    except KeyError:
+        pass
+    assert torch.get_default_dtype() == torch.float32

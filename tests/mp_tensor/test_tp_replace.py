@@ -219,3 +219,38 @@ def test_decorator_registers_and_records_init_args() -> None:
     assert type(replaced[0]).__name__ == "DistributedLinear"
     torch.testing.assert_close(replaced(x), expected)
     assert registry_before == 0
+
+
+def _replaced_dtypes(world: Any) -> dict[str, Any]:
+    def run(group: dist.ProcessGroup) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for dtype in (torch.float64, torch.bfloat16):
+            torch.manual_seed(0)
+            with tensor_parallelism():
+                original = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).to(dtype)
+            full = {k: v.clone() for k, v in original.state_dict().items()}
+            model = replace_modules(original, TPContext(group=group))
+            gathered = gather_state_dict(model)
+            out[str(dtype)] = {
+                "kinds": [type(m).__name__ for m in model],
+                "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+                "exact": all(torch.equal(gathered[k], v) for k, v in full.items()),
+            }
+        with tensor_parallelism():
+            plain = nn.Sequential(nn.Linear(8, 8))
+        fp16 = replace_modules(plain, TPContext(group=group, dtype=torch.float16))
+        out["fp16_params"] = sorted({str(p.dtype) for p in fp16.parameters()})
+        out["default_after"] = str(torch.get_default_dtype())
+        return out
+
+    return with_group(run)  # type: ignore[no-any-return]
+
+
+def test_replaced_modules_keep_the_original_dtype(worlds: Any) -> None:
+    """A model built in float64 or bfloat16 gets distributed modules in that dtype, holding exactly the
+    original's values (they are created in it, not cast after the copy); fp16_params still wins."""
+    for res in worlds.run(2, _replaced_dtypes):
+        for dtype in ("torch.float64", "torch.bfloat16"):
+            assert res[dtype]["kinds"] == ["DistributedLinear", "ReLU", "DistributedLinear"], res
+            assert res[dtype]["dtypes"] == [dtype] and res[dtype]["exact"], res
+        assert res["fp16_params"] == ["torch.float16"] and res["default_after"] == "torch.float32", res

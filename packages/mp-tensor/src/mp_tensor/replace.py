@@ -188,10 +188,20 @@ def replace_modules(
 def _replace_one(
     reg: Registration, module: nn.Module, ctx: TPContext, overrides: Mapping[str, Any]
 ) -> DistributedModule:
-    if reg.builder is not None:
-        new = reg.builder(module, ctx, overrides)
-    else:
-        new = _build_registered(reg, module, ctx, overrides)
+    # The distributed module keeps the original's precision (a model built in bfloat16, or under
+    # smp.model_creation(dtype=...)), unless the config asks for fp16 parameters: its parameters are
+    # created in that dtype, before the original's values are copied in (no rounding on the way).
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    previous = torch.get_default_dtype()
+    if ctx.dtype is None and dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        if reg.builder is not None:
+            new = reg.builder(module, ctx, overrides)
+        else:
+            new = _build_registered(reg, module, ctx, overrides)
+    finally:
+        torch.set_default_dtype(previous)
     new.train(module.training)
     device = next((p.device for p in module.parameters()), None)
     if device is not None and device.type != "cpu":

@@ -91,7 +91,14 @@ from mp.ranks import (
 )
 from mp.state import state
 from mp.step import step
-from mp.tensor_api import set_tensor_parallelism, tensor_parallelism, tp_register, tp_register_with_module
+from mp.tensor_api import (
+    delay_param_initialization,
+    model_creation,
+    set_tensor_parallelism,
+    tensor_parallelism,
+    tp_register,
+    tp_register_with_module,
+)
 from mp_partition import is_tracing, partition, set_partition
 from mp_pipeline import PipelineAbortedError, PipelineTimeoutError, RemoteExecutionError, StepOutput
 
@@ -158,6 +165,7 @@ __all__ = [
     "amp",
     "barrier",
     "broadcast",
+    "delay_param_initialization",
     "dp_barrier",
     "dp_rank",
     "dp_size",
@@ -181,6 +189,7 @@ __all__ = [
     "load_config",
     "local_rank",
     "local_size",
+    "model_creation",
     "mp_barrier",
     "mp_rank",
     "mp_size",

@@ -7,6 +7,9 @@ mp_tensor takes its process group explicitly (a ``TPContext``); this module buil
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,6 +21,7 @@ from mp_comm import GroupKind
 from mp_tensor.context import TPContext, set_context_provider
 from mp_tensor.enable import set_tensor_parallelism as _set_tensor_parallelism
 from mp_tensor.enable import tensor_parallelism
+from mp_tensor.enable import tensor_parallelism as _tensor_parallelism
 from mp_tensor.grads import reduce_gradients
 from mp_tensor.nn.base import is_distributed_parameter, is_scaled_batch_parameter
 from mp_tensor.registry import tp_register, tp_register_with_module
@@ -25,10 +29,12 @@ from mp_tensor.replace import replace_modules
 from mp_tensor.state_dict import gather_state_dict, load_original_state_dict
 
 __all__ = [
+    "delay_param_initialization",
     "gather_state_dict",
     "is_distributed_parameter",
     "is_scaled_batch_parameter",
     "load_original_state_dict",
+    "model_creation",
     "reduce_tp_gradients",
     "replace_tp_modules",
     "set_tensor_parallelism",
@@ -55,6 +61,43 @@ def tp_context() -> TPContext | None:
 
 
 set_context_provider(tp_context)
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def model_creation(
+    tensor_parallelism: bool = False, dtype: torch.dtype | None = None, **tensor_parallel_config: Any
+) -> Iterator[None]:
+    """Build the model inside (smp v1.10): with ``tensor_parallelism``, the modules created inside are
+    marked for tensor parallelism (``tensor_parallel_config``: arguments for their distributed versions,
+    as ``smp.tensor_parallelism(**kwargs)`` takes them); ``dtype`` is torch's default dtype while they
+    are created (parameters and buffers made without an explicit dtype get it).
+
+    smp also delayed parameter initialization here when the config sets
+    ``delayed_parameter_initialization``; mp does not build that yet (``smp.init`` warns about the key),
+    so parameters are created at once.
+    """
+    previous = torch.get_default_dtype()
+    with contextlib.ExitStack() as stack:
+        if tensor_parallelism:
+            stack.enter_context(_tensor_parallelism(True, **tensor_parallel_config))
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+            stack.callback(torch.set_default_dtype, previous)
+        yield
+
+
+@contextlib.contextmanager
+def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
+    """smp's delayed parameter initialization (v1.10). Not built in mp yet: the model is created as
+    usual, so it takes its full memory on every rank until partitioning; a warning says so."""
+    if enabled:
+        log.warning(
+            "smp.delay_param_initialization: delayed parameter initialization is not implemented in mp "
+            "yet; the parameters are created (and take memory) at once"
+        )
+    yield
 
 
 def set_tensor_parallelism(module: nn.Module, enabled: bool = True, **kwargs: Any) -> None:
