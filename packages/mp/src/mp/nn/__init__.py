@@ -1,6 +1,8 @@
 """``smp.nn``: the distributed (tensor-parallel) modules. ``smp.nn.utils`` holds the primitives for
 writing one (seed 001 Appendix I.6)."""
 
+import torch
+
 import mp.tensor_api  # noqa: F401  (installs the TP context provider)
 from mp.nn import utils
 from mp_tensor.nn import (
@@ -15,6 +17,13 @@ from mp_tensor.nn import (
     DistributedTransformerOutputLayer,
 )
 
+
+class FusedLayerNorm(torch.nn.LayerNorm):
+    """smp's ``smp.nn.FusedLayerNorm`` (apex's, which smp wrapped): ``nn.LayerNorm`` with apex's arguments
+    ``(normalized_shape, eps=1e-5, elementwise_affine=True)`` and parameter names. mp has no fused
+    kernel: the math is torch's layer norm, and scripts written against apex's class run unchanged."""
+
+
 __all__ = [
     "DistributedAttentionLayer",
     "DistributedEmbedding",
@@ -25,5 +34,6 @@ __all__ = [
     "DistributedTransformerLMHead",
     "DistributedTransformerLayer",
     "DistributedTransformerOutputLayer",
+    "FusedLayerNorm",
     "utils",
 ]
