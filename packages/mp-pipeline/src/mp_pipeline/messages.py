@@ -31,6 +31,7 @@ __all__ = [
     "StepAbort",
     "StepEnd",
     "StepId",
+    "is_pipeline_tag",
     "static_tag",
 ]
 
@@ -40,6 +41,11 @@ TAG = "mp_pipeline"
 
 ENTERED_TAG = (TAG, "entered")
 """Transport tag of :class:`Entered`: its own, so that a rank waiting for one takes nothing else."""
+
+
+def is_pipeline_tag(tag: object) -> bool:
+    """Whether a transport tag is one of the pipeline's (TAG, or a tuple that starts with it)."""
+    return tag == TAG or (isinstance(tag, tuple) and tag[:1] == (TAG,))
 
 
 def static_tag(template_id: int) -> tuple[str, int]:

@@ -25,7 +25,7 @@ from mp_comm.transport.base import Transport
 from mp_pipeline.context import ExecState, TaskContext, applied, current, task_context
 from mp_pipeline.errors import NotInStepError, PipelineError
 from mp_pipeline.fast import FastPlan
-from mp_pipeline.messages import ENTERED_TAG, TAG, Entered, StepId
+from mp_pipeline.messages import ENTERED_TAG, Entered, StepId, is_pipeline_tag
 from mp_pipeline.remote import Remote
 from mp_pipeline.schedule import Phase, Scheduler, Task
 from mp_pipeline.server import Server, ServerClosed, WorkerPool
@@ -253,8 +253,7 @@ class PipelineRuntime:
         except PeerTimeoutError:
             mailbox = getattr(self.transport, "mailbox", None)
             stepping = mailbox is not None and any(
-                source == peer and (tag == TAG or (isinstance(tag, tuple) and tag[:1] == (TAG,)))
-                for source, tag in mailbox.pending()
+                source == peer and is_pipeline_tag(tag) for source, tag in mailbox.pending()
             )
             where = f" (its pipeline messages are waiting here: rank {peer} is in a step)"
             raise PipelineError(

@@ -40,6 +40,7 @@ from mp_pipeline.messages import (
     StepAbort,
     StepEnd,
     StepId,
+    is_pipeline_tag,
     static_tag,
 )
 from mp_pipeline.schedule import Phase, Task
@@ -663,7 +664,7 @@ class Server:
 
     def _received(self, source: int, tag: object, message: Any) -> Any:
         """A received object as a full message: keeps announced templates, rebuilds compact messages."""
-        if tag != TAG and not (isinstance(tag, tuple) and tag[:1] == (TAG,)):
+        if not is_pipeline_tag(tag):
             return None  # not a pipeline message (dropped by the caller)
         if isinstance(message, Compact):
             self.stats["compact_received"] += 1

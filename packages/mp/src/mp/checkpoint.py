@@ -150,9 +150,8 @@ def save(  # noqa: PLR0917 - smp's positional signature
         if c.rank == 0:
             _atomic_save(obj, path, pickle_module, pickle_protocol, c.rank)
         return
-    runtime = state.model._runtime if state.initialized and state.model is not None else None
-    if runtime is not None:  # a clear error, not a hang, when a rank of the pipeline does not come
-        runtime.enter("smp.save(partial=True)")  # not the path: ranks may name their files differently
+    if state.initialized and state.model is not None:
+        state.model._enter_collective("smp.save(partial=True)")  # not the path: ranks may name files apart
     target = partial_name(path, c.pp_rank, c.tp_rank, c.rdp_rank if v3 else None)
     error: BaseException | None = None
     try:

@@ -363,6 +363,12 @@ class DistributedModel(nn.Module):
         elif error is not None:
             raise error
 
+    def _enter_collective(self, what: str) -> None:
+        """Before a collective over the pipeline between steps: a clear error, not a hang, when a rank
+        of the pipeline does not come (PipelineRuntime.enter); nothing to check without a pipeline."""
+        if self._runtime is not None:
+            self._runtime.enter(what)
+
     def _agree_after_step(self, flags: list[bool], group: dist.ProcessGroup) -> list[bool]:
         """The data-parallel replicas' first meeting after a step; a replica that never comes (it ran out
         of batches: S8's mis-sized sampler) is an error after the pipeline timeout, not a hang."""
@@ -680,8 +686,7 @@ class DistributedModel(nn.Module):
                 )
                 for k, v in full.items()
             )
-        if self._runtime is not None:  # a clear error, not a hang, when a rank of the pipeline does not come
-            self._runtime.enter("model.state_dict()")
+        self._enter_collective("model.state_dict()")
         local = self.local_state_dict(cast_to_cpu=True)
         local.pop("_smp_is_partial", None)
         parts: list[Any] = [None] * self._pp

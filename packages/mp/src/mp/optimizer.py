@@ -88,8 +88,7 @@ def _state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
         flat[i]: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
         for i, s in local["state"].items()
     }
-    if model._runtime is not None:  # a clear error, not a hang, when a rank of the pipeline does not come
-        model._runtime.enter("optimizer.state_dict()")
+    model._enter_collective("optimizer.state_dict()")
     parts: list[Any] = [None] * model._pp
     dist.all_gather_object(parts, mine, group=state.process_groups[GroupKind.PP])
     merged: dict[int, Any] = {}
