@@ -29,7 +29,7 @@ from _launch import relaunch, under_mpi
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 KB = 1024
-SIZES = [KB, 64 * KB, KB * KB, 4 * KB * KB, 16 * KB * KB, 64 * KB * KB]
+SIZES = [KB, 64 * KB, 256 * KB, KB * KB, 2 * KB * KB, 4 * KB * KB, 16 * KB * KB, 64 * KB * KB]
 
 
 def main() -> None:
@@ -50,7 +50,7 @@ def main() -> None:
     world = init_world()
     rank, peer = world.rank, 1 - world.rank
     router = Router.create(world, config=RouterConfig(), transport_config=TransportConfig(timeout=120.0))
-    chosen = router.route({"cuda"}, peer, 1).value
+    chosen = {n: router.route({"cuda"}, peer, 1, n).value for n in SIZES}
     comm = world.mpi_comm.Dup()
     tensors = {n: torch.ones(n // 4, device="cuda") for n in SIZES}
     host_out = {n: torch.empty(n // 4, pin_memory=True) for n in SIZES}
@@ -107,21 +107,22 @@ def main() -> None:
     lines = [
         f"# CUDA point-to-point, 2 ranks ({torch.cuda.get_device_name()}, {platform.node()})",
         "",
-        f"The router's route for CUDA tensors here: **{chosen}**.",
+        "The router's route for one CUDA tensor of each size is in the last column.",
         "",
-        "| size | " + " | ".join(f"{v} GB/s" for v in variants) + " | mp-ucx / mp-mpi |",
-        "|---|" + "---|" * (len(variants) + 1),
+        "| size | " + " | ".join(f"{v} GB/s" for v in variants) + " | mp-ucx / mp-mpi | route |",
+        "|---|" + "---|" * (len(variants) + 2),
     ]
     for n in SIZES:
         bw = {v: n / table[v][n] / 1e9 for v in variants}
         ratio = f"{bw['mp-ucx'] / bw['mp-mpi']:.2f}x" if "mp-ucx" in bw else "-"
-        lines.append(f"| {n // KB} KB | " + " | ".join(f"{bw[v]:.2f}" for v in variants) + f" | {ratio} |")
+        cells = " | ".join(f"{bw[v]:.2f}" for v in variants)
+        lines.append(f"| {n // KB} KB | {cells} | {ratio} | {chosen[n]} |")
     text = "\n".join(lines) + "\n"
     print(text)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "comm_p2p_cuda.md").write_text(text)
     payload = {
-        "route": chosen,
+        "route": {str(n): r for n, r in chosen.items()},
         "seconds_one_way": {v: {str(n): t for n, t in d.items()} for v, d in table.items()},
     }
     (RESULTS / "comm_p2p_cuda.json").write_text(json.dumps(payload, indent=2))

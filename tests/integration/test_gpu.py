@@ -150,6 +150,74 @@ def test_pipelined_gpt2_on_gpu_matches_single_process(worlds: Any, microbatches:
         assert info["param_error"] < 1e-5, info
 
 
+def _wide_mlp() -> torch.nn.Module:
+    torch.manual_seed(3)
+    layers: list[torch.nn.Module] = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(4096, 4096), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers).cuda()
+
+
+def _pipelined_wide_mlp_on_gpu(world: Any) -> dict[str, Any]:
+    import mp as smp
+    from mp.state import state
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator().manual_seed(11)
+    # 256 x 4096 float32 per microbatch: 4 MB activations and gradients, the router's D2D size.
+    batches = [(torch.randn(512, 4096, generator=g).cuda(), torch.randn(512, 4096, generator=g).cuda())]
+    batches *= 2
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "pipeline": "interleaved"})
+    try:
+        model = smp.DistributedModel(_wide_mlp())
+        opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+        @smp.step
+        def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            model.backward(loss)
+            return loss
+
+        losses = []
+        for x, y in batches:
+            losses.append(train_step(x, y).reduce_mean().item())
+            opt.step()
+            opt.zero_grad()
+        stats = dict(state.transport.stats)  # type: ignore[union-attr]
+        params = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    finally:
+        smp.reset()
+
+    ref = _wide_mlp()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_losses = []
+    for x, y in batches:
+        total = 0.0
+        for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):
+            loss = torch.nn.functional.mse_loss(ref(xs), ys)
+            (loss / 2).backward()
+            total += loss.item() / 2
+        ref_losses.append(total)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {
+        "ucx_messages": stats.get("ucx", 0),
+        "loss_error": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+        "param_error": max((params[k] - v.cpu()).abs().max().item() for k, v in ref.state_dict().items()),
+    }
+
+
+def test_pipeline_activations_of_4mb_go_gpu_to_gpu_and_train_exactly(worlds: Any) -> None:
+    from mp_comm.transport import ucx_available
+
+    if not ucx_available():
+        pytest.skip("ucxx is not installed")
+    for info in worlds.run(2, _pipelined_wide_mlp_on_gpu, timeout=180):
+        # Each step sends 2 activations forward and 2 gradients back over the D2D path.
+        assert info["ucx_messages"] >= 4, info
+        assert info["loss_error"] < 1e-6 and info["param_error"] < 1e-6, info
+
+
 def test_trace_times_modules_with_cuda_events() -> None:
     from mp_partition import trace_model
 

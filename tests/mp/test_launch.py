@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -88,7 +89,7 @@ def test_module_mode(tmp_path: Path) -> None:
         text=True,
         timeout=90,
         cwd=tmp_path,
-        env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])},
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("ranks") == 2 and proc.stdout.count("2") == 2

@@ -34,7 +34,9 @@ from tests.mp_comm.test_message import _bitwise_equal
 from tests.mp_comm.test_transport_mpi import _payload, _same
 
 FAST = TransportConfig(timeout=20.0)
-D2D_ON_CPU = UCXConfig(buffered_devices=("cpu",), recv_buffer_bytes=1 << 20, send_buffer_bytes=1 << 20)
+D2D_ON_CPU = UCXConfig(
+    buffered_devices=("cpu",), buffered_peers="all", recv_buffer_bytes=1 << 20, send_buffer_bytes=1 << 20
+)
 
 
 @functools.cache
@@ -167,6 +169,26 @@ def test_d2d_path_lands_in_the_persistent_buffer_or_goes_direct_when_full() -> N
     sendbuf = a._send_buffers.get("cpu")
     assert sendbuf is None or sendbuf.used == 0
     _close([a, b])
+
+
+def _buffered_to_a_peer(node_keys: tuple[str, str]) -> dict[str, int]:
+    ucx = UCXConfig(buffered_devices=("cpu",), host="127.0.0.1")  # default buffered_peers: cross-node
+    boot = ThreadBootstrap.group(2)
+    a, b = _in_threads(lambda r: UCXTransport(boot[r], config=FAST, ucx=ucx, node_key=node_keys[r]), 2)
+    x = torch.randn(20_000)
+    a.send(x, 1, tag="b")
+    assert _bitwise_equal(b.recv(0, "b").obj, x)
+    stats = {k: v for k, v in a.stats.items() if k.startswith("d2d")}
+    _close([a, b])
+    return stats
+
+
+@needs_ucx
+def test_the_handshake_runs_for_peers_on_other_nodes_only_by_default() -> None:
+    assert _buffered_to_a_peer(("n", "n")) == {}  # same node: UCX reads the tensor where it is
+    assert _buffered_to_a_peer(("n0", "n1")) == {"d2d_buffered": 1}
+    with pytest.raises(ValueError, match=r"buffered_peers='some'.*'cross-node' or 'all'"):
+        UCXConfig(buffered_peers="some")  # type: ignore[arg-type]
 
 
 @needs_ucx
@@ -358,7 +380,8 @@ def _ucx_cuda(world: Any) -> Any:
     if problem is not None:
         return problem
     mpi = MPITransport(world.mpi_comm, config=FAST)
-    t = UCXTransport.from_world(world, config=FAST, ucx=UCXConfig(recv_buffer_bytes=1 << 20), fallback=mpi)
+    ucx = UCXConfig(recv_buffer_bytes=1 << 20, buffered_peers="all")  # the handshake within the node too
+    t = UCXTransport.from_world(world, config=FAST, ucx=ucx, fallback=mpi)
     peer = 1 - world.rank
     small = torch.randn(1000, device="cuda")
     big = torch.randn(1 << 20, device="cuda")  # 4 MB: falls back to MPI

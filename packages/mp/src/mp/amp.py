@@ -65,20 +65,24 @@ class GradScaler(torch.amp.GradScaler):
             enabled=enabled,
         )
 
-    def _start_scale(self) -> None:
-        # Ranks other than pp_rank 0 never call `scale`, which is where torch creates the scale.
+    def _start_scale(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        # Ranks other than pp_rank 0 never call `scale`, which is where torch creates the scale, on the
+        # loss's device. Create it where this rank's gradients are: torch copies a CUDA scale to CPU
+        # gradients without waiting for the copy, so a CPU model on a GPU machine read stale scales.
         if self._enabled and self._scale is None:
-            device = torch.device(self._device)
+            params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer else []
+            mine = [p for p in params if p.grad is not None] or params
+            device = mine[0].device if mine else torch.device(self._device)
             if device.type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
             self._lazy_init_scale_growth_tracker(device)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        self._start_scale()
+        self._start_scale(optimizer)
         super().unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
-        self._start_scale()
+        self._start_scale(optimizer)
         return super().step(optimizer, *args, **kwargs)
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:

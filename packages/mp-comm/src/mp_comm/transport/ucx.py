@@ -13,8 +13,9 @@ Tags are 64 bits: kind (2) | source rank (22) | wire counter (24) | tensor index
 a header (kind HEADER, matched from any source by a tag probe that removes it: UCX's matched probe)
 followed by one DATA message per tensor payload that is not inline.
 
-Device payloads (by default the device types in `UCXConfig.buffered_devices`, i.e. CUDA) go through
-persistent buffers with a handshake (D2DAllocatorThread's role): the header asks, the receiver
+Device payloads (by default the device types in `UCXConfig.buffered_devices`, i.e. CUDA) sent to
+another node (or to any peer, per `UCXConfig.buffered_peers`) go through persistent buffers with a
+handshake (D2DAllocatorThread's role): the header asks, the receiver
 reserves room in its persistent receive buffer and answers with a CTRL message naming the outcome,
 and only then does the sender send those payloads. The outcomes, agreed by both sides because the
 receiver decides and the sender obeys:
@@ -291,7 +292,7 @@ class UCXTransport(MessageTransport):
                 f"the UCX transport carries at most {MAX_TENSORS} per message (use MPI, or split it)",
                 peer=out.dest,
             )
-        buffered = set(self.ucx_config.buffered_devices)
+        buffered = set(self.ucx_config.buffered_devices) if self._handshake(out.dest) else set()
         limit = self.config.inline_bytes
         modes = bytes(
             (
@@ -572,6 +573,9 @@ class UCXTransport(MessageTransport):
         op.reqs.append(
             ep.tag_send(self._array(payload), self._ucx.UCXXTag(_tag(_DATA, self.rank, op.out.wire, i)))
         )
+
+    def _handshake(self, dest: int) -> bool:
+        return self.ucx_config.buffered_peers == "all" or not self._same_node[dest]
 
     def _staging(self, dest: int) -> bool:
         policy = self.ucx_config.stage_sends
