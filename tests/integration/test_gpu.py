@@ -218,6 +218,35 @@ def test_pipeline_activations_of_4mb_go_gpu_to_gpu_and_train_exactly(worlds: Any
         assert info["loss_error"] < 1e-6 and info["param_error"] < 1e-6, info
 
 
+def _recv_while_the_gpu_is_busy(world: Any) -> dict[str, Any]:
+    import time
+
+    from mp_comm.transport import MPITransport, TransportConfig
+
+    t = MPITransport.from_world(world, config=TransportConfig(timeout=60.0))
+    x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)  # 4 MB
+    result: dict[str, Any] = {}
+    world.mpi_comm.Barrier()
+    if world.rank == 0:
+        t.send(x, 1, tag="x").wait()
+    else:
+        torch.cuda._sleep(3_000_000_000)  # ~1.5-2 s of one kernel on the default stream: a stage's compute
+        start = time.perf_counter()
+        got = t.recv(0, "x").obj
+        result["seconds"] = time.perf_counter() - start
+        result["busy"] = not torch.cuda.current_stream().query()  # the kernel still runs
+        result["equal"] = bool(torch.equal(got, x))
+    t.close()
+    return result
+
+
+def test_a_staged_cuda_message_arrives_without_waiting_for_the_receivers_kernels(worlds: Any) -> None:
+    # The MPI path's copy to the device runs on the landing stream, not behind the default stream's
+    # kernels. (UCX's own CUDA copies do wait for them: docs/gpu.md, Limits.)
+    info = worlds.run(2, _recv_while_the_gpu_is_busy, timeout=120)[1]
+    assert info["equal"] and info["busy"] and info["seconds"] < 0.5, info
+
+
 def test_trace_times_modules_with_cuda_events() -> None:
     from mp_partition import trace_model
 

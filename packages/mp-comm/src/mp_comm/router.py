@@ -76,8 +76,9 @@ class RouterConfig:
     device_min_bytes: int = 4 << 20
     """Messages whose device tensors hold fewer bytes than this take MPI (host staging) even where
     the D2D path exists. Measured on an H100 with two ranks on one GPU: below 4 MB UCX's per-message
-    cost made it 0.2-0.5x as fast as staging, at 16 MB it was 4x and at 64 MB 43x faster
-    (benchmarks/results/comm_p2p_cuda.md). 0 sends every device message over the D2D path."""
+    cost made it 0.24-0.72x as fast as staging; at 4 MB they were even, at 16 MB UCX was 3.2x and at
+    64 MB 13x faster (benchmarks/results/comm_p2p_cuda.md). 0 sends every device message over the
+    D2D path."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.cpu_route, Route):

@@ -372,6 +372,7 @@ class MessageTransport(Transport):
         self._meta_out = MetaCacheSender(config.static_slots)
         self.meta_in = MetaCacheReceiver()
         self.pool = HostPool(config.recv_pool_bytes) if config.recv_pool_bytes else None
+        self._landing: dict[torch.device, Any] = {}  # per CUDA device: see landing_stream
         """Recycled host memory for received CPU tensors (None when TransportConfig turns it off)."""
         self._closed = False
         self.stats: collections.Counter[str] = collections.Counter()
@@ -471,6 +472,9 @@ class MessageTransport(Transport):
     ) -> None:
         """A message is complete: to its channel's sink, or into the mailbox."""
         done = finish_tensors(tensors, metas)
+        for t in done:
+            if t.is_cuda:  # consumers use it on the default stream: its memory waits for them when freed
+                t.record_stream(torch.cuda.default_stream(t.device))
         self.stats["received"] += 1
         if header.channel != 0:
             sink = self._sinks.get(header.channel)
@@ -514,8 +518,23 @@ class MessageTransport(Transport):
         return metas, tensors
 
     def _allocate(self, source: int, header: Header, metas: tuple[TensorMeta, ...]) -> list[torch.Tensor]:
-        """The tensors an arriving message lands in (a transport may have made them ahead of time)."""
+        """The tensors an arriving message lands in (a transport may have made them ahead of time).
+
+        CUDA tensors come from the landing stream's memory: their bytes are written outside the
+        default stream (by a copy on the landing stream, or by UCX), and memory of the default stream
+        may still be read by kernels queued there, which only work on that stream waits for.
+        """
+        if torch.cuda.is_available() and any(m.device == "cuda" for m in metas):
+            with torch.cuda.stream(self.landing_stream(torch.device("cuda", torch.cuda.current_device()))):
+                return allocate(metas, self.device_map, self.pool)
         return allocate(metas, self.device_map, self.pool)
+
+    def landing_stream(self, device: torch.device) -> Any:
+        """The CUDA stream that received tensors of `device` are allocated and copied on."""
+        stream = self._landing.get(device)
+        if stream is None:
+            stream = self._landing[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        return stream
 
     def _arrival_failed(self, source: int, header: Header, error: BaseException) -> None:
         if header.channel == 0:

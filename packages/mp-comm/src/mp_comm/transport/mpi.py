@@ -278,10 +278,15 @@ class MPITransport(MessageTransport):
 
     def _stage(self, wires: list[torch.Tensor]) -> list[torch.Tensor]:
         # The MPI path moves host memory (Appendix G.3): device tensors are copied out on the caller's
-        # stream, which also orders the copy after the kernels that produced them.
+        # stream, which also orders the copy after the kernels that produced them. A non-blocking copy
+        # lands in pinned memory (3-4x faster than pageable for large tensors); waiting for the caller's
+        # stream alone, not the device, leaves other threads' kernels running.
         if all(t.is_cpu for t in wires):
             return wires
-        return [t if t.is_cpu or t.is_meta else t.to("cpu") for t in wires]
+        staged = [t if t.is_cpu or t.is_meta else t.to("cpu", non_blocking=True) for t in wires]
+        for device in {t.device for t in wires if t.is_cuda}:
+            torch.cuda.current_stream(device).synchronize()
+        return staged
 
     def close(self, timeout: float | None = None) -> None:
         """Collective: finish this rank's sends, wait for every rank to close, free the communicator."""
@@ -539,15 +544,25 @@ class MPITransport(MessageTransport):
                 done.append(op)
                 continue
             if complete:
-                for host, dev in op.staged:
-                    dev.copy_(host)
                 if op.staged:
-                    torch.cuda.synchronize(op.staged[0][1].device)
+                    self._unstage(op.staged)
                 self._arrived(op.source, op.header, op.tensors, op.metas)
                 done.append(op)
         for op in done:
             self._recvs.remove(op)
         return bool(done)
+
+    def _unstage(self, staged: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        # Copy received host buffers to their device tensors on the landing stream they were allocated
+        # on: on the default stream the copy would wait for every kernel queued there (a pipeline
+        # stage's compute), and synchronizing the device would too.
+        for device in {dev.device for _, dev in staged}:
+            stream = self.landing_stream(device)
+            with torch.cuda.stream(stream):
+                for host, dev in staged:
+                    if dev.device == device:
+                        dev.copy_(host, non_blocking=True)
+            stream.synchronize()
 
     def _finish_sends(self) -> bool:
         if not self._sends:

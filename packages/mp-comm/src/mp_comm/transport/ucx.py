@@ -213,7 +213,6 @@ class UCXTransport(MessageTransport):
         self._ep_errors: collections.deque[tuple[int, str]] = collections.deque()
         self._recv_buffers: dict[str, BufferManager] = {}
         self._send_buffers: dict[str, BufferManager] = {}
-        self._streams: dict[torch.device, Any] = {}
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -757,9 +756,9 @@ class UCXTransport(MessageTransport):
             try:
                 for r in op.reqs:
                     r.check_error()
+                # UCX completes a receive once its bytes are in place (CUDA copies included).
                 for i, manager, region in op.landing:
                     self._copy(byte_view(op.tensors[i]), manager.view(region))
-                self._synchronize(op.tensors)
             except Exception as exc:
                 error = self._wrap_error(f"receiving tag {op.header.tag!r}", exc, op.source)
                 self.mailbox.fail_peer(op.source, error)
@@ -788,19 +787,13 @@ class UCXTransport(MessageTransport):
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.device.type == "cuda" or src.device.type == "cuda":
-            device = dst.device if dst.device.type == "cuda" else src.device
-            stream = self._streams.get(device)
-            if stream is None:
-                stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            # The landing stream: persistent buffers and received tensors are its memory (_allocate).
+            stream = self.landing_stream(dst.device if dst.device.type == "cuda" else src.device)
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
             stream.synchronize()
         else:
             dst.copy_(src)
-
-    def _synchronize(self, tensors: list[torch.Tensor]) -> None:
-        if any(t.device.type == "cuda" for t in tensors):
-            torch.cuda.synchronize()
 
     # shutdown
 
