@@ -150,6 +150,70 @@ def test_pipelined_gpt2_on_gpu_matches_single_process(worlds: Any, microbatches:
         assert info["param_error"] < 1e-5, info
 
 
+def _fp16_pipelined_gpt2(world: Any) -> dict[str, Any]:
+    import mp as smp
+
+    def autocast() -> Any:
+        return torch.autocast("cuda", dtype=torch.float16)
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    steps, m = 4, 2
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": m, "pipeline": "interleaved"})
+    try:
+        model = smp.DistributedModel(_gpt2())
+        opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+        scaler = smp.amp.GradScaler(2.0**10, growth_interval=2)
+
+        @smp.step
+        def train_step(ids: torch.Tensor) -> torch.Tensor:
+            with autocast():  # the layers on pp_rank 1 run under it too
+                loss = model(input_ids=ids, labels=ids).loss
+            model.backward(scaler.scale(loss))
+            return loss
+
+        losses, scales = [], []
+        for ids in _batches(steps):
+            losses.append(train_step(ids).reduce_mean().item())
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            scales.append(scaler.get_scale())
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    finally:
+        smp.reset()
+
+    ref = _gpt2()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    ref_scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=2)
+    ref_losses, ref_scales = [], []
+    for ids in _batches(steps):
+        total = 0.0
+        for part in ids.chunk(m):
+            with autocast():
+                loss = ref(input_ids=part, labels=part).loss
+            ref_scaler.scale(loss / m).backward()
+            total += loss.item() / m
+        ref_losses.append(total)
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+        ref_scales.append(ref_scaler.get_scale())
+    return {
+        "scales": scales,
+        "ref_scales": ref_scales,
+        "loss_error": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+        "param_error": max((state[k] - v.cpu()).abs().max().item() for k, v in ref.state_dict().items()),
+    }
+
+
+def test_fp16_autocast_and_grad_scaler_on_gpu_match_torch(worlds: Any) -> None:
+    # The usual GPU recipe: fp16 autocast in the step, smp.amp.GradScaler, against torch's in one
+    # process on the same GPU and microbatches.
+    for info in worlds.run(2, _fp16_pipelined_gpt2, timeout=120):
+        assert info["scales"] == info["ref_scales"], info
+        assert info["loss_error"] < 1e-4 and info["param_error"] < 1e-4, info
+
+
 def _wide_mlp() -> torch.nn.Module:
     torch.manual_seed(3)
     layers: list[torch.nn.Module] = []

@@ -372,8 +372,8 @@ class MessageTransport(Transport):
         self._meta_out = MetaCacheSender(config.static_slots)
         self.meta_in = MetaCacheReceiver()
         self.pool = HostPool(config.recv_pool_bytes) if config.recv_pool_bytes else None
-        self._landing: dict[torch.device, Any] = {}  # per CUDA device: see landing_stream
         """Recycled host memory for received CPU tensors (None when TransportConfig turns it off)."""
+        self._landing: dict[torch.device, Any] = {}  # per CUDA device: see landing_stream
         self._closed = False
         self.stats: collections.Counter[str] = collections.Counter()
         """Counters for tests and debugging: "sent", "received", "static_hits" and transport-specific ones."""
