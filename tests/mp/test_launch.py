@@ -83,13 +83,14 @@ def test_nonzero_sys_exit_is_a_failure(tmp_path: Path) -> None:
 
 def test_module_mode(tmp_path: Path) -> None:
     (tmp_path / "jobmod.py").write_text("from mpi4py import MPI\nprint('ranks', MPI.COMM_WORLD.Get_size())\n")
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     proc = subprocess.run(
         [*LAUNCH, "-n", "2", "-m", "jobmod"],
         capture_output=True,
         text=True,
         timeout=90,
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])},
+        env={**os.environ, "PYTHONPATH": path},
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("ranks") == 2 and proc.stdout.count("2") == 2
