@@ -59,6 +59,7 @@ from mp_pipeline import (
     task_context,
 )
 from mp_pipeline.dp import OverlappedReduction
+from mp_pipeline.structure import flatten
 from mp_pipeline.timeline import RECORDER, EventKind
 from mp_tensor import is_distributed_parameter, is_scaled_batch_parameter
 from mp_tensor.nn.base import DistributedModule
@@ -86,6 +87,23 @@ def _free(t: torch.Tensor) -> None:
     setattr(t, _PLACEHOLDER, True)
     if isinstance(t, nn.Parameter):
         t.grad = None
+
+
+def _placement_error(model_devices: set[str], input_devices: set[str]) -> str | None:
+    """Why the first step cannot run with the model on these device types and these step inputs.
+
+    smp moved each rank's partition to its GPU after partitioning, so its scripts put only the batch
+    on CUDA. mp does not move the model (not built yet): such a script would fail deep in the forward
+    with a device mismatch, after tracing, so it is stopped here with the fix instead.
+    """
+    if "cuda" in input_devices and model_devices == {"cpu"}:
+        return (
+            "the first step's inputs are on CUDA but every parameter of the model is on the CPU. smp moved "
+            "each rank's partition to its GPU after partitioning; mp does not move the model yet. Fix: "
+            "move the model before wrapping it, e.g. torch.cuda.set_device(smp.local_rank()); "
+            "model.to(torch.device('cuda', smp.local_rank())); model = smp.DistributedModel(model)"
+        )
+    return None
 
 
 def _pipeline_transport(world: World) -> Transport:
@@ -258,6 +276,12 @@ class DistributedModel(nn.Module):
 
         exec_state = capture()
         if not self._partitioned:
+            _, first = flatten(inputs[0]) if inputs else (None, [])
+            problem = _placement_error(
+                {p.device.type for p in self.module.parameters()}, {t.device.type for t in first}
+            )
+            if problem is not None:
+                raise SMPValidationError(problem)
             self._partition(body)
         self._sync_replicas(first=self._step_count == 0)
         self._grad_scale = 1.0 / len(inputs) if self._average_mb else 1.0
