@@ -178,6 +178,52 @@ def test_mailbox_peer_failure_reaches_waiters_after_delivered_messages() -> None
         box.take(ANY_SOURCE, ANY_TAG, 1.0)
 
 
+@pytest.mark.parametrize("oversubscribed", [False, True])
+def test_a_driving_waiter_sleeps_between_polls_only_where_ranks_outnumber_cores(
+    monkeypatch: pytest.MonkeyPatch, oversubscribed: bool
+) -> None:
+    from mp_comm.transport import mailbox
+
+    pauses: list[str] = []
+    monkeypatch.setattr(mailbox.os, "sched_yield", lambda: pauses.append("yield"))
+    monkeypatch.setattr(mailbox.time, "sleep", lambda s: pauses.append(f"sleep {s:g}"))
+    box = Mailbox()
+    polls = iter(range(3))
+
+    def drive() -> bool:  # works twice, then the message is there
+        if next(polls) == 2:
+            box.deliver(Arrival(0, "t", 0, b"x"))
+        return True
+
+    config = TransportConfig(timeout=5.0, poll_min=3e-5, oversubscribed=oversubscribed)
+    assert box.take(0, "t", 5.0, drive=drive, config=config).body == b"x"
+    assert pauses == (["sleep 3e-05"] * 2 if oversubscribed else ["yield"] * 2)
+
+
+def test_transport_config_for_world_decides_oversubscription_from_the_host() -> None:
+    from types import SimpleNamespace
+
+    from mp_comm.world import Launcher, WorldInfo, _usable_cores
+
+    cores = _usable_cores()
+
+    def world(local_size: int) -> SimpleNamespace:
+        info = WorldInfo(
+            rank=0,
+            size=local_size,
+            local_rank=0,
+            local_size=local_size,
+            node=0,
+            num_nodes=1,
+            launcher=Launcher.MPI,
+        )
+        return SimpleNamespace(info=info)
+
+    assert TransportConfig().for_world(world(cores)).oversubscribed is False
+    assert TransportConfig().for_world(world(cores + 1)).oversubscribed is True
+    assert TransportConfig(oversubscribed=False).for_world(world(cores + 1)).oversubscribed is False
+
+
 def test_send_handle() -> None:
     h = SendHandle(1, "t", default_timeout=0.05)
     assert not h.done()

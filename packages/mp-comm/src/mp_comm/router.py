@@ -211,7 +211,7 @@ class Router(Transport):
         from mp_comm.transport.mpi import MPITransport
 
         cfg = config or RouterConfig()
-        tcfg = transport_config or TransportConfig()
+        tcfg = (transport_config or TransportConfig()).for_world(world)
         mailbox, orders = Mailbox(), OrderCounter()
         transports: dict[Route, MessageTransport] = {}
         if world.mpi_comm is not None:

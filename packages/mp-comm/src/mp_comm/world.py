@@ -80,6 +80,11 @@ class WorldInfo:
     num_nodes: int
     launcher: Launcher
 
+    @property
+    def oversubscribed(self) -> bool:
+        """Whether this host runs more of the world's processes than this process has cores."""
+        return self.local_size > _usable_cores()
+
 
 def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher:
     """MPI if an MPI launcher's variables are present, torchrun if RANK/WORLD_SIZE are, else single."""

@@ -255,6 +255,7 @@ class MPITransport(MessageTransport):
     @classmethod
     def from_world(cls, world: Any, **kwargs: Any) -> MPITransport:
         """The transport on a World's MPI communicator (the world must have been started by mpiexec)."""
+        kwargs["config"] = (kwargs.get("config") or TransportConfig()).for_world(world)
         if world.mpi_comm is None:
             if world.size == 1:
                 return cls(import_mpi().COMM_SELF, **kwargs)

@@ -267,6 +267,7 @@ class UCXTransport(MessageTransport):
     def from_world(cls, world: Any, **kwargs: Any) -> UCXTransport:
         """The transport for a World (collective): addresses go through MPI, or torch.distributed."""
         kwargs.setdefault("node_key", str(world.info.node))
+        kwargs["config"] = (kwargs.get("config") or TransportConfig()).for_world(world)
         return cls(bootstrap_for_world(world), **kwargs)
 
     @property
