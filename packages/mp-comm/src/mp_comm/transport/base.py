@@ -538,7 +538,7 @@ class MessageTransport(Transport):
         default stream (by a copy on the landing stream, or by UCX), and memory of the default stream
         may still be read by kernels queued there, which only work on that stream waits for.
         """
-        if torch.cuda.is_available() and any(m.device == "cuda" for m in metas):
+        if any(m.device == "cuda" for m in metas) and torch.cuda.is_available():
             with torch.cuda.stream(self.landing_stream(torch.device("cuda", torch.cuda.current_device()))):
                 return allocate(metas, self.device_map, self.pool)
         return allocate(metas, self.device_map, self.pool)
