@@ -82,3 +82,31 @@ def test_uncaught_exception_under_plain_mpiexec_stops_every_rank(tmp_path: Path)
     assert "RuntimeError: rank one is broken" in output and 'fail.py", line 4' in output, output
     assert "[rank 1] mp: uncaught RuntimeError; aborting the MPI job" in output, output
     assert took < 120, f"the job took {took:.0f} s to stop"
+
+
+def test_a_world_smaller_than_the_launcher_started_is_refused_with_the_fix(tmp_path: Path) -> None:
+    """mpi4py on another MPI than the launcher's: each process would run alone and hang in its first
+    collective. Here one process claims a 2-process PMI launch, as such a rank would see it."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "alone.py"
+    script.write_text("from mp_comm import init_world\ninit_world()\n")
+    env = {**os.environ, "PMI_RANK": "0", "PMI_SIZE": "2"}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "the launcher started 2 processes (PMI_SIZE=2) but MPI.COMM_WORLD has 1" in proc.stderr, (
+        proc.stderr
+    )
+    assert "MPI4PY_LIBMPI" in proc.stderr
+
+
+def test_launched_size_check_reads_each_launchers_variable() -> None:
+    from mp_comm.world import _check_launched_size
+
+    _check_launched_size(4, {"PMI_SIZE": "4"}, "MPICH Version: 5")
+    _check_launched_size(4, {}, "")  # no launcher variable: nothing to compare
+    expected = r"OMPI_COMM_WORLD_SIZE=8.*has 1.*\(Open MPI v4\.1\.6, package: Debian\)"
+    with pytest.raises(WorldError, match=expected):
+        _check_launched_size(1, {"OMPI_COMM_WORLD_SIZE": "8"}, "Open MPI v4.1.6, package: Debian\n")

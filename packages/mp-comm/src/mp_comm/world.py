@@ -253,6 +253,7 @@ def _mpi_coordinates() -> tuple[Any, WorldInfo, str]:
         ) from exc
     comm = MPI.COMM_WORLD.Dup()
     rank, size = comm.Get_rank(), comm.Get_size()
+    _check_launched_size(size, os.environ, MPI.Get_library_version())
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank, local_size = local.Get_rank(), local.Get_size()
     leader = local.bcast(rank, root=0)
@@ -269,6 +270,26 @@ def _mpi_coordinates() -> tuple[Any, WorldInfo, str]:
     )
     host = "127.0.0.1" if len(leaders) == 1 else socket.gethostbyname(socket.gethostname())
     return comm, info, host
+
+
+_LAUNCHED_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+
+
+def _check_launched_size(size: int, env: Mapping[str, str], library: str) -> None:
+    """Refuse a world smaller than the launcher started: mpi4py then loaded another MPI library than
+    the one whose mpiexec started the job (a system Open MPI beside the mpich wheel, say), and every
+    process runs alone, so the job's first collective would wait forever."""
+    for name in _LAUNCHED_SIZE_VARS:
+        raw = env.get(name, "")
+        if raw.isdigit() and int(raw) != size:
+            lib = library.strip().splitlines()[0] if library.strip() else "unknown"
+            raise WorldError(
+                f"the launcher started {raw} processes ({name}={raw}) but MPI.COMM_WORLD has {size}: "
+                f"mpi4py loaded a different MPI library ({lib}) than the one whose mpiexec started the "
+                "job, so each process runs alone. Fix: start the job with the mpiexec of the MPI that "
+                "mpi4py uses (the mpich wheel's sits beside this Python), or point mpi4py at the "
+                "launcher's library, e.g. MPI4PY_LIBMPI=/path/to/libmpi.so.12 MPI4PY_MPIABI=mpich."
+            )
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
