@@ -18,11 +18,21 @@ __all__ = [
     "RemoteExecutionError",
     "SplitError",
     "caused_by",
+    "collective_mismatch",
 ]
 
 
 class PipelineError(RuntimeError):
     """Base class of the pipeline runtime's failures."""
+
+
+def collective_mismatch(opening: str, also: str = "") -> PipelineError:
+    """A collective over the pipeline that some of its ranks did not call: ``opening``, the fix, and
+    ``also`` (another way out) after it."""
+    return PipelineError(
+        f"{opening}: call it on every rank of the pipeline at the same point of the script (e.g. under "
+        f"`if smp.rdp_rank() == 0:` rather than `if smp.rank() == 0:`){also}"
+    )
 
 
 class RemoteExecutionError(PipelineError):

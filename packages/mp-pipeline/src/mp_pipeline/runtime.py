@@ -23,7 +23,7 @@ from torch import nn
 from mp_comm.errors import PeerTimeoutError
 from mp_comm.transport.base import Transport
 from mp_pipeline.context import ExecState, TaskContext, applied, current, task_context
-from mp_pipeline.errors import NotInStepError, PipelineError
+from mp_pipeline.errors import NotInStepError, PipelineError, collective_mismatch
 from mp_pipeline.fast import FastPlan
 from mp_pipeline.messages import ENTERED_TAG, Entered, StepId, is_pipeline_tag
 from mp_pipeline.remote import Remote
@@ -255,13 +255,11 @@ class PipelineRuntime:
             stepping = mailbox is not None and any(
                 source == peer and is_pipeline_tag(tag) for source, tag in mailbox.pending()
             )
-            where = f" (its pipeline messages are waiting here: rank {peer} is in a step)"
-            raise PipelineError(
+            where = f" (its pipeline messages are waiting here: rank {peer} is in a step)" if stepping else ""
+            raise collective_mismatch(
                 f"rank {self.rank} entered {what}, which every rank of pipeline {list(self.peers)} must "
-                f"call together, and rank {peer} did not within {self.timeout:g} s{where if stepping else ''}"
-                ": call it on every rank of the pipeline at the same point of the script (e.g. under `if "
-                "smp.rdp_rank() == 0:` rather than `if smp.rank() == 0:`), or raise MP_PIPELINE_TIMEOUT "
-                "if a rank can legitimately arrive that much later"
+                f"call together, and rank {peer} did not within {self.timeout:g} s{where}",
+                ", or raise MP_PIPELINE_TIMEOUT if a rank can legitimately arrive that much later",
             ) from None
         message = received.obj
         assert isinstance(message, Entered), type(message)

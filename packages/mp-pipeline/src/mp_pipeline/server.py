@@ -28,7 +28,7 @@ import torch
 
 from mp_comm.errors import PeerTimeoutError
 from mp_comm.transport.base import ANY_SOURCE, ANY_TAG, SendHandle, Transport
-from mp_pipeline.errors import PipelineAbortedError, PipelineError, PipelineTimeoutError
+from mp_pipeline.errors import PipelineAbortedError, PipelineError, PipelineTimeoutError, collective_mismatch
 from mp_pipeline.messages import (
     TAG,
     Compact,
@@ -576,12 +576,10 @@ class Server:
         common hang). From another rank it may just have finished the step first: kept for later."""
         top = self.peers[0]
         if source == top and self.rank != top:
-            raise PipelineError(
+            raise collective_mismatch(
                 f"rank {top} (pp_rank 0) entered {message.what}, which every rank of pipeline "
                 f"{list(self.peers)} must call together, while rank {self.rank} is in step {self.step.step} "
-                f"(of {self.step.fn or 'a step function'}): call it on every rank of the pipeline at the "
-                "same point of the script "
-                "(e.g. under `if smp.rdp_rank() == 0:` rather than `if smp.rank() == 0:`)"
+                f"(of {self.step.fn or 'a step function'})"
             )
         self._entered.setdefault(source, []).append(message)
 

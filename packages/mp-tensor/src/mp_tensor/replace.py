@@ -10,6 +10,7 @@ the original module's layout (:mod:`mp_tensor.state_dict`).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import Iterator, Mapping
@@ -25,7 +26,7 @@ from mp_tensor.errors import MPTensorError
 from mp_tensor.nn.base import DistributedModule, param_spec
 from mp_tensor.registry import INIT_ARGS_ATTR, Registration, Registry, default_registry
 
-__all__ = ["ORIGINAL_ATTR", "Replacement", "replace_modules"]
+__all__ = ["ORIGINAL_ATTR", "Replacement", "default_dtype", "replace_modules"]
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +186,18 @@ def replace_modules(
 
 
 @torch.no_grad()
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    """torch's default dtype set to ``dtype`` inside (None: left as it is), restored on the way out."""
+    previous = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def _replace_one(
     reg: Registration, module: nn.Module, ctx: TPContext, overrides: Mapping[str, Any]
 ) -> DistributedModule:
@@ -192,16 +205,11 @@ def _replace_one(
     # smp.model_creation(dtype=...)), unless the config asks for fp16 parameters: its parameters are
     # created in that dtype, before the original's values are copied in (no rounding on the way).
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
-    previous = torch.get_default_dtype()
-    if ctx.dtype is None and dtype is not None:
-        torch.set_default_dtype(dtype)
-    try:
+    with default_dtype(dtype if ctx.dtype is None else None):
         if reg.builder is not None:
             new = reg.builder(module, ctx, overrides)
         else:
             new = _build_registered(reg, module, ctx, overrides)
-    finally:
-        torch.set_default_dtype(previous)
     new.train(module.training)
     device = next((p.device for p in module.parameters()), None)
     if device is not None and device.type != "cpu":

@@ -21,11 +21,10 @@ from mp_comm import GroupKind
 from mp_tensor.context import TPContext, set_context_provider
 from mp_tensor.enable import set_tensor_parallelism as _set_tensor_parallelism
 from mp_tensor.enable import tensor_parallelism
-from mp_tensor.enable import tensor_parallelism as _tensor_parallelism
 from mp_tensor.grads import reduce_gradients
 from mp_tensor.nn.base import is_distributed_parameter, is_scaled_batch_parameter
 from mp_tensor.registry import tp_register, tp_register_with_module
-from mp_tensor.replace import replace_modules
+from mp_tensor.replace import default_dtype, replace_modules
 from mp_tensor.state_dict import gather_state_dict, load_original_state_dict
 
 __all__ = [
@@ -63,6 +62,7 @@ def tp_context() -> TPContext | None:
 set_context_provider(tp_context)
 
 log = logging.getLogger(__name__)
+_marking = tensor_parallelism  # model_creation's argument of that name hides the function inside it
 
 
 @contextlib.contextmanager
@@ -78,13 +78,8 @@ def model_creation(
     ``delayed_parameter_initialization``; mp does not build that yet (``smp.init`` warns about the key),
     so parameters are created at once.
     """
-    previous = torch.get_default_dtype()
-    with contextlib.ExitStack() as stack:
-        if tensor_parallelism:
-            stack.enter_context(_tensor_parallelism(True, **tensor_parallel_config))
-        if dtype is not None:
-            torch.set_default_dtype(dtype)
-            stack.callback(torch.set_default_dtype, previous)
+    mark = _marking(True, **tensor_parallel_config) if tensor_parallelism else contextlib.nullcontext()
+    with mark, default_dtype(dtype):
         yield
 
 

@@ -29,7 +29,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, NamedTuple
@@ -549,6 +549,23 @@ class MessageTransport(Transport):
         if stream is None:
             stream = self._landing[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         return stream
+
+    def _land(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each (destination, source) pair. Pairs that touch a GPU run on its landing stream, then
+        only that stream is waited for: on the default stream a copy would wait for every kernel queued
+        there (a pipeline stage's compute), and synchronizing the device would too."""
+        on_gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for dst, src in pairs:
+            if dst.is_cuda or src.is_cuda:
+                on_gpu.setdefault(dst.device if dst.is_cuda else src.device, []).append((dst, src))
+            else:
+                dst.copy_(src)
+        for device, copies in on_gpu.items():
+            stream = self.landing_stream(device)
+            with torch.cuda.stream(stream):
+                for dst, src in copies:
+                    dst.copy_(src, non_blocking=True)
+            stream.synchronize()
 
     def _arrival_failed(self, source: int, header: Header, error: BaseException) -> None:
         if header.channel == 0:

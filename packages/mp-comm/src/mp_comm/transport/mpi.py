@@ -546,24 +546,12 @@ class MPITransport(MessageTransport):
                 continue
             if complete:
                 if op.staged:
-                    self._unstage(op.staged)
+                    self._land([(dev, host) for host, dev in op.staged])
                 self._arrived(op.source, op.header, op.tensors, op.metas)
                 done.append(op)
         for op in done:
             self._recvs.remove(op)
         return bool(done)
-
-    def _unstage(self, staged: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        # Copy received host buffers to their device tensors on the landing stream they were allocated
-        # on: on the default stream the copy would wait for every kernel queued there (a pipeline
-        # stage's compute), and synchronizing the device would too.
-        for device in {dev.device for _, dev in staged}:
-            stream = self.landing_stream(device)
-            with torch.cuda.stream(stream):
-                for host, dev in staged:
-                    if dev.device == device:
-                        dev.copy_(host, non_blocking=True)
-            stream.synchronize()
 
     def _finish_sends(self) -> bool:
         if not self._sends:

@@ -565,7 +565,7 @@ class UCXTransport(MessageTransport):
             region = manager.reserve(src.numel()) if manager is not None else None
             if region is not None:
                 view = manager.view(region)  # type: ignore[union-attr]
-                self._copy(view, src)
+                self._land([(view, src)])
                 op.regions.append((manager, region))  # type: ignore[arg-type]
                 src = view
         payload = numpy_bytes(src) if src.device.type == "cpu" else src
@@ -758,8 +758,8 @@ class UCXTransport(MessageTransport):
                 for r in op.reqs:
                     r.check_error()
                 # UCX completes a receive once its bytes are in place (CUDA copies included).
-                for i, manager, region in op.landing:
-                    self._copy(byte_view(op.tensors[i]), manager.view(region))
+                if op.landing:
+                    self._land([(byte_view(op.tensors[i]), m.view(region)) for i, m, region in op.landing])
             except Exception as exc:
                 error = self._wrap_error(f"receiving tag {op.header.tag!r}", exc, op.source)
                 self.mailbox.fail_peer(op.source, error)
@@ -773,7 +773,7 @@ class UCXTransport(MessageTransport):
             self._recvs.remove(op)
         return bool(done)
 
-    # buffers and copies
+    # persistent buffers
 
     def _buffer(
         self, table: dict[str, BufferManager], device: torch.device, capacity: int
@@ -785,16 +785,6 @@ class UCXTransport(MessageTransport):
         if manager is None:
             manager = table[key] = BufferManager(capacity, device, alignment=self.ucx_config.buffer_alignment)
         return manager
-
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if dst.device.type == "cuda" or src.device.type == "cuda":
-            # The landing stream: persistent buffers and received tensors are its memory (_allocate).
-            stream = self.landing_stream(dst.device if dst.device.type == "cuda" else src.device)
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)
-            stream.synchronize()
-        else:
-            dst.copy_(src)
 
     # shutdown
 
