@@ -368,7 +368,7 @@ def test_received_tensors_reuse_pooled_memory() -> None:
     a, b = hub.transport(0), hub.transport(1)
     assert b.pool is not None
     for i in range(4):
-        x = torch.full((256, 256), float(i))
+        x = torch.full((1024, 1024), float(i))  # 4 MiB: POOL_MIN_BYTES, the pool's threshold
         a.send(x, 1, tag="big")
         got = b.recv(0, "big").obj
         assert torch.equal(got, x)

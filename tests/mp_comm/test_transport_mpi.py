@@ -202,35 +202,49 @@ def test_static_mode_skips_metadata_for_repeated_shapes(worlds: Any) -> None:
     assert worlds.run(2, _static_mode, timeout=60) == [(4, 6), (4, 6)]
 
 
-def _spare_buffers(world: Any, spare_bytes: int, static: bool) -> dict[str, Any]:
-    t = _open(world, static_shapes=static, spare_bytes=spare_bytes)
+def _pooled_receives(world: Any) -> dict[str, Any]:
+    from mp_comm.transport.base import POOL_MIN_BYTES
+
+    t = _open(world)
+    assert t.pool is not None
     peer = 1 - world.rank
+    shape = (POOL_MIN_BYTES // 4,)  # float32: exactly the pool's threshold
     kept = []
-    for step in range(8):
-        shape = (256, 1024) if step < 5 else (128, 1024)  # 1 MB, then 512 KB: new metadata
-        x = torch.full(shape, float(10 * step + world.rank))
-        t.send({"act": x, "mb": step}, peer, tag="fwd")
-        kept.append(t.recv(peer, "fwd").obj)  # all kept alive: each must stay its own buffer
+    for step in range(6):
+        t.send({"act": torch.full(shape, float(10 * step + world.rank)), "mb": step}, peer, tag="fwd")
+        got = t.recv(peer, "fwd").obj
+        if step < 3:
+            kept.append(got)  # alive: each must keep its own memory
+        else:
+            assert torch.equal(got["act"], torch.full(shape, float(10 * step + peer)))
+            del got  # dropped: its memory goes back to the pool for the next message
         t.send(b"ack", peer, tag="ack")
         t.recv(peer, "ack")
+    small = t.send(torch.ones(16), peer, tag="small")
+    below = t.recv(peer, "small").obj  # under the threshold: plain memory, not the pool's
+    small.wait()
     intact = all(
-        torch.equal(got["act"], torch.full(got["act"].shape, float(10 * step + peer))) and got["mb"] == step
+        torch.equal(got["act"], torch.full(shape, float(10 * step + peer))) and got["mb"] == step
         for step, got in enumerate(kept)
     )
     storages = {got["act"].untyped_storage().data_ptr() for got in kept}
+    out = {
+        "intact": intact and torch.equal(below, torch.ones(16)),
+        "distinct": len(storages) == len(kept),
+        "hits": t.pool.hits,
+        "misses": t.pool.misses,
+    }
     t.close()
-    return {"intact": intact, "distinct": len(storages) == len(kept), "hits": t.stats["spare_hits"]}
+    return out
 
 
-@pytest.mark.parametrize(("spare_bytes", "static"), [(64 << 20, True), (64 << 20, False), (0, True)])
-def test_repeated_messages_land_in_buffers_made_ahead(worlds: Any, spare_bytes: int, static: bool) -> None:
-    """Messages that repeat their sender, tag (or static slot) and metadata land in buffers made while
-    the receiver waited: every message intact, each in its own memory, and none after the shapes change
-    until they repeat."""
-    for r in worlds.run(2, _spare_buffers, spare_bytes, static, timeout=60):
+def test_large_receives_recycle_memory_without_aliasing(worlds: Any) -> None:
+    """Received tensors of POOL_MIN_BYTES and more come from the pool: those kept alive each keep their
+    own memory, and the memory of dropped ones serves the next message."""
+    for r in worlds.run(2, _pooled_receives, timeout=60):
         assert r["intact"] and r["distinct"], r
-        # steps 1-4 repeat step 0's metadata, step 5 brings new metadata, steps 6-7 repeat it
-        assert r["hits"] == (6 if spare_bytes else 0), r
+        # steps 0-3 find the pool empty (0-2 are kept; 3 comes back), 4 and 5 reuse step 3's memory
+        assert (r["misses"], r["hits"]) == (4, 2), r
 
 
 def _self_send_and_reopen(world: Any) -> list[str]:

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import torch
 
@@ -80,6 +80,13 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+POOL_MIN_BYTES: Final = 4 << 20
+"""Received CPU tensors from this size come from the transport's HostPool. Smaller ones are allocated
+fresh: measured interleaved here, the pool's bookkeeping (~10 µs a tensor, more inside a stream) cost
+1 MB streams 10-20% of their bandwidth, while malloc mostly reuses memory it has already faulted in;
+from 4 MiB fresh memory's page faults cost more (16 MB messages up to 2x slower without the pool)."""
+
+
 class Received(NamedTuple):
     """A received message: who sent it, its tag, and the rebuilt object."""
 
@@ -102,20 +109,15 @@ class TransportConfig:
     static_slots: int = 1024
     """Metadata cache slots per sender at each receiver (least recently used tags give theirs up)."""
     recv_pool_bytes: int = 256 << 20
-    """Idle host memory kept to recycle for received CPU tensors of at least 64 KiB (see
-    buffers.HostPool: fresh memory costs a page fault per page, several times the copy); 0 turns the
-    pool off. Tensors received into it cannot be resized in place (`resize_`)."""
+    """Idle host memory kept to recycle for received CPU tensors of at least 4 MiB (`POOL_MIN_BYTES`;
+    see buffers.HostPool: fresh memory that large costs a page fault per page, up to several times the
+    copy); 0 turns the pool off. Tensors received into it cannot be resized in place (`resize_`)."""
     spin_time: float = 1e-3
     """Seconds a polling progress thread keeps polling without sleeping after its last activity, so that
     a quick reply (a ping-pong, a pipeline hand-off) is seen at once."""
     inline_bytes: int = 4096
     """Tensors of at most this many bytes travel inside the header instead of as messages of their
     own (one small copy instead of a message round; 0 turns it off)."""
-    spare_bytes: int = 64 << 20
-    """MPI transport: host memory that may be held in receive buffers made ahead of time (allocated
-    while a receiver waits, for the next message of a sender and tag, or static slot, whose last message
-    was at least 64 KiB; used if that message has the same metadata: ~50 µs less per 1 MB message
-    here); 0 turns it off."""
     poll_min: float = 20e-6
     """Shortest sleep, in seconds, of a polling progress thread between rounds while it has work in
     flight or a thread waits on a receive."""
@@ -141,8 +143,6 @@ class TransportConfig:
             raise ValueError(f"recv_pool_bytes={self.recv_pool_bytes}; expected >= 0 (0 turns the pool off)")
         if self.inline_bytes < 0:
             raise ValueError(f"inline_bytes={self.inline_bytes}; expected >= 0 (0 turns inlining off)")
-        if self.spare_bytes < 0:
-            raise ValueError(f"spare_bytes={self.spare_bytes}; expected >= 0 (0 turns spare buffers off)")
         if self.spin_time < 0:
             raise ValueError(f"spin_time={self.spin_time}; expected >= 0 seconds")
         if not (0 <= self.poll_min <= self.poll_max):
@@ -385,7 +385,9 @@ class MessageTransport(Transport):
         self._wires: dict[int, int] = {}
         self._meta_out = MetaCacheSender(config.static_slots)
         self.meta_in = MetaCacheReceiver()
-        self.pool = HostPool(config.recv_pool_bytes) if config.recv_pool_bytes else None
+        self.pool = (
+            HostPool(config.recv_pool_bytes, min_bytes=POOL_MIN_BYTES) if config.recv_pool_bytes else None
+        )
         """Recycled host memory for received CPU tensors (None when TransportConfig turns it off)."""
         self._landing: dict[torch.device, Any] = {}  # per CUDA device: see landing_stream
         self._closed = False

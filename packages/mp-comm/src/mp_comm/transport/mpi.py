@@ -49,7 +49,6 @@ from mp_comm.message import (
     DeviceMap,
     Header,
     TensorMeta,
-    allocate,
     decode_header,
     default_device_map,
 )
@@ -69,7 +68,6 @@ HEADER_TAG: Final = 1
 _FIRST_DATA_TAG: Final = 2
 _PROBES_PER_ROUND: Final = 64
 _CLOSE_TIMEOUT: Final = 60.0
-_SPARE_MIN: Final = 64 << 10  # smaller messages allocate in a few µs: no buffers made ahead for them
 
 _THREAD_LEVEL_NAMES: Final = {
     0: "MPI_THREAD_SINGLE",
@@ -170,16 +168,6 @@ class _HeaderOp:
 
 
 @dataclass(slots=True)
-class _Spare:
-    """Receive buffers made ahead of time for the next message of one (sender, slot or tag)."""
-
-    metas: tuple[TensorMeta, ...]
-    """The metadata they were made for (static mode: the cached object itself)."""
-    tensors: list[torch.Tensor]
-    nbytes: int
-
-
-@dataclass(slots=True)
 class _RecvOp:
     source: int
     header: Header
@@ -238,12 +226,6 @@ class MPITransport(MessageTransport):
         self._headers: dict[int, collections.deque[_HeaderOp]] = {}
         self._recvs: list[_RecvOp] = []
         self._status = mpi.Status()  # reused by every probe (only the lock holder probes)
-        # Receive buffers made while nothing arrives, for the next message of each (sender, metadata
-        # slot or tag) that repeats its metadata (allocating on arrival costs ~45 µs of the critical
-        # path per message here). Wanted: what the last message of each key needs.
-        self._spares: dict[tuple[int, Any], _Spare] = {}
-        self._wanted: dict[tuple[int, Any], tuple[TensorMeta, ...]] = {}
-        self._spare_held = 0
         self._error: BaseException | None = None
         self._close_error: BaseException | None = None
         self._close_timeout = _CLOSE_TIMEOUT
@@ -301,8 +283,6 @@ class MPITransport(MessageTransport):
         self._thread.join(self._close_timeout + 5.0)
         closed = TransportClosedError(f"the MPI transport of rank {self.rank} was closed")
         self._fail_all(self._error or closed)
-        self._spares.clear()
-        self._wanted.clear()
         if self._thread.is_alive():
             raise TransportError(
                 f"the MPI progress thread of rank {self.rank} did not stop within "
@@ -386,8 +366,6 @@ class MPITransport(MessageTransport):
         if self._wake.is_set():
             self._wake.clear()
         worked = self._post_sends()
-        if self._wanted and not self._recvs:
-            self._make_spares()
         worked |= self._probe_headers()
         worked |= self._finish_headers()
         worked |= self._finish_recvs()
@@ -445,45 +423,6 @@ class MPITransport(MessageTransport):
             queue.append(_HeaderOp(source, buf, req))
         return worked
 
-    def _allocate(self, source: int, header: Header, metas: tuple[TensorMeta, ...]) -> list[torch.Tensor]:
-        if not self.config.spare_bytes or sum(m.nbytes for m in metas) < _SPARE_MIN:
-            return super()._allocate(source, header, metas)
-        # A static message's key is its metadata slot; another's its tag (a sender's messages under one
-        # tag tend to repeat their shapes: a pipeline's activations, a benchmark's ping-pong).
-        key: tuple[int, Any] = (source, header.slot) if header.slot >= 0 else (source, ("tag", header.tag))
-        try:
-            spare = self._spares.pop(key, None)
-        except TypeError:  # an unhashable tag
-            return super()._allocate(source, header, metas)
-        if spare is not None:
-            self._spare_held -= spare.nbytes
-        if spare is not None and (spare.metas is metas or spare.metas == metas):
-            self.stats["spare_hits"] += 1
-            tensors = spare.tensors
-        else:
-            tensors = super()._allocate(source, header, metas)
-        self._wanted[key] = metas
-        return tensors
-
-    def _make_spares(self) -> None:
-        """Make the wanted spare buffers that fit the budget (host tensors only)."""
-        wanted, self._wanted = self._wanted, {}
-        for key, metas in wanted.items():
-            if key in self._spares:
-                continue
-            try:
-                tensors = allocate(metas, self.device_map, self.pool)
-            except Exception as exc:  # an optimization only: the message will allocate on arrival
-                log.debug("rank %d: no spare receive buffers for %s: %s", self.rank, key, exc)
-                continue
-            if not all(t.is_cpu for t in tensors):
-                continue
-            nbytes = sum(t.untyped_storage().nbytes() for t in tensors)
-            if self._spare_held + nbytes > self.config.spare_bytes:
-                continue
-            self._spares[key] = _Spare(metas, tensors, nbytes)
-            self._spare_held += nbytes
-
     def _finish_headers(self) -> bool:
         worked = False
         for source in list(self._headers):
@@ -525,33 +464,34 @@ class MPITransport(MessageTransport):
                 )
                 op.staged.append((host, t))
             op.reqs.append(comm.Irecv(_buffer(mpi, host, nbytes, readonly=False), source, tag))
-        if op.reqs:
-            self._recvs.append(op)
-        else:  # everything travelled in the header
+        if not op.reqs:  # everything travelled in the header
             self._arrived(source, header, tensors, metas)
+        elif not self._try_finish(op):  # a payload already announced often lands right away
+            self._recvs.append(op)
 
     def _finish_recvs(self) -> bool:
         if not self._recvs:
             return False
-        mpi = self._mpi
-        done: list[_RecvOp] = []
-        for op in self._recvs:
-            try:
-                complete = mpi.Request.Testall(op.reqs) if op.reqs else True
-            except mpi.Exception as exc:
-                error = self._wrap_error(f"receiving tag {op.header.tag!r}", exc, op.source)
-                self.mailbox.fail_peer(op.source, error)
-                self._arrival_failed(op.source, op.header, error)
-                done.append(op)
-                continue
-            if complete:
-                if op.staged:
-                    self._land([(dev, host) for host, dev in op.staged])
-                self._arrived(op.source, op.header, op.tensors, op.metas)
-                done.append(op)
+        done = [op for op in self._recvs if self._try_finish(op)]
         for op in done:
             self._recvs.remove(op)
         return bool(done)
+
+    def _try_finish(self, op: _RecvOp) -> bool:
+        """Deliver `op` if its payloads have landed (or fail it); whether it is finished."""
+        mpi = self._mpi
+        try:
+            if not mpi.Request.Testall(op.reqs):
+                return False
+        except mpi.Exception as exc:
+            error = self._wrap_error(f"receiving tag {op.header.tag!r}", exc, op.source)
+            self.mailbox.fail_peer(op.source, error)
+            self._arrival_failed(op.source, op.header, error)
+            return True
+        if op.staged:
+            self._land([(dev, host) for host, dev in op.staged])
+        self._arrived(op.source, op.header, op.tensors, op.metas)
+        return True
 
     def _finish_sends(self) -> bool:
         if not self._sends:
