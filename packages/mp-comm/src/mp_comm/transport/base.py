@@ -26,9 +26,7 @@ import dataclasses
 import itertools
 import logging
 import math
-import os
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -67,7 +65,6 @@ __all__ = [
     "ANY_SOURCE",
     "ANY_TAG",
     "Arrival",
-    "Backoff",
     "Mailbox",
     "MessageTransport",
     "Outgoing",
@@ -113,8 +110,9 @@ class TransportConfig:
     see buffers.HostPool: fresh memory that large costs a page fault per page, up to several times the
     copy); 0 turns the pool off. Tensors received into it cannot be resized in place (`resize_`)."""
     spin_time: float = 1e-3
-    """Seconds a polling progress thread keeps polling without sleeping after its last activity, so that
-    a quick reply (a ping-pong, a pipeline hand-off) is seen at once."""
+    """Seconds a thread waiting in `recv` keeps polling (yielding the CPU between polls) after its last
+    progress before it starts to nap, so that a quick reply (a ping-pong, a pipeline hand-off) is seen
+    at once."""
     inline_bytes: int = 4096
     """Tensors of at most this many bytes travel inside the header instead of as messages of their
     own (one small copy instead of a message round; 0 turns it off)."""
@@ -156,45 +154,6 @@ class TransportConfig:
             return self
         info = getattr(world, "info", None)  # a bare world (one rank, no launcher) has none
         return dataclasses.replace(self, oversubscribed=bool(getattr(info, "oversubscribed", False)))
-
-
-class Backoff:
-    """How a polling progress thread idles: spin briefly after activity, then sleep, longer when idle.
-
-    `wake` is set by threads that hand the progress thread work, cutting any sleep short.
-    """
-
-    def __init__(self, config: TransportConfig, wake: threading.Event) -> None:
-        self._config = config
-        self._wake = wake
-        self._last = time.monotonic()
-        self._delay = config.poll_min
-
-    def worked(self) -> None:
-        self._last = time.monotonic()
-        self._delay = self._config.poll_min
-
-    def idle(self, busy: bool) -> None:
-        """Wait a little; `busy` when requests are in flight or a thread waits for a message."""
-        cfg = self._config
-        if time.monotonic() - self._last < cfg.spin_time:
-            os.sched_yield()  # releases the GIL; time.sleep(0) would cost a timer-slack period (~50 us)
-            return
-        if busy:
-            delay = cfg.poll_min
-        else:
-            delay = self._delay
-            self._delay = min(cfg.poll_max, max(self._delay * 2, 1e-6))
-        if self._wake.wait(delay):
-            self._last = time.monotonic()
-
-    def rest(self) -> None:
-        """Sleep `poll_max` (or until woken): another thread is driving progress."""
-        self._wake.wait(self._config.poll_max)
-
-    def spin(self) -> None:
-        """One turn of a busy wait that lets the other threads of the process run."""
-        os.sched_yield()
 
 
 _HANDLES = (
