@@ -173,6 +173,7 @@ def report(
             ("interleaved", "GPipe"),
             ("simple static", "GPipe"),
             ("interleaved static", "1F1B"),
+            ("interleaved active 5", "1F1B"),
         ):
             if ("mp", ours, m, 1) not in by:
                 continue
@@ -188,7 +189,7 @@ def report(
                     "met": ratio is not None and ratio >= 1.0,
                 }
             )
-        for s in ("simple", "interleaved", "simple static", "interleaved static"):
+        for s in ("simple", "interleaved", "simple static", "interleaved static", "interleaved active 5"):
             if ("mp", s, m, 1) not in by:
                 continue
             eff = by[("mp", s, m, 1)]["efficiency_bubble"]
@@ -256,9 +257,11 @@ def _markdown(p: dict[str, Any]) -> str:
         f"{', '.join(f'{v:.1f}' for v in load)} at the start, after each repetition and at the end: "
         "other jobs shared the host).",
         "",
-        f"{a['reps']} repetitions; in each, per m, two groups (one per mp schedule) of {a['steps']} "
-        "rounds; a round runs one step of every variant in the group (mp, torch GPipe and 1F1B, single "
-        "process) in a rotating order. Medians over all timed steps (*n*); ratios are paired within a "
+        f"{a['reps']} repetitions; in each, per m, one group per mp session (the rows *mp* below) of "
+        f"{a['steps']} rounds; *interleaved active 5* sets `active_microbatches` to pp + 3 instead of smp's "
+        "default pp + 2 (not part of the pooled like-for-like pairs); a round runs one step of every "
+        "variant in the group (mp, torch GPipe and 1F1B, single process) in a rotating order. Medians "
+        "over all timed steps (*n*); ratios are paired within a "
         "round, then the median is taken. *vs torch GPipe*: throughput over torch's GPipe at the same m; "
         "*vs single*: over the single process (1 thread, full batch); *eff. bubble*: (T1/p·(m+p−1)/m) / "
         "measured, T1 = single process on the same m microbatches, p = 2; *eff. split*: the bound for the "

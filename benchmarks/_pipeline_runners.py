@@ -133,21 +133,24 @@ class MpRunner:
         schedule: str,
         lr: float,
     ) -> None:
-        """``schedule``: "simple" or "interleaved", with " static" for static mode."""
+        """``schedule``: "simple" or "interleaved", with " static" for static mode, or with " active N"
+        for ``active_microbatches`` N (otherwise smp's default, pp + 2)."""
         import mp as smp
 
         self.stage_times: dict[str, list[float]] = {}
         self.static = schedule.endswith(" static")
-        smp.init(
-            {
-                "pipeline_parallel_degree": 2,
-                "microbatches": m,
-                "pipeline": schedule.split(maxsplit=1)[0],
-                "auto_partition": False,
-                "default_partition": 0,
-                "static_mode": self.static,
-            }
-        )
+        words = schedule.split()
+        config: dict[str, Any] = {
+            "pipeline_parallel_degree": 2,
+            "microbatches": m,
+            "pipeline": words[0],
+            "auto_partition": False,
+            "default_partition": 0,
+            "static_mode": self.static,
+        }
+        if "active" in words:
+            config["active_microbatches"] = int(words[words.index("active") + 1])
+        smp.init(config)
         net = _model(cfg, base)
         self.probe: StageProbe | None = StageProbe(net)
         smp.set_partition(net.front, 0)

@@ -12,7 +12,10 @@ step is forward, backward and AdamW's step; variants:
 * ``mp``: ``smp.init({"pipeline_parallel_degree": 2, "microbatches": m, "pipeline": ...})`` with the
   ``simple`` (all forwards, then all backwards: GPipe's order) and ``interleaved`` (a ready backward
   first: 1F1B-like) schedules, each also with ``static_mode`` (``simple static``, ``interleaved static``:
-  timed after the steps static mode records, MP_PIPELINE_STATIC_STEPS, default 5); manual partitioning
+  timed after the steps static mode records, MP_PIPELINE_STATIC_STEPS, default 5), and at m = 8 also
+  ``interleaved active 5`` (``active_microbatches`` pp + 3 instead of smp's default pp + 2: the setting
+  docs/pipeline.md recommends for many microbatches; not one of the targets' default-config pairs);
+  manual partitioning
   (``smp.set_partition(model.front, 0)``, ``smp.set_partition(model.back, 1)``,
   ``auto_partition: false``); ``@smp.step`` with
   ``model.backward(loss)``; ``smp.DistributedOptimizer``;
@@ -23,13 +26,13 @@ step is forward, backward and AdamW's step; variants:
 Every rank runs with one torch thread (OMP_NUM_THREADS=1): the 2 ranks of a pipeline share the 2 cores.
 Each variant is set up from the initial weights and runs a first step (partitioning, shape inference,
 optimizer state; the warm-up) whose loss and gradients are compared with single-process PyTorch on the
-same batch (the fairness check). Timing is interleaved at the step level, because the host is shared
-and noisy: per repetition and per ``m``, the torch (GPipe, 1F1B) and single-process runners stay alive
-while four mp sessions (the two schedules, with and without static mode; only one smp session can exist
-at a time) run beside them in turn; each such group runs ``--steps`` rounds, a round being one step of
-every runner in a rotating order. A step is timed between two barriers that sleep while they wait (MPI's
-barrier spins and would take a core from the rank still computing). Ratios are paired within a round (adjacent
-steps), then the median over rounds is taken.
+same batch (the fairness check). Timing is interleaved at the step level, because the host is shared and
+noisy: per repetition and per ``m``, the torch (GPipe, 1F1B) and single-process runners stay alive while
+the mp sessions (the two schedules, with and without static mode, and the one with more active
+microbatches; only one smp session can exist at a time) run beside them in turn; each such group runs
+``--steps`` rounds, a round being one step of every runner in a rotating order. A step is timed between
+two barriers that sleep while they wait (MPI's barrier spins and would take a core from the rank still
+computing). Ratios are paired within a round (adjacent steps), then the median over rounds is taken.
 
 Pipeline efficiency = ideal / measured step time, with two ideals:
 
@@ -114,15 +117,23 @@ class Spec:
         return f"{self.system}/{self.schedule}/m{self.m}/t{self.threads}"
 
 
+ACTIVE_PLUS3 = "interleaved active 5"
+"""The interleaved schedule with ``active_microbatches`` = pp + 3 instead of smp's pp + 2: the setting
+docs/pipeline.md recommends for many microbatches (run where m > pp + 3, i.e. at m = 8)."""
+
+
+def mp_schedules(m: int) -> tuple[str, ...]:
+    """The mp sessions run at ``m`` microbatches."""
+    base = ("simple", "interleaved", "simple static", "interleaved static")
+    return (*base, ACTIVE_PLUS3) if m > 5 else base
+
+
 def make_specs(micro: list[int]) -> list[Spec]:
     out = [Spec("single", "full batch", 1, 1), Spec("single", "full batch", 1, 2)]
     for m in micro:
         out += [
             Spec("single", "accumulate", m),
-            Spec("mp", "simple", m),
-            Spec("mp", "interleaved", m),
-            Spec("mp", "simple static", m),
-            Spec("mp", "interleaved static", m),
+            *(Spec("mp", s, m) for s in mp_schedules(m)),
             Spec("torch", "GPipe", m),
             Spec("torch", "1F1B", m),
         ]
@@ -277,8 +288,9 @@ def main() -> None:
             if m == args.micro[0]:
                 others.append(Spec("single", "full batch", 1, 2))
             live = [(spec, build(spec)) for spec in others]
-            schedules = ("simple", "interleaved", "simple static", "interleaved static")
-            for schedule in schedules[rep % 4 :] + schedules[: rep % 4]:
+            schedules = mp_schedules(m)
+            turn = rep % len(schedules)
+            for schedule in schedules[turn:] + schedules[:turn]:
                 spec = Spec("mp", schedule, m)
                 members = [(spec, build(spec)), *live]
                 for rnd in range(args.steps):
