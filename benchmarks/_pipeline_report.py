@@ -11,7 +11,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pipeline_vs_torch import Spec
 
-__all__ = ["report"]
+__all__ = ["ACTIVE_PLUS3", "report"]
+
+ACTIVE_PLUS3 = "interleaved active 5"
+"""The mp session with the interleaved schedule and ``active_microbatches`` = pp + 3 instead of smp's
+pp + 2: the setting docs/pipeline.md recommends for many microbatches (run at m = 8)."""
 
 P = 2  # pipeline stages
 _THREADS = ("main thread", "fresh thread", "long-lived thread")
@@ -173,7 +177,7 @@ def report(
             ("interleaved", "GPipe"),
             ("simple static", "GPipe"),
             ("interleaved static", "1F1B"),
-            ("interleaved active 5", "1F1B"),
+            (ACTIVE_PLUS3, "1F1B"),
         ):
             if ("mp", ours, m, 1) not in by:
                 continue
@@ -189,7 +193,7 @@ def report(
                     "met": ratio is not None and ratio >= 1.0,
                 }
             )
-        for s in ("simple", "interleaved", "simple static", "interleaved static", "interleaved active 5"):
+        for s in ("simple", "interleaved", "simple static", "interleaved static", ACTIVE_PLUS3):
             if ("mp", s, m, 1) not in by:
                 continue
             eff = by[("mp", s, m, 1)]["efficiency_bubble"]
@@ -258,7 +262,7 @@ def _markdown(p: dict[str, Any]) -> str:
         "other jobs shared the host).",
         "",
         f"{a['reps']} repetitions; in each, per m, one group per mp session (the rows *mp* below) of "
-        f"{a['steps']} rounds; *interleaved active 5* sets `active_microbatches` to pp + 3 instead of smp's "
+        f"{a['steps']} rounds; *{ACTIVE_PLUS3}* sets `active_microbatches` to pp + 3 instead of smp's "
         "default pp + 2 (not part of the pooled like-for-like pairs); a round runs one step of every "
         "variant in the group (mp, torch GPipe and 1F1B, single process) in a rotating order. Medians "
         "over all timed steps (*n*); ratios are paired within a "

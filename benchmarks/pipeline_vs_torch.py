@@ -74,6 +74,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from _launch import relaunch, under_mpi
+from _pipeline_report import ACTIVE_PLUS3
 
 if TYPE_CHECKING:
     from _pipeline_probe import StageProbe
@@ -117,15 +118,10 @@ class Spec:
         return f"{self.system}/{self.schedule}/m{self.m}/t{self.threads}"
 
 
-ACTIVE_PLUS3 = "interleaved active 5"
-"""The interleaved schedule with ``active_microbatches`` = pp + 3 instead of smp's pp + 2: the setting
-docs/pipeline.md recommends for many microbatches (run where m > pp + 3, i.e. at m = 8)."""
-
-
 def mp_schedules(m: int) -> tuple[str, ...]:
     """The mp sessions run at ``m`` microbatches."""
     base = ("simple", "interleaved", "simple static", "interleaved static")
-    return (*base, ACTIVE_PLUS3) if m > 5 else base
+    return (*base, ACTIVE_PLUS3) if m > 5 else base  # where m leaves room for 5 in flight
 
 
 def make_specs(micro: list[int]) -> list[Spec]:
