@@ -153,6 +153,9 @@ def test_bad_arguments_are_refused_by_name() -> None:
         TransportConfig(timeout=float("inf"))
     with pytest.raises(ValueError, match="poll_min"):
         TransportConfig(poll_min=1.0, poll_max=0.1)
+    for bad in (0.0, float("inf")):
+        with pytest.raises(ValueError, match="poll_busy"):
+            TransportConfig(poll_busy=bad)
     t.close()
 
 

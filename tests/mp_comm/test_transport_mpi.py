@@ -155,6 +155,44 @@ def test_progress_thread_moves_data_while_the_receiver_computes(worlds: Any) -> 
     assert waited < 1.8  # the send completed before the receiver returned from its computation
 
 
+def _busy_rank(world: Any) -> dict[str, float]:
+    t = _open(world, poll_busy=0.05)
+    big = torch.ones(8 << 20, dtype=torch.uint8)
+    out: dict[str, float] = {}
+    if world.rank == 1:
+
+        def rounds_in(seconds: float) -> int:
+            before = t.stats["rounds"]
+            time.sleep(seconds)
+            return t.stats["rounds"] - before
+
+        out["idle_rounds"] = rounds_in(0.5)  # nothing in flight: naps of at most poll_max (1 ms)
+        t.set_busy(True)
+        out["busy_rounds"] = rounds_in(0.5)
+        world.mpi_comm.Barrier()  # rank 0 sends now; this rank stays busy, out of the transport
+        time.sleep(1.5)
+        world.mpi_comm.Barrier()
+        t.set_busy(False)
+        out["resumed_rounds"] = rounds_in(0.5)
+        assert t.recv(0, "big").obj.numel() == big.numel()
+    else:
+        world.mpi_comm.Barrier()
+        start = time.monotonic()
+        t.send(big, 1, tag="big").wait(timeout=10.0)
+        out["send_s"] = time.monotonic() - start
+        world.mpi_comm.Barrier()
+    t.close()
+    return out
+
+
+def test_a_busy_rank_polls_rarely_and_still_makes_progress(worlds: Any) -> None:
+    sender, busy = worlds.run(2, _busy_rank, timeout=60)
+    assert busy["idle_rounds"] > 50  # ~500 on an idle host
+    assert busy["busy_rounds"] <= 0.5 / 0.05 + 3  # one round per poll_busy
+    assert busy["resumed_rounds"] > 50
+    assert sender["send_s"] < 1.4  # taken by a busy round, before the rank's "compute" ended
+
+
 def _timeout_and_decode_errors(world: Any) -> list[str]:
     t = _open(world)
     messages: list[str] = []

@@ -60,8 +60,10 @@ def run_two_ranks(
     checkpointed: frozenset[str] = frozenset(),
     steps: int = 1,
     keep: list[PipelineRuntime] | None = None,
+    before: Callable[[list[nn.Module], list[Any]], None] | None = None,
 ) -> tuple[list[nn.Module], list[Any]]:
-    """The last of ``steps`` steps' results on each rank; ``keep`` receives the runtimes."""
+    """The last of ``steps`` steps' results on each rank; ``keep`` receives the runtimes; ``before``
+    sees each rank's model and transport before the first step."""
     # no busy polling: both "ranks" share this process's GIL
     hub = LoopbackHub(2, config=TransportConfig(timeout=30.0, spin_time=0.0, poll_min=5e-4, poll_max=5e-4))
     transports = [hub.transport(r) for r in range(2)]
@@ -78,6 +80,8 @@ def run_two_ranks(
     for r in range(2):
         runtimes[r].install(models[r], assignment)
         runtimes[r].remote.checkpointed = set(checkpointed)
+    if before is not None:
+        before(models, transports)
     out: list[Any] = [None, None]
 
     def rank(r: int) -> None:
@@ -189,6 +193,53 @@ def test_workers_are_kept_across_steps_and_stopped_by_close() -> None:
     for rt in kept:
         rt.close()
     assert not any(t.is_alive() for t in threads)
+
+
+class _BusyProbe(nn.Linear):
+    """Records, in forward and in backward, whether its rank's transport is marked busy."""
+
+    seen: list[tuple[int, str, bool]]
+    transport: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.transport is not None:
+            rank, t = self.rank, self.transport
+            self.seen.append((rank, "forward", t.busy))
+            out.register_hook(lambda g: self.seen.append((rank, "backward", t.busy)))
+        return out
+
+
+def test_a_rank_is_marked_busy_exactly_while_its_workers_compute() -> None:
+    # The transport's progress thread polls rarely while busy (TransportConfig.poll_busy): every module
+    # runs on a worker thread, the rank's main thread only serves messages in between.
+    x = torch.randn(4, 6)
+    seen: list[tuple[int, str, bool]] = []
+
+    def make() -> nn.Module:
+        return nn.Sequential(_BusyProbe(6, 6), nn.Tanh(), _BusyProbe(6, 2))
+
+    def watch(models: list[nn.Module], transports: list[Any]) -> None:
+        for r, model in enumerate(models):
+            for module in model:
+                if isinstance(module, _BusyProbe):
+                    module.seen, module.rank, module.transport = seen, r, transports[r]
+
+    def body(model: nn.Module, mb: int) -> torch.Tensor:
+        loss = model(x[mb * 2 : mb * 2 + 2]).sum()
+        pipelined_backward(loss)
+        return loss.detach()
+
+    kept: list[PipelineRuntime] = []
+    _, results = run_two_ranks(
+        make, {"": 0, "0": 1, "1": 1, "2": 0}, body, 2, "interleaved", keep=kept, before=watch
+    )
+    assert not any(isinstance(r, BaseException) for r in results), results
+    assert {(r, phase) for r, phase, _ in seen} == {(r, p) for r in (0, 1) for p in ("forward", "backward")}
+    assert all(busy for *_, busy in seen), seen
+    assert not any(rt.transport.busy for rt in kept)  # not left busy after the step
+    for rt in kept:
+        rt.close()
 
 
 class Boom(nn.Module):

@@ -290,6 +290,10 @@ class Router(Transport):
         arrival = self.mailbox.take(source, tag, limit, drive=drive, config=self._transport_config)
         return rebuild(arrival, self.rank)
 
+    def set_busy(self, busy: bool) -> None:
+        for transport in self.transports.values():
+            transport.set_busy(busy)
+
     def _drive(self) -> bool:
         worked = False
         for drive in self._drives:

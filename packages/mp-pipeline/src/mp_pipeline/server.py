@@ -392,11 +392,21 @@ class Server:
         worker, new = self.pool.take()
         self.stats["workers"] += new
         worker.job = job
-        self.baton.switch(worker.token, MAIN)
+        self._lend(worker.token)
 
     def resume(self, token: object) -> None:
         """Hand the rank to the thread paused on ``token`` until it gives it back."""
-        self.baton.switch(token, MAIN)
+        self._lend(token)
+
+    def _lend(self, token: object) -> None:
+        """Hand the rank to the worker thread waiting as ``token`` until it gives it back. Meanwhile the
+        transport is marked busy: nothing that arrives can run before the worker is done, and on a host
+        whose cores all compute, a progress thread's every poll would preempt the worker."""
+        self.transport.set_busy(True)
+        try:
+            self.baton.switch(token, MAIN)
+        finally:
+            self.transport.set_busy(False)
 
     def serve(self, driver: Driver | None = None) -> Any:
         """The main loop: until the step ends here (pp_rank 0: the driver is done; others: StepEnd)."""
@@ -594,14 +604,14 @@ class Server:
                 log.error("rank %d: response to unknown request %d dropped", self.rank, message.request_id)
                 return
             slot.response = message
-            self.baton.switch(slot, MAIN)
+            self._lend(slot)
         elif isinstance(message, Handoff):
             waiter = self._awaited.pop(message.key, None)
             if waiter is None:
                 self._handed[message.key] = message.tensor
             else:
                 waiter.handed = message.tensor
-                self.baton.switch(waiter, MAIN)
+                self._lend(waiter)
         elif isinstance(message, StepEnd):
             self.finished = True
             self.results = message.results

@@ -147,9 +147,10 @@ class _Idle:
             self._wake.clear()
             self._delay = cfg.poll_min
 
-    def rest(self) -> None:
-        """Another thread drives progress: look in only every `poll_max` (or when woken)."""
-        if self._wake.wait(self._config.poll_max):
+    def rest(self, delay: float | None = None) -> None:
+        """Another thread drives progress, or the rank computes: look in only every `delay` (default
+        `poll_max`), or when woken."""
+        if self._wake.wait(self._config.poll_max if delay is None else delay):
             self._wake.clear()
 
 
@@ -271,6 +272,11 @@ class MPITransport(MessageTransport):
             torch.cuda.current_stream(device).synchronize()
         return staged
 
+    def set_busy(self, busy: bool) -> None:
+        super().set_busy(busy)
+        if not busy:
+            self._wake.set()  # back to polling at once, not after the rest of a busy sleep
+
     def close(self, timeout: float | None = None) -> None:
         """Collective: finish this rank's sends, wait for every rank to close, free the communicator."""
         if self._closed:
@@ -332,6 +338,12 @@ class MPITransport(MessageTransport):
         idle = _Idle(self.config, self._wake)
         try:
             while not self._stopping:
+                if self.busy:
+                    # The rank computes: what arrives waits for that compute anyway, and each round would
+                    # preempt it. Still look in now and then (a transfer may need this rank's help).
+                    idle.rest(self.config.poll_busy)
+                    self._progress_once()
+                    continue
                 if self.mailbox.waiters > 0:
                     # A thread waiting for a message drives progress itself (see Mailbox.take); polling
                     # here as well would only take the GIL from it. Look in now and then all the same
@@ -363,6 +375,7 @@ class MPITransport(MessageTransport):
         self._fail_all(error)
 
     def _round(self) -> bool:
+        self.stats["rounds"] += 1
         if self._wake.is_set():
             self._wake.clear()
         worked = self._post_sends()
