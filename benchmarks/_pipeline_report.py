@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -11,11 +12,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pipeline_vs_torch import Spec
 
-__all__ = ["ACTIVE_PLUS3", "report"]
+__all__ = ["ACTIVE_PLUS3", "BOTH_RANKS", "report"]
 
 ACTIVE_PLUS3 = "interleaved active 5"
 """The mp session with the interleaved schedule and ``active_microbatches`` = pp + 3 instead of smp's
 pp + 2: the setting docs/pipeline.md recommends for many microbatches (run at m = 8)."""
+
+BOTH_RANKS = "accumulate, both ranks"
+"""The single-process control run on both ranks at once (each its own copy, no communication): how much
+two processes computing at the same time slow each other down on this host."""
 
 P = 2  # pipeline stages
 _THREADS = ("main thread", "fresh thread", "long-lived thread")
@@ -70,6 +75,35 @@ def _time_split(
         "compute_ms": [_median([r["pipe"]["compute_s"][i] * 1e3 for r in runs]) for i in range(P)],
         "compute_slowdown": [paired(key, accum, slowdown(i)) for i in range(P)],
     }
+
+
+def _contended_cap(m: int, slowdown: float) -> float:
+    """The efficiency (vs the bubble bound) of an ideal two-stage pipeline of balanced stages whose
+    compute runs `slowdown` times slower while both ranks compute: of its m + 1 stage-times, m - 1 have
+    both ranks busy, the first and the last one rank alone."""
+    return (m + 1) / ((m - 1) * slowdown + 2)
+
+
+def _stage_ratio(fwd: str, bwd: str) -> Callable[[dict[str, Any], dict[str, Any]], float]:
+    """One stage's forward + backward time in record `a` over that in record `b` (single-process runs)."""
+
+    def f(a: dict[str, Any], b: dict[str, Any]) -> float:
+        return float((a["stage_s"][fwd] + a["stage_s"][bwd]) / (b["stage_s"][fwd] + b["stage_s"][bwd]))
+
+    return f
+
+
+def _rank_compute_ratio(rank: int) -> Callable[[dict[str, Any], dict[str, Any]], float]:
+    """Rank `rank`'s forward + backward time of both stages in record `a` over rank 0's in record `b`."""
+
+    def f(a: dict[str, Any], b: dict[str, Any]) -> float:
+        by_rank = a.get("stage_s_by_rank")
+        if not by_rank or not by_rank[rank]:
+            return float("nan")
+        mine = sum(by_rank[rank][k] for k in ("f0", "f1", "b1", "b0"))
+        return float(mine / sum(b["stage_s"][k] for k in ("f0", "f1", "b1", "b0")))
+
+    return f
 
 
 def _fmt(v: float | None, spec: str = ".2f", suffix: str = "") -> str:
@@ -200,6 +234,50 @@ def report(
             targets["mp_efficiency"].append(
                 {"m": m, "mp": s, "efficiency_bubble": eff, "met": eff is not None and eff >= 0.9}
             )
+    # The host's own cost of two ranks computing at once (no pipeline): the control over the lone process.
+    targets["host_contention"] = []
+    for m in args["micro"]:
+        alone, both = f"single/accumulate/m{m}/t1", f"single/{BOTH_RANKS}/m{m}/t1"
+        steps = paired_values(both, alone, lambda a, b: float(a["step_s"] / b["step_s"]))
+        if not steps:
+            continue
+        per_stage = [paired(both, alone, _stage_ratio(f, b)) for f, b in (("f0", "b0"), ("f1", "b1"))]
+        # Each rank's whole compute in the control over rank 0's alone (older results lack rank 1's).
+        per_rank = [
+            _median([v for v in paired_values(both, alone, _rank_compute_ratio(i)) if not math.isnan(v)])
+            for i in range(P)
+        ]
+        slowdown = statistics.median(steps)
+        effs = {
+            f"{system} {schedule}": by[(system, schedule, m, 1)]["efficiency_bubble"]
+            for system, schedule in (
+                ("mp", "simple"),
+                ("mp", "interleaved"),
+                ("torch", "GPipe"),
+                ("torch", "1F1B"),
+            )
+            if (system, schedule, m, 1) in by
+        }
+        # The measured split's own bound over the bubble bound (< 1: the stages are not quite balanced).
+        balance = _median(
+            [
+                r["step_s"] / P * (m + P - 1) / m / _split_bound(r["stage_s"], m, n_params)
+                for r in by_key.get(alone, [])
+                if r["stage_s"]
+            ]
+        )
+        targets["host_contention"].append(
+            {
+                "m": m,
+                "slowdown": slowdown,
+                "rounds": steps,
+                "stage_slowdown": per_stage,
+                "rank_compute_slowdown": per_rank,
+                "efficiency_cap": _contended_cap(m, slowdown),
+                "split_over_bubble": balance,
+                "efficiency_bubble": effs,
+            }
+        )
     # All rounds of the like-for-like pairs (simple vs GPipe, interleaved vs 1F1B) at every m, pooled.
     pool = [
         x
@@ -263,7 +341,10 @@ def _markdown(p: dict[str, Any]) -> str:
         "",
         f"{a['reps']} repetitions; in each, per m, one group per mp session (the rows *mp* below) of "
         f"{a['steps']} rounds; *{ACTIVE_PLUS3}* sets `active_microbatches` to pp + 3 instead of smp's "
-        "default pp + 2 (not part of the pooled like-for-like pairs); a round runs one step of every "
+        "default pp + 2 (not part of the pooled like-for-like pairs); *accumulate, both ranks* runs the "
+        "single-process accumulation on both ranks at once, each its own copy with no communication (the "
+        "host control: what two ranks computing at once cost each other here); a round runs one step of "
+        "every "
         "variant in the group (mp, torch GPipe and 1F1B, single process) in a rotating order. Medians "
         "over all timed steps (*n*); ratios are paired within a "
         "round, then the median is taken. *vs torch GPipe*: throughput over torch's GPipe at the same m; "
@@ -320,6 +401,22 @@ def _markdown(p: dict[str, Any]) -> str:
             f"* m={tgt['m']}: mp {tgt['mp']} efficiency vs the bubble bound "
             f"{_fmt(_pct(tgt['efficiency_bubble']), '.0f', '%')}: {'met' if tgt['met'] else '**not met**'} "
             "(≥ 90%)"
+        )
+    for hc in p["targets"].get("host_contention", []):
+        effs = ", ".join(f"{k} {_fmt(_pct(v), '.0f', '%')}" for k, v in hc["efficiency_bubble"].items())
+        front, back = hc["stage_slowdown"]
+        cap = _contended_cap(hc["m"], hc["slowdown"])
+        balance = hc.get("split_over_bubble")
+        per_rank = [v for v in hc.get("rank_compute_slowdown", []) if v is not None]
+        ranks = f"; compute per rank {', '.join(f'{v:.2f}x' for v in per_rank)}" if len(per_rank) == P else ""
+        with_split = f", {100 * cap * balance:.0f}% with the measured stages' imbalance" if balance else ""
+        lines.append(
+            f"* m={hc['m']}: host control: both ranks training their own copy at once (no communication) "
+            f"take {hc['slowdown']:.2f}x the lone process's step (rounds {min(hc['rounds']):.2f}–"
+            f"{max(hc['rounds']):.2f}x; rank 0's front {_fmt(front, '.2f', 'x')}, back "
+            f"{_fmt(back, '.2f', 'x')}{ranks}). Estimate for a pipeline with no overhead whose stages slow "
+            "down as much while both ranks compute (m − 1 of its m + 1 stage-times): "
+            f"{100 * cap:.0f}% of the bubble bound{with_split}. Measured: {effs}."
         )
     lines += [
         "",

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from _pipeline_gpt import GPT, BackStage, GPTConfig
 from _pipeline_probe import StageProbe
+from _pipeline_report import BOTH_RANKS
 
 if TYPE_CHECKING:
     from pipeline_vs_torch import Runner, Spec
@@ -31,7 +32,11 @@ def _grads(named: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 
 class SingleRunner:
     """Plain PyTorch on rank 0 (rank 1 does nothing): the full batch at once (m = 1), or ``m``
-    accumulated microbatches run stage by stage with each stage timed."""
+    accumulated microbatches run stage by stage with each stage timed.
+
+    With ``both_ranks`` rank 1 trains its own copy at the same time, with no communication: the control
+    that measures how much two processes computing at once slow each other down on this host (what
+    any two-stage pipeline's stages pay too, beyond the bubble)."""
 
     def __init__(
         self,
@@ -44,8 +49,9 @@ class SingleRunner:
         m: int,
         threads: int,
         lr: float,
+        both_ranks: bool = False,
     ) -> None:
-        self.active = rank == 0
+        self.active = rank == 0 or both_ranks
         self.probe: StageProbe | None = None
         self.m = m
         self.stage_times: dict[str, list[float]] = {k: [] for k in ("f0", "f1", "b1", "b0", "opt")}
@@ -54,7 +60,7 @@ class SingleRunner:
         self.threads = threads
         if self.active:
             self.model = _model(cfg, base)
-            if m > 1:
+            if m > 1 and not both_ranks:  # the probe's analysis expects one rank's events
                 self.probe = StageProbe(self.model)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
 
@@ -257,7 +263,17 @@ def make_runner(
     lr: float,
 ) -> Runner:
     if spec.system == "single":
-        return SingleRunner(cfg, base, x, y, rank=rank, m=spec.m, threads=spec.threads, lr=lr)
+        return SingleRunner(
+            cfg,
+            base,
+            x,
+            y,
+            rank=rank,
+            m=spec.m,
+            threads=spec.threads,
+            lr=lr,
+            both_ranks=spec.schedule == BOTH_RANKS,
+        )
     if spec.system == "mp":
         return MpRunner(cfg, base, x, y, m=spec.m, schedule=spec.schedule, lr=lr)
     if spec.system == "torch":

@@ -8,7 +8,9 @@ step is forward, backward and AdamW's step; variants:
 
 * ``single``: one process (rank 0; rank 1 sleeps), no pipeline: the full batch at once with 1 and with
   2 threads, and the batch as ``m`` accumulated microbatches on 1 thread, run stage by stage (front,
-  back, back's backward, front's backward) so that the time of each stage is known;
+  back, back's backward, front's backward) so that the time of each stage is known; and the same
+  accumulation on both ranks at once, each training its own copy with no communication (``accumulate,
+  both ranks``): the control for how much two processes computing at once slow each other on this host;
 * ``mp``: ``smp.init({"pipeline_parallel_degree": 2, "microbatches": m, "pipeline": ...})`` with the
   ``simple`` (all forwards, then all backwards: GPipe's order) and ``interleaved`` (a ready backward
   first: 1F1B-like) schedules, each also with ``static_mode`` (``simple static``, ``interleaved static``:
@@ -74,7 +76,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from _launch import relaunch, under_mpi
-from _pipeline_report import ACTIVE_PLUS3
+from _pipeline_report import ACTIVE_PLUS3, BOTH_RANKS
 
 if TYPE_CHECKING:
     from _pipeline_probe import StageProbe
@@ -129,6 +131,7 @@ def make_specs(micro: list[int]) -> list[Spec]:
     for m in micro:
         out += [
             Spec("single", "accumulate", m),
+            Spec("single", BOTH_RANKS, m),
             *(Spec("mp", s, m) for s in mp_schedules(m)),
             Spec("torch", "GPipe", m),
             Spec("torch", "1F1B", m),
@@ -253,8 +256,10 @@ def main() -> None:
         elapsed = time.perf_counter() - t0
         cpus = comm.gather(asdict(meter.stop()), root=0)
         events = comm.gather(runner.probe.take() if runner.probe is not None else [], root=0)
+        # Every rank's stage times: only the single-process control computes on both.
+        by_rank = comm.gather({k: v[-1] for k, v in runner.stage_times.items() if v}, root=0)
         if rank == 0:
-            stages = {k: v[-1] for k, v in runner.stage_times.items() if v}
+            stages = by_rank[0]
             pipe = analyse(events) if runner.probe is not None else None
             records.append(
                 {
@@ -264,6 +269,7 @@ def main() -> None:
                     "step_s": elapsed,
                     "cpu": cpus,
                     "stage_s": stages,
+                    "stage_s_by_rank": by_rank,
                     "pipe": pipe,
                 }
             )
@@ -279,6 +285,7 @@ def main() -> None:
                 Spec("torch", "GPipe", m),
                 Spec("torch", "1F1B", m),
                 Spec("single", "accumulate", m),
+                Spec("single", BOTH_RANKS, m),
                 Spec("single", "full batch", 1, 1),
             ]
             if m == args.micro[0]:
