@@ -199,6 +199,7 @@ class _BusyProbe(nn.Linear):
     """Records, in forward and in backward, whether its rank's transport is marked busy."""
 
     seen: list[tuple[int, str, bool]]
+    rank = -1
     transport: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
