@@ -153,6 +153,21 @@ def test_remote_autograd_matches_plain_pytorch(
         torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+SEQ_SPLIT = {"": 0, "0": 1, "1": 1, "2": 0}
+"""A three-layer nn.Sequential split across the two ranks: its first and middle layers on rank 1."""
+
+
+def _sum_loss(x: torch.Tensor) -> Callable[[nn.Module, int], torch.Tensor]:
+    """A step body: the sum of the model's output on microbatch ``mb`` (2 rows of ``x``), backward."""
+
+    def body(model: nn.Module, mb: int) -> torch.Tensor:
+        loss = model(x[mb * 2 : mb * 2 + 2]).sum()
+        pipelined_backward(loss)
+        return loss.detach()
+
+    return body
+
+
 def test_forward_only_step_under_no_grad_saves_nothing() -> None:
     x = torch.randn(4, 6)
 
@@ -164,7 +179,7 @@ def test_forward_only_step_under_no_grad_saves_nothing() -> None:
         with torch.no_grad():
             return model(x[mb * 2 : mb * 2 + 2])  # type: ignore[no-any-return]
 
-    _, results = run_two_ranks(make, {"": 0, "0": 1, "1": 1, "2": 0}, body, 2, "interleaved")
+    _, results = run_two_ranks(make, SEQ_SPLIT, body, 2, "interleaved")
     ref = make()
     torch.testing.assert_close(torch.cat(results[0]), ref(x).detach())
     torch.testing.assert_close(torch.cat(results[1]), ref(x).detach())
@@ -176,15 +191,8 @@ def test_workers_are_kept_across_steps_and_stopped_by_close() -> None:
     def make() -> nn.Module:
         return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
 
-    def body(model: nn.Module, mb: int) -> torch.Tensor:
-        loss = model(x[mb * 2 : mb * 2 + 2]).sum()
-        pipelined_backward(loss)
-        return loss.detach()
-
     kept: list[PipelineRuntime] = []
-    _, results = run_two_ranks(
-        make, {"": 0, "0": 1, "1": 1, "2": 0}, body, 2, "interleaved", steps=3, keep=kept
-    )
+    _, results = run_two_ranks(make, SEQ_SPLIT, _sum_loss(x), 2, "interleaved", steps=3, keep=kept)
     assert not any(isinstance(r, BaseException) for r in results), results
     threads = [w.thread for rt in kept for w in rt.pool.workers]
     assert all(rt.pool.created > 0 for rt in kept)
@@ -226,15 +234,8 @@ def test_a_rank_is_marked_busy_exactly_while_its_workers_compute() -> None:
                 if isinstance(module, _BusyProbe):
                     module.seen, module.rank, module.transport = seen, r, transports[r]
 
-    def body(model: nn.Module, mb: int) -> torch.Tensor:
-        loss = model(x[mb * 2 : mb * 2 + 2]).sum()
-        pipelined_backward(loss)
-        return loss.detach()
-
     kept: list[PipelineRuntime] = []
-    _, results = run_two_ranks(
-        make, {"": 0, "0": 1, "1": 1, "2": 0}, body, 2, "interleaved", keep=kept, before=watch
-    )
+    _, results = run_two_ranks(make, SEQ_SPLIT, _sum_loss(x), 2, "interleaved", keep=kept, before=watch)
     assert not any(isinstance(r, BaseException) for r in results), results
     assert {(r, phase) for r, phase, _ in seen} == {(r, p) for r in (0, 1) for p in ("forward", "backward")}
     assert all(busy for *_, busy in seen), seen
