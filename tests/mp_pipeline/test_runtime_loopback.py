@@ -219,11 +219,13 @@ class _BusyProbe(nn.Linear):
         return out
 
 
-def test_a_rank_is_marked_busy_exactly_while_its_workers_compute() -> None:
+def test_a_rank_is_busy_except_while_its_server_waits_for_messages() -> None:
     # The transport's progress thread polls rarely while busy (TransportConfig.poll_busy): every module
-    # runs on a worker thread, the rank's main thread only serves messages in between.
+    # runs on a worker thread, the rank's main thread serves messages in between (and drives progress
+    # itself while it waits), and between steps the script runs its own code.
     x = torch.randn(4, 6)
     seen: list[tuple[int, str, bool]] = []
+    waits: list[bool] = []
 
     def make() -> nn.Module:
         return nn.Sequential(_BusyProbe(6, 6), nn.Tanh(), _BusyProbe(6, 2))
@@ -233,13 +235,23 @@ def test_a_rank_is_marked_busy_exactly_while_its_workers_compute() -> None:
             for module in model:
                 if isinstance(module, _BusyProbe):
                     module.seen, module.rank, module.transport = seen, r, transports[r]
+            recv = transports[r].recv
+
+            def recording(*args: Any, t: Any = transports[r], recv: Any = recv, **kwargs: Any) -> Any:
+                waits.append(t.busy)
+                return recv(*args, **kwargs)
+
+            transports[r].recv = recording
 
     kept: list[PipelineRuntime] = []
-    _, results = run_two_ranks(make, SEQ_SPLIT, _sum_loss(x), 2, "interleaved", keep=kept, before=watch)
+    _, results = run_two_ranks(
+        make, SEQ_SPLIT, _sum_loss(x), 2, "interleaved", steps=2, keep=kept, before=watch
+    )
     assert not any(isinstance(r, BaseException) for r in results), results
     assert {(r, phase) for r, phase, _ in seen} == {(r, p) for r in (0, 1) for p in ("forward", "backward")}
     assert all(busy for *_, busy in seen), seen
-    assert not any(rt.transport.busy for rt in kept)  # not left busy after the step
+    assert waits and not any(waits), waits  # the server's waits drive progress: not busy
+    assert all(rt.transport.busy for rt in kept)  # back to the script after the step
     for rt in kept:
         rt.close()
 

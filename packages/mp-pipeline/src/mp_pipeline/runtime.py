@@ -295,6 +295,10 @@ class PipelineRuntime:
         recorded = RECORDER.span(
             EventKind.STEP, rank=self.rank, step=step.step, module=STEP_MODULE, microbatch=-1
         )
+        # The transport is busy outside the step's serving (see Transport.set_busy): between steps the
+        # script runs its own code, and what arrives early waits for this step's server, which drives
+        # progress itself from its first wait.
+        self.transport.set_busy(False)
         try:
             with recorded:
                 if self.pp_rank == 0:
@@ -313,4 +317,5 @@ class PipelineRuntime:
             self.remote.server = None
             self.remote.saved.clear()
             self.last_stats = dict(server.stats)
+            self.transport.set_busy(True)
         return results

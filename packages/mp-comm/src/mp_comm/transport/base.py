@@ -123,12 +123,13 @@ class TransportConfig:
     """Longest sleep of a polling progress thread when nothing is in flight and nobody waits: the
     latency a message sees when it reaches an idle rank."""
     poll_busy: float = 5e-3
-    """Sleep of a polling progress thread between rounds while the rank is marked busy computing
-    (`Transport.set_busy`; the pipeline runtime marks it while a module-server worker runs): what
-    arrives then waits for that compute anyway, and where the compute threads use every core, each
-    round preempts one (benchmarks/pipeline_vs_torch.py: pp_rank 0's stage computed 1.12-1.18x its
-    single-process time with polls up to every millisecond, 1.08-1.10x with busy marking). Larger
-    values defer more of the transfers that need this rank's help to that compute's end."""
+    """Sleep of a polling progress thread between rounds while the rank is marked busy
+    (`Transport.set_busy`; the pipeline runtime marks it while a module-server worker runs, and
+    between steps while the script runs): what arrives then waits for that work anyway, and where
+    the compute threads use every core, each round preempts one (benchmarks/pipeline_vs_torch.py:
+    pp_rank 0's stage computed 1.12-1.18x its single-process time with polls up to every
+    millisecond, 1.08-1.10x with busy marking). Larger values defer more of the transfers that need
+    this rank's help to that work's end."""
     oversubscribed: bool | None = None
     """Whether the host runs more ranks than it has cores. A thread waiting in `recv` then sleeps
     `poll_min` between its polls instead of only yielding the CPU, which on Linux leaves it to the
@@ -270,11 +271,12 @@ class Transport(abc.ABC):
         """Whether close has been called."""
 
     def set_busy(self, busy: bool) -> None:
-        """Mark this rank as computing (True) or back at communication (False).
+        """Mark this rank as busy with other work (True) or back at communication (False).
 
         While busy, a transport whose progress thread polls does so only every
         `TransportConfig.poll_busy`: on a host whose cores all compute, each poll preempts the
-        compute. Threads waiting in `recv` still make progress themselves. The default does nothing
+        compute, and nothing that arrives is taken before the work ends. Threads waiting in `recv`
+        still make progress themselves. The default does nothing
         (transports whose progress waits on events instead of polling)."""
         return None
 
