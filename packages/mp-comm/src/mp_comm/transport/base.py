@@ -128,7 +128,7 @@ class TransportConfig:
     between steps while the script runs): what arrives then waits for that work anyway, and where
     the compute threads use every core, each round preempts one (benchmarks/pipeline_vs_torch.py:
     pp_rank 0's stage computed 1.12-1.18x its single-process time with polls up to every
-    millisecond, 1.08-1.10x with busy marking). Larger values defer more of the transfers that need
+    millisecond, 1.07-1.11x with busy marking). Larger values defer more of the transfers that need
     this rank's help to that work's end."""
     oversubscribed: bool | None = None
     """Whether the host runs more ranks than it has cores. A thread waiting in `recv` then sleeps
