@@ -23,6 +23,7 @@ BOTH_RANKS = "accumulate, both ranks"
 two processes computing at the same time slow each other down on this host."""
 
 P = 2  # pipeline stages
+_COMPUTE = ("f0", "f1", "b1", "b0")  # the stage times that are compute (not the optimizer's "opt")
 _THREADS = ("main thread", "fresh thread", "long-lived thread")
 
 
@@ -38,6 +39,11 @@ def _split_bound(stage: dict[str, float], m: int, n_params: dict[str, int]) -> f
     o0 = stage["opt"] * n_params["front"] / total
     o1 = stage["opt"] * n_params["back"] / total
     return (m - 1) * max(s0, s1) + s0 + s1 + max(o0, o1)
+
+
+def _bubble_ideal(single_step_s: float, m: int) -> float:
+    """The bubble bound's step time, T1 / p * (m + p - 1) / m, from the single process's step T1."""
+    return single_step_s / P * (m + P - 1) / m
 
 
 def _stage_sums(pipe: dict[str, Any]) -> tuple[float, float]:
@@ -100,8 +106,8 @@ def _rank_compute_ratio(rank: int) -> Callable[[dict[str, Any], dict[str, Any]],
         by_rank = a.get("stage_s_by_rank")
         if not by_rank or not by_rank[rank]:
             return float("nan")
-        mine = sum(by_rank[rank][k] for k in ("f0", "f1", "b1", "b0"))
-        return float(mine / sum(b["stage_s"][k] for k in ("f0", "f1", "b1", "b0")))
+        mine = sum(by_rank[rank][k] for k in _COMPUTE)
+        return float(mine / sum(b["stage_s"][k] for k in _COMPUTE))
 
     return f
 
@@ -172,7 +178,7 @@ def report(
         if spec.system in ("mp", "torch"):
 
             def bubble(a: dict[str, Any], b: dict[str, Any], m: int = m) -> float:
-                return float(b["step_s"] / P * (m + P - 1) / m / a["step_s"])
+                return float(_bubble_ideal(b["step_s"], m) / a["step_s"])
 
             def split(a: dict[str, Any], b: dict[str, Any], m: int = m) -> float:
                 return float(_split_bound(b["stage_s"], m, n_params) / a["step_s"])
@@ -261,7 +267,7 @@ def report(
         # The measured split's own bound over the bubble bound (< 1: the stages are not quite balanced).
         balance = _median(
             [
-                r["step_s"] / P * (m + P - 1) / m / _split_bound(r["stage_s"], m, n_params)
+                _bubble_ideal(r["step_s"], m) / _split_bound(r["stage_s"], m, n_params)
                 for r in by_key.get(alone, [])
                 if r["stage_s"]
             ]
@@ -344,8 +350,7 @@ def _markdown(p: dict[str, Any]) -> str:
         "default pp + 2 (not part of the pooled like-for-like pairs); *accumulate, both ranks* runs the "
         "single-process accumulation on both ranks at once, each its own copy with no communication (the "
         "host control: what two ranks computing at once cost each other here); a round runs one step of "
-        "every "
-        "variant in the group (mp, torch GPipe and 1F1B, single process) in a rotating order. Medians "
+        "every variant in the group (mp, torch GPipe and 1F1B, single process) in a rotating order. Medians "
         "over all timed steps (*n*); ratios are paired within a "
         "round, then the median is taken. *vs torch GPipe*: throughput over torch's GPipe at the same m; "
         "*vs single*: over the single process (1 thread, full batch); *eff. bubble*: (T1/p·(m+p−1)/m) / "
@@ -405,7 +410,7 @@ def _markdown(p: dict[str, Any]) -> str:
     for hc in p["targets"].get("host_contention", []):
         effs = ", ".join(f"{k} {_fmt(_pct(v), '.0f', '%')}" for k, v in hc["efficiency_bubble"].items())
         front, back = hc["stage_slowdown"]
-        cap = _contended_cap(hc["m"], hc["slowdown"])
+        cap = hc["efficiency_cap"]
         balance = hc.get("split_over_bubble")
         per_rank = [v for v in hc.get("rank_compute_slowdown", []) if v is not None]
         ranks = f"; compute per rank {', '.join(f'{v:.2f}x' for v in per_rank)}" if len(per_rank) == P else ""

@@ -185,7 +185,6 @@ def replace_modules(
     return root
 
 
-@torch.no_grad()
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
     """torch's default dtype set to ``dtype`` inside (None: left as it is), restored on the way out."""
@@ -198,6 +197,7 @@ def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+@torch.no_grad()
 def _replace_one(
     reg: Registration, module: nn.Module, ctx: TPContext, overrides: Mapping[str, Any]
 ) -> DistributedModule:
