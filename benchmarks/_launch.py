@@ -1,13 +1,16 @@
 """How a benchmark that needs several ranks starts itself: `python benchmarks/x.py` re-runs the same
-script under mpiexec. Kept free of torch so that the parent process stays light."""
+script under mpiexec, with the ranks placed as `mp-launch` places them (each bound to cores of its own
+where the host has a core per rank: see mp.launch), so that what is measured is what users run."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -22,16 +25,36 @@ def mpiexec() -> str | None:
 
 
 def relaunch(script: str, ranks: int) -> int:
-    """Run `script` with this process's arguments on `ranks` ranks, one torch thread each (they share
-    the host's cores); returns mpiexec's exit code."""
+    """Run `script` with this process's arguments on `ranks` ranks, one torch thread each, bound to
+    cores as mp-launch binds them by default; returns mpiexec's exit code."""
     exe = mpiexec()
     if exe is None:
         print("mpiexec not found; install it with `pip install mpich`", file=sys.stderr)
         return 2
+    from mp.launch import binding, is_hydra, physical_cores
+
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [exe, "-n", str(ranks), sys.executable, str(Path(script).resolve()), *sys.argv[1:]]
+    cores = binding("auto", ranks, hosts=None, cores=physical_cores(), hydra=is_hydra(exe))
+    bind = ["-bind-to", f"core:{cores}"] if cores else []
+    cmd = [exe, "-n", str(ranks), *bind, sys.executable, str(Path(script).resolve()), *sys.argv[1:]]
     return subprocess.call(cmd, env=env)
+
+
+@contextlib.contextmanager
+def on_all_cores() -> Iterator[None]:
+    """Let the calling thread run on every CPU of the host for the block (then restore its CPU set).
+
+    For the single-process variants with several threads, the ones meant to use the cores the ranks
+    share: `relaunch` binds each rank to its own. Threads the block creates (OpenMP's, on first use)
+    inherit the wide set.
+    """
+    cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, range(os.cpu_count() or 1))  # the kernel keeps only the CPUs allowed here
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, cpus)
 
 
 def sweep_parser(doc: str | None) -> argparse.ArgumentParser:

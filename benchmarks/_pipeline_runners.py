@@ -6,10 +6,13 @@ and is built and closed on both ranks (collectively where the system needs it).
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from _launch import on_all_cores
 from _pipeline_gpt import GPT, BackStage, GPTConfig
 from _pipeline_probe import StageProbe
 from _pipeline_report import BOTH_RANKS
@@ -28,6 +31,19 @@ def _model(cfg: GPTConfig, base: dict[str, torch.Tensor]) -> GPT:
 
 def _grads(named: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     return {prefix + n: p.grad.detach().clone() for n, p in named if p.grad is not None}
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """`n` torch threads for the block; with more than one, on all the host's cores (the ranks are
+    bound to one each: see _launch.on_all_cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        with on_all_cores() if n > 1 else contextlib.nullcontext():
+            yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class SingleRunner:
@@ -99,26 +115,18 @@ class SingleRunner:
     def first_step(self) -> tuple[float | None, dict[str, torch.Tensor]]:
         if not self.active:
             return None, {}
-        threads = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
-        try:
+        with _threads(self.threads):
             loss = self._forward_backward()
             grads = _grads(self.model.named_parameters())
             self._optimize()
-        finally:
-            torch.set_num_threads(threads)
         return loss, grads
 
     def step(self) -> None:
         if not self.active:
             return
-        threads = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
-        try:
+        with _threads(self.threads):
             self._forward_backward()
             self._optimize()
-        finally:
-            torch.set_num_threads(threads)
 
     def close(self) -> None:
         pass

@@ -48,6 +48,7 @@ starts itself under ``mpiexec -n 2``. Writes ``benchmarks/results/tensor_gpt_blo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -60,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _launch import relaunch, under_mpi
+from _launch import on_all_cores, relaunch, under_mpi
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = 2
@@ -295,10 +296,11 @@ def run(v: Variant, steps: int) -> float:
     elapsed = float("nan")
     if v.kind != "single" or dist.get_rank() == 0:
         torch.set_num_threads(v.threads)
-        start = time.perf_counter()
-        for _ in range(steps):
-            v.step()
-        elapsed = (time.perf_counter() - start) / steps
+        with on_all_cores() if v.threads > 1 else contextlib.nullcontext():
+            start = time.perf_counter()
+            for _ in range(steps):
+                v.step()
+            elapsed = (time.perf_counter() - start) / steps
         torch.set_num_threads(1)
     return _slowest(elapsed)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from mp.launch import binding, build_command, build_parser, find_mpiexec, is_hydra, physical_cores
 from mp.launch import main as launch_main
 
 LAUNCH = [sys.executable, "-m", "mp.launch"]
@@ -114,3 +115,87 @@ def test_bad_arguments_are_explained(
     (tmp_path / "x.py").write_text("")
     with pytest.raises(SystemExit, match=message):
         launch_main(argv)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("auto", 2, None, 2, True, 1),  # this CI host: a core each
+        ("auto", 4, None, 16, True, 4),  # bigger hosts: an equal share of whole cores each
+        ("auto", 3, None, 16, True, 5),  # the remainder stays free
+        ("auto", 4, None, 2, True, 0),  # more ranks than cores: binding would stack ranks on a core
+        ("auto", 2, "a:1,b:1", 8, True, 0),  # other hosts' cores are unknown here
+        ("auto", 2, None, 8, False, 0),  # not MPICH's Hydra: its own defaults apply
+        ("none", 2, None, 8, True, 0),
+    ],
+)
+def test_binding_gives_each_rank_a_share_of_whole_cores_where_that_is_safe(
+    case: tuple[str, int, str | None, int, bool, int],
+) -> None:
+    bind, nprocs, hosts, cores, hydra, expected = case
+    assert binding(bind, nprocs, hosts=hosts, cores=cores, hydra=hydra) == expected
+
+
+def test_binding_refuses_an_unknown_mode_by_name() -> None:
+    with pytest.raises(SystemExit, match=r"--bind 'cores': expected one of auto, none"):
+        binding("cores", 2, hosts=None, cores=4, hydra=True)
+
+
+def test_the_bound_command_asks_hydra_for_that_many_cores(tmp_path: Path) -> None:
+    (tmp_path / "x.py").write_text("")
+    args = build_parser().parse_args(["-n", "2", str(tmp_path / "x.py")])
+    assert build_command(args, "mpiexec", 3)[:5] == ["mpiexec", "-n", "2", "-bind-to", "core:3"]
+    assert "-bind-to" not in build_command(args, "mpiexec", 0)
+
+
+def test_physical_cores_counts_hardware_threads_of_one_core_once() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    assert 1 <= physical_cores(cpus) <= len(cpus)
+    assert physical_cores([10**6, 10**6 + 1]) == 2  # no topology published: a core each
+
+
+_AFFINITY_SCRIPT = (
+    "import os, torch\nfrom mpi4py import MPI\n"
+    "rank = MPI.COMM_WORLD.Get_rank()\n"
+    "import mp as smp\nsmp.init({'pipeline_parallel_degree': 1})\n"
+    "cpus = sorted(os.sched_getaffinity(0))\n"
+    "print(f'rank {rank} cpus', cpus, 'threads', torch.get_num_threads(), flush=True)\n"
+    "smp.shutdown()\n"
+)
+
+
+def _affinities(out: str) -> dict[int, tuple[set[int], int]]:
+    found: dict[int, tuple[set[int], int]] = {}
+    for line in out.splitlines():
+        if line.startswith("rank ") and " cpus [" in line:
+            head, _, rest = line.partition(" cpus ")
+            cpus, _, threads = rest.rpartition(" threads ")
+            found[int(head.split()[1])] = ({int(c) for c in cpus.strip("[]").split(",")}, int(threads))
+    return found
+
+
+@pytest.mark.skipif(
+    physical_cores() < 2 or not is_hydra(find_mpiexec()),
+    reason="binding needs MPICH's mpiexec and two cores",
+)
+def test_ranks_launched_on_one_host_run_on_cores_of_their_own(tmp_path: Path) -> None:
+    script = tmp_path / "where.py"
+    script.write_text(_AFFINITY_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MP_NUM_THREADS")}
+    share = physical_cores() // 2
+    bound = subprocess.run(
+        [*LAUNCH, "-n", "2", str(script)], capture_output=True, text=True, timeout=90, env=env
+    )
+    assert bound.returncode == 0, bound.stdout + bound.stderr
+    ranks = _affinities(bound.stdout)
+    assert sorted(ranks) == [0, 1], bound.stdout
+    (cpus0, threads0), (cpus1, threads1) = ranks[0], ranks[1]
+    assert not cpus0 & cpus1, f"both ranks may run on CPUs {sorted(cpus0 & cpus1)}"
+    assert physical_cores(cpus0) == physical_cores(cpus1) == share
+    assert threads0 == threads1 == share  # torch's threads: the rank's cores, not cores // ranks again
+
+    unbound = [*LAUNCH, "-n", "2", "--bind", "none", str(script)]
+    free = subprocess.run(unbound, capture_output=True, text=True, timeout=90, env=env)
+    assert free.returncode == 0, free.stdout + free.stderr
+    everywhere = set(os.sched_getaffinity(0))
+    assert all(cpus == everywhere for cpus, _ in _affinities(free.stdout).values()), free.stdout

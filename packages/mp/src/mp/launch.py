@@ -1,6 +1,6 @@
 """`mp-launch`: run a training script on N ranks under mpiexec, and stop them all when one fails.
 
-    mp-launch -n 4 [--hosts a:4,b:4] [--config cfg.json] train.py args...
+    mp-launch -n 4 [--hosts a:4,b:4] [--config cfg.json] [--bind auto|none] train.py args...
     mp-launch -n 4 -m package.module args...
 
 Every rank runs the script through `mp._rank_main`, which reports an uncaught exception (or a
@@ -8,6 +8,10 @@ non-zero `sys.exit`) with the rank's traceback and then aborts the MPI job, so t
 within seconds instead of waiting forever in a collective. A rank killed by a signal is noticed by
 mpiexec itself, which tears the job down. mp-launch exits with the failing rank's code and prints
 which rank failed first and why.
+
+On one host with at least as many cores as ranks, each rank is bound to cores of its own (`--bind
+auto`, the default): a rank's threads then stay on its cores, and short-lived helper threads (MPI
+progress, gloo's loops) no longer wake up on, and preempt, another rank's compute.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 FAILURE_DIR_ENV = "MP_LAUNCH_FAILURE_DIR"
 RANK_MAIN = Path(__file__).with_name("_rank_main.py")
+BIND_CHOICES = ("auto", "none")
 
 
 class LaunchError(SystemExit):
@@ -58,6 +64,55 @@ def _parse_hosts(spec: str, nprocs: int) -> str:
     return spec
 
 
+def physical_cores(cpus: Iterable[int] | None = None) -> int:
+    """Distinct physical cores among `cpus` (default: the CPUs this process may run on).
+
+    Hardware threads of one core count once: MPICH's `-bind-to core:K` hands out whole cores. A CPU
+    whose topology Linux does not publish counts as a core of its own.
+    """
+    if cpus is None:
+        try:
+            cpus = os.sched_getaffinity(0)
+        except AttributeError:  # not Linux: no binding by mp-launch anyway
+            return os.cpu_count() or 1
+    seen: set[tuple[str, str]] = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            seen.add(
+                (
+                    (topology / "physical_package_id").read_text().strip(),
+                    (topology / "core_id").read_text().strip(),
+                )
+            )
+        except OSError:
+            seen.add(("cpu", str(cpu)))
+    return max(1, len(seen))
+
+
+def is_hydra(mpiexec: str) -> bool:
+    """Whether `mpiexec` is MPICH's Hydra (whose binding flags mp-launch speaks)."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "HYDRA" in out.stdout + out.stderr
+
+
+def binding(bind: str, nprocs: int, *, hosts: str | None, cores: int, hydra: bool) -> int:
+    """Cores per rank that `--bind` asks for on this launch; 0 for no binding.
+
+    `auto` binds only where it is known to help and to be right: one host (mp-launch cannot see other
+    hosts' cores), at least one core per rank, and MPICH's Hydra as the launcher (other mpiexecs have
+    their own defaults: Open MPI binds by itself).
+    """
+    if bind not in BIND_CHOICES:
+        raise LaunchError(f"--bind {bind!r}: expected one of {', '.join(BIND_CHOICES)}.")
+    if bind == "none" or hosts or not hydra or not 0 < nprocs <= cores:
+        return 0
+    return cores // nprocs
+
+
 def _config_env(config: str | None) -> dict[str, str]:
     if config is None:
         return {}
@@ -85,18 +140,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hosts", help="hosts and slots, e.g. 'a:4,b:4' (default: this host)")
     parser.add_argument("--config", help="the smp config: a JSON file or an inline JSON object")
     parser.add_argument("--mpiexec", help="the mpiexec to use (default: the one beside this Python)")
+    parser.add_argument(
+        "--bind",
+        default="auto",
+        help="auto (default): on one host with a core or more per rank, bind each rank to cores//n cores "
+        "of its own (and run that many torch threads); none: leave placement to the OS",
+    )
     parser.add_argument("--tag-output", action="store_true", help="prefix every output line with its rank")
     parser.add_argument("-m", dest="module", help="run a module (like python -m) instead of a script")
     parser.add_argument("script_and_args", nargs=argparse.REMAINDER, help="script path and its arguments")
     return parser
 
 
-def build_command(args: argparse.Namespace, mpiexec: str) -> list[str]:
+def build_command(args: argparse.Namespace, mpiexec: str, cores_per_rank: int = 0) -> list[str]:
     if args.nprocs < 1:
         raise LaunchError(f"-n {args.nprocs}: the number of ranks must be at least 1.")
     cmd = [mpiexec, "-n", str(args.nprocs)]
     if args.hosts:
         cmd += ["-hosts", _parse_hosts(args.hosts, args.nprocs)]
+    if cores_per_rank:
+        cmd += ["-bind-to", f"core:{cores_per_rank}"]
     if args.tag_output:
         cmd.append("-prepend-rank")
     # The runner is started as a file, not as `-m mp._rank_main`: that would import the whole mp
@@ -133,9 +196,21 @@ def _report_failures(failure_dir: Path) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cmd = build_command(args, find_mpiexec(args.mpiexec))
+    mpiexec = find_mpiexec(args.mpiexec)
+    cores_per_rank = binding(
+        args.bind,
+        args.nprocs,
+        hosts=args.hosts,
+        cores=physical_cores(),
+        hydra=args.bind != "none" and is_hydra(mpiexec),
+    )
+    cmd = build_command(args, mpiexec, cores_per_rank)
     env = dict(os.environ)
     env.update(_config_env(args.config))
+    if cores_per_rank and "OMP_NUM_THREADS" not in env and "MP_NUM_THREADS" not in env:
+        # A bound rank sees only its own cores, and smp.init would divide those again by the ranks per
+        # host: tell it the rank's share instead.
+        env["MP_NUM_THREADS"] = str(cores_per_rank)
     with tempfile.TemporaryDirectory(prefix="mp-launch-") as tmp:
         env[FAILURE_DIR_ENV] = tmp
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
