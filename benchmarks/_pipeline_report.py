@@ -327,6 +327,18 @@ def report(
     print(md)
 
 
+def _placement(host: dict[str, Any]) -> str:
+    """How the launcher placed the ranks, from the CPUs each was allowed (runs before it was recorded:
+    nothing to say)."""
+    cpus = host.get("rank_cpus")
+    if not cpus:
+        return ""
+    if all(len(c) < host["cpus"] for c in cpus) and not set(cpus[0]) & set(cpus[1]):
+        where = "; ".join(f"rank {r} on CPU {', '.join(map(str, c))}" for r, c in enumerate(cpus))
+        return f" and is bound to a core of its own as mp-launch binds ranks by default ({where})"
+    return " (the ranks are not bound to cores: the OS places their threads)"
+
+
 def _markdown(p: dict[str, Any]) -> str:
     a, cfg, host = p["args"], p["model"], p["host"]
     load = host["load_average_1min"]
@@ -341,7 +353,7 @@ def _markdown(p: dict[str, Any]) -> str:
         f"+ ln_f + head + loss on rank 1). Global batch {a['batch']} sequences; step = forward + "
         "backward + AdamW. Both pipelines hold the same split (mp: manual partition with "
         "`smp.set_partition`; torch: `PipelineStage` on the same two modules). Each rank uses 1 torch "
-        f"thread; the host has {host['cpus']} cores (1-minute load average "
+        f"thread{_placement(host)}; the host has {host['cpus']} cores (1-minute load average "
         f"{', '.join(f'{v:.1f}' for v in load)} at the start, after each repetition and at the end: "
         "other jobs shared the host).",
         "",

@@ -420,6 +420,7 @@ def _report(
         "host": {
             "machine": platform.machine(),
             "cpus": os.cpu_count(),
+            "rank0_cpus": sorted(os.sched_getaffinity(0)),
             "python": platform.python_version(),
             "load_average_1min": {"start": load[0], "end": load[1]},
         },
@@ -452,7 +453,12 @@ def _report(
         "this file.",
         "",
         f"Host: {os.cpu_count()} CPUs, 1-minute load average {load[0]:.1f} at the start and {load[1]:.1f} at "
-        "the end (other processes shared the host).",
+        "the end (other processes shared the host). "
+        + (
+            "Each rank is bound to a core of its own, as mp-launch binds ranks by default."
+            if len(os.sched_getaffinity(0)) < (os.cpu_count() or 1)
+            else "The ranks are not bound to cores."
+        ),
         "",
         "| size | "
         + " | ".join(f"{n} GB/s" for n in names)

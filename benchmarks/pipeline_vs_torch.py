@@ -25,7 +25,9 @@ step is forward, backward and AdamW's step; variants:
   manual stage API: no tracing) with ``ScheduleGPipe`` and ``Schedule1F1B``, the same ``m``, the loss as
   the schedule's ``loss_fn``, gradients averaged over microbatches (``scale_grads``) as mp does.
 
-Every rank runs with one torch thread (OMP_NUM_THREADS=1): the 2 ranks of a pipeline share the 2 cores.
+Every rank runs with one torch thread (OMP_NUM_THREADS=1) and, started by this script, is bound to a
+core of its own, as mp-launch binds ranks by default (``mpiexec -bind-to core:1``; see _launch.py): the
+2 ranks of a pipeline get the 2 cores, one each. The single process with 2 threads runs on both.
 Each variant is set up from the initial weights and runs a first step (partitioning, shape inference,
 optimizer state; the warm-up) whose loss and gradients are compared with single-process PyTorch on the
 same batch (the fairness check). Timing is interleaved at the step level, because the host is shared and
@@ -199,6 +201,7 @@ def main() -> None:
     checksum = float(sum(v.double().sum() for v in base.values()))
     sums = comm.allgather(checksum)
     assert sums[0] == sums[1], f"the ranks built different initial weights: {sums}"
+    rank_cpus = comm.gather(sorted(os.sched_getaffinity(0)), root=0)  # where the launcher let each run
 
     # Reference: single-process loss and gradients of the first step on the full batch.
     ref = GPT(cfg)
@@ -332,6 +335,7 @@ def main() -> None:
             host={
                 "machine": platform.machine(),
                 "cpus": os.cpu_count(),
+                "rank_cpus": rank_cpus,
                 "python": platform.python_version(),
                 "torch": torch.__version__,
                 "load_average_1min": load,
