@@ -234,7 +234,7 @@ def report(  # noqa: PLR0917 - one call site
             f"{MICROBATCHES} microbatches repeat {MICROBATCHES} times, each microbatch also costs messages "
             f"between ranks, and {smp.size()} ranks share {os.cpu_count()} cores. Pipelining pays when a "
             "stage's work per microbatch dwarfs those costs: benchmarks/pipeline_vs_torch.py trains a "
-            "7.4 M-parameter GPT on 2 ranks 1.45x faster than one process.)"
+            "7.4 M-parameter GPT on 2 ranks about 1.5x faster than one process.)"
         )
     print(
         f"max |loss difference| over {len(diffs)} steps: {worst:.2e} (step {diffs.index(worst) + 1}) "
