@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -155,23 +156,19 @@ def test_physical_cores_counts_hardware_threads_of_one_core_once() -> None:
 
 
 _AFFINITY_SCRIPT = (
-    "import os, torch\nfrom mpi4py import MPI\n"
-    "rank = MPI.COMM_WORLD.Get_rank()\n"
+    "import json, os, torch\n"
     "import mp as smp\nsmp.init({'pipeline_parallel_degree': 1})\n"
-    "cpus = sorted(os.sched_getaffinity(0))\n"
-    "print(f'rank {rank} cpus', cpus, 'threads', torch.get_num_threads(), flush=True)\n"
+    "info = smp.state.world.info\n"
+    "row = {'rank': smp.rank(), 'cpus': sorted(os.sched_getaffinity(0))}\n"
+    "row.update(threads=torch.get_num_threads(), bound=info.bound, oversubscribed=info.oversubscribed)\n"
+    "print('placement', json.dumps(row))\n"
     "smp.shutdown()\n"
 )
 
 
-def _affinities(out: str) -> dict[int, tuple[set[int], int]]:
-    found: dict[int, tuple[set[int], int]] = {}
-    for line in out.splitlines():
-        if line.startswith("rank ") and " cpus [" in line:
-            head, _, rest = line.partition(" cpus ")
-            cpus, _, threads = rest.rpartition(" threads ")
-            found[int(head.split()[1])] = ({int(c) for c in cpus.strip("[]").split(",")}, int(threads))
-    return found
+def _placements(out: str) -> dict[int, dict[str, Any]]:
+    rows = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("placement ")]
+    return {row["rank"]: row for row in rows}
 
 
 @pytest.mark.skipif(
@@ -187,15 +184,18 @@ def test_ranks_launched_on_one_host_run_on_cores_of_their_own(tmp_path: Path) ->
         [*LAUNCH, "-n", "2", str(script)], capture_output=True, text=True, timeout=90, env=env
     )
     assert bound.returncode == 0, bound.stdout + bound.stderr
-    ranks = _affinities(bound.stdout)
+    ranks = _placements(bound.stdout)
     assert sorted(ranks) == [0, 1], bound.stdout
-    (cpus0, threads0), (cpus1, threads1) = ranks[0], ranks[1]
+    cpus0, cpus1 = set(ranks[0]["cpus"]), set(ranks[1]["cpus"])
     assert not cpus0 & cpus1, f"both ranks may run on CPUs {sorted(cpus0 & cpus1)}"
     assert physical_cores(cpus0) == physical_cores(cpus1) == share
-    assert threads0 == threads1 == share  # torch's threads: the rank's cores, not cores // ranks again
+    for row in ranks.values():
+        assert row["threads"] == share  # torch's threads: the rank's cores, not cores // ranks again
+        assert row["bound"] and not row["oversubscribed"], row  # a core each is not oversubscribed
 
     unbound = [*LAUNCH, "-n", "2", "--bind", "none", str(script)]
     free = subprocess.run(unbound, capture_output=True, text=True, timeout=90, env=env)
     assert free.returncode == 0, free.stdout + free.stderr
-    everywhere = set(os.sched_getaffinity(0))
-    assert all(cpus == everywhere for cpus, _ in _affinities(free.stdout).values()), free.stdout
+    everywhere = sorted(os.sched_getaffinity(0))
+    rows = _placements(free.stdout).values()
+    assert len(rows) == 2 and all(row["cpus"] == everywhere and not row["bound"] for row in rows), free.stdout

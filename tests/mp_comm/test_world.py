@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from mp_comm import Launcher, WorldError, WorldInfo, detect_launcher, init_world
-from mp_comm.world import _set_thread_count
+from mp_comm.world import _placement, _set_thread_count
 from tests._harness import run_script
 
 
@@ -27,18 +29,55 @@ def test_detect_launcher(env: dict[str, str], expected: Launcher) -> None:
     assert detect_launcher(env) is expected
 
 
+def _host(local_size: int, *, bound: bool = False) -> WorldInfo:
+    return WorldInfo(
+        rank=0,
+        size=local_size,
+        local_rank=0,
+        local_size=local_size,
+        node=0,
+        num_nodes=1,
+        launcher=Launcher.MPI,
+        bound=bound,
+    )
+
+
 def test_thread_count_is_the_host_share_unless_the_user_set_it() -> None:
     before = torch.get_num_threads()
     try:
-        _set_thread_count(64, {})
+        _set_thread_count(_host(64), {})
         assert torch.get_num_threads() == 1  # more ranks than cores: never 0
-        _set_thread_count(1, {"MP_NUM_THREADS": "3"})
+        _set_thread_count(_host(2, bound=True), {})  # bound: the rank's own CPUs are its share
+        assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+        _set_thread_count(_host(1), {"MP_NUM_THREADS": "3"})
         assert torch.get_num_threads() == 3
         torch.set_num_threads(2)
-        _set_thread_count(1, {"OMP_NUM_THREADS": "2"})
+        _set_thread_count(_host(1), {"OMP_NUM_THREADS": "2"})
         assert torch.get_num_threads() == 2  # left alone
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    ("masks", "expected"),
+    [
+        ([[0, 1], [0, 1]], (2, False)),  # unbound: every rank may run anywhere
+        ([[0], [1]], (2, True)),  # mp-launch on 2 cores
+        ([[0, 1], [2, 3], [4, 5]], (6, True)),
+        ([[0], [0], [1], [1]], (2, False)),  # bound, but two ranks to a core
+        ([[0, 1]], (2, False)),  # alone on the host: nothing to tell apart
+    ],
+)
+def test_placement_tells_bound_ranks_from_ranks_that_share_cpus(
+    masks: list[list[int]], expected: tuple[int, bool]
+) -> None:
+    assert _placement(masks) == expected
+
+
+def test_bound_ranks_with_a_core_each_are_not_oversubscribed() -> None:
+    bound = dataclasses.replace(_host(2, bound=True), host_cpus=2)
+    assert not bound.oversubscribed
+    assert dataclasses.replace(_host(4, bound=True), host_cpus=2).oversubscribed
 
 
 def test_bad_torchrun_environment_is_explained() -> None:

@@ -79,11 +79,15 @@ class WorldInfo:
     """Index of this host, in the order of the lowest global rank on each host."""
     num_nodes: int
     launcher: Launcher
+    host_cpus: int = 0
+    """CPUs the world's processes on this host may run on, together (0: unknown; then this process's)."""
+    bound: bool = False
+    """Whether the launcher bound the processes on this host to CPU sets of their own (mp-launch does)."""
 
     @property
     def oversubscribed(self) -> bool:
-        """Whether this host runs more of the world's processes than this process has cores."""
-        return self.local_size > _usable_cores()
+        """Whether this host runs more of the world's processes than they have cores."""
+        return self.local_size > (self.host_cpus or _usable_cores())
 
 
 def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher:
@@ -96,20 +100,33 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher:
     return Launcher.SINGLE
 
 
-def _usable_cores() -> int:
+def _cpus() -> set[int]:
     try:
-        return len(os.sched_getaffinity(0))
+        return os.sched_getaffinity(0)
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
 
 
-def _set_thread_count(local_size: int, environ: Mapping[str, str]) -> None:
-    # Several ranks on one host each defaulting to all cores oversubscribe the host badly.
+def _usable_cores() -> int:
+    return len(_cpus())
+
+
+def _placement(masks: Sequence[Sequence[int]]) -> tuple[int, bool]:
+    """(CPUs of all, whether bound) from the CPU sets of a host's processes: bound when the sets are
+    disjoint (a launcher gave each process its own), as opposed to all sharing the same ones."""
+    union = set().union(*map(set, masks))
+    return len(union), len(masks) > 1 and sum(len(m) for m in masks) == len(union)
+
+
+def _set_thread_count(info: WorldInfo, environ: Mapping[str, str]) -> None:
+    # Several ranks on one host each defaulting to all cores oversubscribe the host badly; a rank the
+    # launcher bound to cores of its own sees just those, its share already.
     if "OMP_NUM_THREADS" in environ or "MP_NUM_THREADS" in environ:
         if "MP_NUM_THREADS" in environ:
             torch.set_num_threads(int(environ["MP_NUM_THREADS"]))
         return
-    torch.set_num_threads(max(1, _usable_cores() // max(1, local_size)))
+    share = _usable_cores() if info.bound else _usable_cores() // max(1, info.local_size)
+    torch.set_num_threads(max(1, share))
 
 
 def _free_port_store(host: str, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
@@ -257,6 +274,7 @@ def _mpi_coordinates() -> tuple[Any, WorldInfo, str]:
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank, local_size = local.Get_rank(), local.Get_size()
     leader = local.bcast(rank, root=0)
+    host_cpus, bound = _placement(local.allgather(sorted(_cpus())))
     local.Free()
     leaders = sorted(set(comm.allgather(leader)))
     info = WorldInfo(
@@ -267,6 +285,8 @@ def _mpi_coordinates() -> tuple[Any, WorldInfo, str]:
         node=leaders.index(leader),
         num_nodes=len(leaders),
         launcher=Launcher.MPI,
+        host_cpus=host_cpus,
+        bound=bound,
     )
     host = "127.0.0.1" if len(leaders) == 1 else socket.gethostbyname(socket.gethostname())
     return comm, info, host
@@ -348,7 +368,7 @@ def init_world(
             if mpi_comm is not None:
                 mpi_comm.Free()
             raise
-    _set_thread_count(info.local_size, env)
+    _set_thread_count(info, env)
     if torch.cuda.is_available():
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
     chosen, device = _choose_backend(backend, info.local_size)
