@@ -203,30 +203,6 @@ def test_a_driving_waiter_sleeps_between_polls_only_where_ranks_outnumber_cores(
     assert pauses == (["sleep 3e-05"] * 2 if oversubscribed else ["yield"] * 2)
 
 
-def test_transport_config_for_world_decides_oversubscription_from_the_host() -> None:
-    from types import SimpleNamespace
-
-    from mp_comm.world import Launcher, WorldInfo, _usable_cores
-
-    cores = _usable_cores()
-
-    def world(local_size: int) -> SimpleNamespace:
-        info = WorldInfo(
-            rank=0,
-            size=local_size,
-            local_rank=0,
-            local_size=local_size,
-            node=0,
-            num_nodes=1,
-            launcher=Launcher.MPI,
-        )
-        return SimpleNamespace(info=info)
-
-    assert TransportConfig().for_world(world(cores)).oversubscribed is False
-    assert TransportConfig().for_world(world(cores + 1)).oversubscribed is True
-    assert TransportConfig(oversubscribed=False).for_world(world(cores + 1)).oversubscribed is False
-
-
 def test_send_handle() -> None:
     h = SendHandle(1, "t", default_timeout=0.05)
     assert not h.done()

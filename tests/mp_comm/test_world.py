@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from mp_comm import Launcher, WorldError, WorldInfo, detect_launcher, init_world
-from mp_comm.world import _placement, _set_thread_count
+from mp_comm.transport import TransportConfig
+from mp_comm.world import _placement, _set_thread_count, _usable_cores
 from tests._harness import run_script
 
 
@@ -74,9 +76,18 @@ def test_placement_tells_bound_ranks_from_ranks_that_share_cpus(
     assert _placement(masks) == expected
 
 
-def test_bound_ranks_with_a_core_each_are_not_oversubscribed() -> None:
+def test_transport_config_for_world_decides_oversubscription_from_the_host() -> None:
+    cores = _usable_cores()
+
+    def world(info: WorldInfo) -> SimpleNamespace:
+        return SimpleNamespace(info=info)
+
+    assert TransportConfig().for_world(world(_host(cores))).oversubscribed is False
+    assert TransportConfig().for_world(world(_host(cores + 1))).oversubscribed is True
+    assert TransportConfig(oversubscribed=False).for_world(world(_host(cores + 1))).oversubscribed is False
+    # Ranks bound to a core each see one CPU apiece, but have the host's CPUs between them.
     bound = dataclasses.replace(_host(2, bound=True), host_cpus=2)
-    assert not bound.oversubscribed
+    assert TransportConfig().for_world(world(bound)).oversubscribed is False
     assert dataclasses.replace(_host(4, bound=True), host_cpus=2).oversubscribed
 
 
