@@ -26,7 +26,7 @@ step is forward, backward and AdamW's step; variants:
   the schedule's ``loss_fn``, gradients averaged over microbatches (``scale_grads``) as mp does.
 
 Every rank runs with one torch thread (OMP_NUM_THREADS=1) and, started by this script, is bound to a
-core of its own, as mp-launch binds ranks by default (``mpiexec -bind-to core:1``; see _launch.py): the
+core of its own, as mp-launch binds ranks by default (``mpiexec -bind-to user:0,1``; see _launch.py): the
 2 ranks of a pipeline get the 2 cores, one each. The single process with 2 threads runs on both.
 Each variant is set up from the initial weights and runs a first step (partitioning, shape inference,
 optimizer state; the warm-up) whose loss and gradients are compared with single-process PyTorch on the

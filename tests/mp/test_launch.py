@@ -12,7 +12,16 @@ from typing import Any
 
 import pytest
 
-from mp.launch import binding, build_command, build_parser, find_mpiexec, is_hydra, physical_cores
+from mp.launch import (
+    binding,
+    build_command,
+    build_parser,
+    core_groups,
+    find_mpiexec,
+    is_hydra,
+    physical_cores,
+    rank_cpu_sets,
+)
 from mp.launch import main as launch_main
 
 LAUNCH = [sys.executable, "-m", "mp.launch"]
@@ -142,17 +151,23 @@ def test_binding_refuses_an_unknown_mode_by_name() -> None:
         binding("cores", 2, hosts=None, cores=4, hydra=True)
 
 
-def test_the_bound_command_asks_hydra_for_that_many_cores(tmp_path: Path) -> None:
+def test_each_rank_gets_whole_cores_as_an_explicit_cpu_list(tmp_path: Path) -> None:
+    smt = [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12]]  # a core's hardware threads stay together
+    sets = rank_cpu_sets(2, 2, smt)
+    assert sets == [[0, 8, 1, 9], [2, 10, 3, 11]]  # the fifth core stays free
     (tmp_path / "x.py").write_text("")
     args = build_parser().parse_args(["-n", "2", str(tmp_path / "x.py")])
-    assert build_command(args, "mpiexec", 3)[:5] == ["mpiexec", "-n", "2", "-bind-to", "core:3"]
-    assert "-bind-to" not in build_command(args, "mpiexec", 0)
+    cmd = build_command(args, "mpiexec", sets)
+    assert cmd[:5] == ["mpiexec", "-n", "2", "-bind-to", "user:0+8+1+9,2+10+3+11"]
+    assert "-bind-to" not in build_command(args, "mpiexec", None)
 
 
-def test_physical_cores_counts_hardware_threads_of_one_core_once() -> None:
+def test_core_groups_keep_hardware_threads_of_one_core_together() -> None:
     cpus = sorted(os.sched_getaffinity(0))
-    assert 1 <= physical_cores(cpus) <= len(cpus)
-    assert physical_cores([10**6, 10**6 + 1]) == 2  # no topology published: a core each
+    groups = core_groups(cpus)
+    assert sorted(c for g in groups for c in g) == cpus
+    assert physical_cores(cpus) == len(groups) <= len(cpus)
+    assert core_groups([10**6 + 1, 10**6]) == [[10**6], [10**6 + 1]]  # no topology published: a core each
 
 
 _AFFINITY_SCRIPT = (
@@ -192,6 +207,19 @@ def test_ranks_launched_on_one_host_run_on_cores_of_their_own(tmp_path: Path) ->
     for row in ranks.values():
         assert row["threads"] == share  # torch's threads: the rank's cores, not cores // ranks again
         assert row["bound"] and not row["oversubscribed"], row  # a core each is not oversubscribed
+
+    # mp-launch confined to its last core (as `taskset` would): the rank runs there, not on the first.
+    last = max(os.sched_getaffinity(0))
+    confined = subprocess.run(
+        [*LAUNCH, "-n", "1", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
+        preexec_fn=lambda: os.sched_setaffinity(0, {last}),
+    )
+    assert confined.returncode == 0, confined.stdout + confined.stderr
+    assert _placements(confined.stdout)[0]["cpus"] == [last], confined.stdout
 
     unbound = [*LAUNCH, "-n", "2", "--bind", "none", str(script)]
     free = subprocess.run(unbound, capture_output=True, text=True, timeout=90, env=env)

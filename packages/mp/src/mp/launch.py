@@ -10,8 +10,9 @@ mpiexec itself, which tears the job down. mp-launch exits with the failing rank'
 which rank failed first and why.
 
 On one host with at least as many cores as ranks, each rank is bound to cores of its own (`--bind
-auto`, the default): a rank's threads then stay on its cores, and short-lived helper threads (MPI
-progress, gloo's loops) no longer wake up on, and preempt, another rank's compute.
+auto`, the default), taken from the CPUs mp-launch itself may use: a rank's threads then stay on its
+cores, and short-lived helper threads (MPI progress, gloo's loops) no longer wake up on, and preempt,
+another rank's compute.
 """
 
 from __future__ import annotations
@@ -64,30 +65,38 @@ def _parse_hosts(spec: str, nprocs: int) -> str:
     return spec
 
 
-def physical_cores(cpus: Iterable[int] | None = None) -> int:
-    """Distinct physical cores among `cpus` (default: the CPUs this process may run on).
-
-    Hardware threads of one core count once: MPICH's `-bind-to core:K` hands out whole cores. A CPU
-    whose topology Linux does not publish counts as a core of its own.
-    """
+def core_groups(cpus: Iterable[int] | None = None) -> list[list[int]]:
+    """The CPUs among `cpus` (default: those this process may run on) grouped by physical core, in CPU
+    order: a core's hardware threads stay together. A CPU whose topology Linux does not publish counts
+    as a core of its own."""
     if cpus is None:
         try:
             cpus = os.sched_getaffinity(0)
         except AttributeError:  # not Linux: no binding by mp-launch anyway
-            return os.cpu_count() or 1
-    seen: set[tuple[str, str]] = set()
-    for cpu in cpus:
+            cpus = range(os.cpu_count() or 1)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for cpu in sorted(cpus):
         topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
         try:
-            seen.add(
-                (
-                    (topology / "physical_package_id").read_text().strip(),
-                    (topology / "core_id").read_text().strip(),
-                )
+            key = (
+                (topology / "physical_package_id").read_text().strip(),
+                (topology / "core_id").read_text().strip(),
             )
         except OSError:
-            seen.add(("cpu", str(cpu)))
-    return max(1, len(seen))
+            key = ("cpu", str(cpu))
+        groups.setdefault(key, []).append(cpu)
+    return list(groups.values())
+
+
+def physical_cores(cpus: Iterable[int] | None = None) -> int:
+    """Distinct physical cores among `cpus` (default: the CPUs this process may run on)."""
+    return max(1, len(core_groups(cpus)))
+
+
+def rank_cpu_sets(cores_per_rank: int, nprocs: int, groups: list[list[int]]) -> list[list[int]]:
+    """The CPUs of each rank: `cores_per_rank` consecutive whole cores each, from `groups`."""
+    k = cores_per_rank
+    return [[cpu for core in groups[r * k : (r + 1) * k] for cpu in core] for r in range(nprocs)]
 
 
 def is_hydra(mpiexec: str) -> bool:
@@ -111,6 +120,16 @@ def binding(bind: str, nprocs: int, *, hosts: str | None, cores: int, hydra: boo
     if bind == "none" or hosts or not hydra or not 0 < nprocs <= cores:
         return 0
     return cores // nprocs
+
+
+def bind_arguments(cpu_sets: list[list[int]]) -> list[str]:
+    """Hydra's flags that pin rank r to `cpu_sets[r]`.
+
+    Explicit CPU lists, not `-bind-to core:K`: Hydra hands out cores from the whole machine, ignoring
+    the CPUs mp-launch itself was confined to (`taskset`, a batch system's CPU set), so two jobs kept
+    apart that way would be stacked on the same cores.
+    """
+    return ["-bind-to", "user:" + ",".join("+".join(map(str, cpus)) for cpus in cpu_sets)]
 
 
 def _config_env(config: str | None) -> dict[str, str]:
@@ -152,14 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def build_command(args: argparse.Namespace, mpiexec: str, cores_per_rank: int = 0) -> list[str]:
+def build_command(
+    args: argparse.Namespace, mpiexec: str, cpu_sets: list[list[int]] | None = None
+) -> list[str]:
     if args.nprocs < 1:
         raise LaunchError(f"-n {args.nprocs}: the number of ranks must be at least 1.")
     cmd = [mpiexec, "-n", str(args.nprocs)]
     if args.hosts:
         cmd += ["-hosts", _parse_hosts(args.hosts, args.nprocs)]
-    if cores_per_rank:
-        cmd += ["-bind-to", f"core:{cores_per_rank}"]
+    if cpu_sets:
+        cmd += bind_arguments(cpu_sets)
     if args.tag_output:
         cmd.append("-prepend-rank")
     # The runner is started as a file, not as `-m mp._rank_main`: that would import the whole mp
@@ -197,14 +218,16 @@ def _report_failures(failure_dir: Path) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     mpiexec = find_mpiexec(args.mpiexec)
+    groups = core_groups()
     cores_per_rank = binding(
         args.bind,
         args.nprocs,
         hosts=args.hosts,
-        cores=physical_cores(),
+        cores=len(groups),
         hydra=args.bind != "none" and is_hydra(mpiexec),
     )
-    cmd = build_command(args, mpiexec, cores_per_rank)
+    cpu_sets = rank_cpu_sets(cores_per_rank, args.nprocs, groups) if cores_per_rank else None
+    cmd = build_command(args, mpiexec, cpu_sets)
     env = dict(os.environ)
     env.update(_config_env(args.config))
     if cores_per_rank and "OMP_NUM_THREADS" not in env and "MP_NUM_THREADS" not in env:
