@@ -232,7 +232,7 @@ def report(  # noqa: PLR0917 - one call site
             f"  (the pipeline is {per_step / plain_step:.1f}x slower than one process here, as expected of "
             f"this demo: the model is so small that its layers' time is mostly per-call overhead, which "
             f"{MICROBATCHES} microbatches repeat {MICROBATCHES} times, each microbatch also costs messages "
-            f"between ranks, and {smp.size()} ranks share {os.cpu_count()} cores. Pipelining pays when a "
+            f"between ranks, and {smp.size()} ranks run on {os.cpu_count()} cores. Pipelining pays when a "
             "stage's work per microbatch dwarfs those costs: benchmarks/pipeline_vs_torch.py trains a "
             "7.4 M-parameter GPT on 2 ranks about 1.5x faster than one process.)"
         )
