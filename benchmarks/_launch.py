@@ -31,13 +31,12 @@ def relaunch(script: str, ranks: int) -> int:
     if exe is None:
         print("mpiexec not found; install it with `pip install mpich`", file=sys.stderr)
         return 2
-    from mp.launch import bind_arguments, binding, core_groups, is_hydra, rank_cpu_sets
+    from mp.launch import bind_arguments, placement
 
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
-    groups = core_groups()
-    cores = binding("auto", ranks, hosts=None, cores=len(groups), hydra=is_hydra(exe))
-    bind = bind_arguments(rank_cpu_sets(cores, ranks, groups)) if cores else []
+    cpu_sets = placement("auto", ranks, exe)
+    bind = bind_arguments(cpu_sets) if cpu_sets else []
     cmd = [exe, "-n", str(ranks), *bind, sys.executable, str(Path(script).resolve()), *sys.argv[1:]]
     return subprocess.call(cmd, env=env)
 

@@ -125,8 +125,8 @@ def _set_thread_count(info: WorldInfo, environ: Mapping[str, str]) -> None:
         if "MP_NUM_THREADS" in environ:
             torch.set_num_threads(int(environ["MP_NUM_THREADS"]))
         return
-    share = _usable_cores() if info.bound else _usable_cores() // max(1, info.local_size)
-    torch.set_num_threads(max(1, share))
+    cores = _usable_cores()
+    torch.set_num_threads(max(1, cores if info.bound else cores // max(1, info.local_size)))
 
 
 def _free_port_store(host: str, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:

@@ -122,6 +122,16 @@ def binding(bind: str, nprocs: int, *, hosts: str | None, cores: int, hydra: boo
     return cores // nprocs
 
 
+def placement(bind: str, nprocs: int, mpiexec: str, *, hosts: str | None = None) -> list[list[int]] | None:
+    """Each rank's CPUs under `--bind` for this launch, from this process's own CPU set; None for no
+    binding (see `binding` for when that is)."""
+    groups = core_groups()
+    cores_per_rank = binding(
+        bind, nprocs, hosts=hosts, cores=len(groups), hydra=bind != "none" and is_hydra(mpiexec)
+    )
+    return rank_cpu_sets(cores_per_rank, nprocs, groups) if cores_per_rank else None
+
+
 def bind_arguments(cpu_sets: list[list[int]]) -> list[str]:
     """Hydra's flags that pin rank r to `cpu_sets[r]`.
 
@@ -218,22 +228,13 @@ def _report_failures(failure_dir: Path) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     mpiexec = find_mpiexec(args.mpiexec)
-    groups = core_groups()
-    cores_per_rank = binding(
-        args.bind,
-        args.nprocs,
-        hosts=args.hosts,
-        cores=len(groups),
-        hydra=args.bind != "none" and is_hydra(mpiexec),
-    )
-    cpu_sets = rank_cpu_sets(cores_per_rank, args.nprocs, groups) if cores_per_rank else None
+    cpu_sets = placement(args.bind, args.nprocs, mpiexec, hosts=args.hosts)
     cmd = build_command(args, mpiexec, cpu_sets)
     env = dict(os.environ)
     env.update(_config_env(args.config))
-    if cores_per_rank and "OMP_NUM_THREADS" not in env and "MP_NUM_THREADS" not in env:
-        # A bound rank sees only its own cores, and smp.init would divide those again by the ranks per
-        # host: tell it the rank's share instead.
-        env["MP_NUM_THREADS"] = str(cores_per_rank)
+    if cpu_sets and "OMP_NUM_THREADS" not in env and "MP_NUM_THREADS" not in env:
+        # A rank runs a thread per core of its own (smp.init would otherwise count its hardware threads).
+        env["MP_NUM_THREADS"] = str(len(core_groups(cpu_sets[0])))
     with tempfile.TemporaryDirectory(prefix="mp-launch-") as tmp:
         env[FAILURE_DIR_ENV] = tmp
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
