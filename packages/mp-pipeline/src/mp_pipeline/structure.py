@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -28,12 +29,21 @@ def pickled_by_position(cls: _C) -> _C:
 
     A slots dataclass otherwise pickles through a generic ``__getstate__``/``__setstate__`` pair that
     looks up the class's fields again for every object: for the pipeline's messages that was half the
-    time of encoding and decoding a request (24 -> 16 µs, 377 -> 199 bytes).
+    time of encoding and decoding a request (24 -> 16 µs, 377 -> 199 bytes). The values are read by an
+    ``operator.attrgetter`` (in C: a request encoded in 14.6 µs instead of 17.8 with a generator).
     """
     names = tuple(f.name for f in dataclasses.fields(cls))
+    if len(names) == 1:  # attrgetter of one name returns the value itself, not a tuple
+        only = names[0]
 
-    def __reduce__(self: Any) -> tuple[Any, tuple[Any, ...]]:
-        return cls, tuple(getattr(self, name) for name in names)
+        def __reduce__(self: Any) -> tuple[Any, tuple[Any, ...]]:
+            return cls, (getattr(self, only),)
+
+    else:
+        values = operator.attrgetter(*names)
+
+        def __reduce__(self: Any) -> tuple[Any, tuple[Any, ...]]:
+            return cls, values(self)
 
     setattr(cls, "__reduce__", __reduce__)  # noqa: B010 - a method added to the class
     return cls
