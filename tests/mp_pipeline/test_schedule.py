@@ -118,6 +118,55 @@ def test_simulated_pipelines_run_every_task_within_the_bounds(
         assert all(t.phase is Phase.FORWARD for t in res.order[:first_bwd]) and first_bwd == microbatches
 
 
+@given(
+    kind=st.sampled_from(["simple", "interleaved"]),
+    microbatches=st.integers(1, 6),
+    deterministic=st.booleans(),
+    data=st.data(),
+)
+@settings(max_examples=150)
+def test_has_task_answers_next_task_without_starting_anything(
+    kind: str, microbatches: int, deterministic: bool, data: st.DataObject
+) -> None:
+    """The module server asks `has_task` before a worker waits for messages itself: asking must tell
+    what `next_task` would do and change nothing, whatever happened before (the fixed order's cursor
+    included)."""
+    active = data.draw(st.integers(1, microbatches))
+
+    def make() -> Scheduler:
+        return Scheduler(kind, microbatches, active, deterministic=deterministic)  # type: ignore[arg-type]
+
+    asked, plain = make(), make()
+    started: list[Task] = []
+    finished: set[int] = set()
+    forward_only = data.draw(st.sets(st.integers(0, microbatches - 1)))
+    while not asked.done:
+        answers = [asked.has_task() for _ in range(data.draw(st.integers(1, 3)))]
+        task = asked.next_task()
+        assert task == plain.next_task()  # asking changed nothing
+        assert answers == [task is not None] * len(answers)
+        if task is not None:
+            started.append(task)
+            continue
+        # nothing may start: a running microbatch reaches its backward, or finishes
+        running = [t.microbatch for t in started if t.microbatch not in finished]
+        waiting = [m for m in dict.fromkeys(running) if m not in asked.ready]
+        assert waiting, "no task may start and nothing runs"
+        m = data.draw(st.sampled_from(waiting))
+        done = m in forward_only or Task(m, B) in started
+        for sched in (asked, plain):
+            if done:
+                sched.finished(m)
+            else:
+                sched.backward_ready(m)
+        if done:
+            finished.add(m)
+    assert sorted(str(t) for t in started) == sorted(
+        [f"FWD{m}" for m in range(microbatches)]
+        + [f"BWD{m}" for m in range(microbatches) if m not in forward_only]
+    )
+
+
 def test_interleaving_keeps_fewer_microbatches_alive_than_simple() -> None:
     # with smp's default active_microbatches = pp + 2 the step is as fast, with fewer microbatches alive
     simple = simulate("simple", 8, forward_costs=(1.0, 1.0, 1.0, 1.0))

@@ -86,6 +86,9 @@ class StepDriver:
     def next_task(self) -> Task | None:
         return None if self.failure is not None else self.scheduler.next_task()
 
+    def has_task(self) -> bool:
+        return self.failure is None and self.scheduler.has_task()
+
     def start(self, task: Task) -> None:
         if task.phase is Phase.FORWARD:
             self.server.run_job(self._job(task.microbatch))

@@ -142,6 +142,14 @@ class Scheduler:
             self.issued.append(task)
         return task
 
+    def has_task(self) -> bool:
+        """Whether `next_task` would start a task now (nothing is recorded as started)."""
+        pos = self._pos  # the fixed order's cursor moves as it decides
+        try:
+            return self._decide() is not None
+        finally:
+            self._pos = pos
+
     def _can_forward(self) -> bool:
         return self._next_forward < self.microbatches and self.in_flight < self.active
 
