@@ -203,6 +203,39 @@ def test_workers_are_kept_across_steps_and_stopped_by_close() -> None:
     assert not any(t.is_alive() for t in threads)
 
 
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_a_thread_holding_the_rank_takes_the_next_message_itself_when_nothing_else_could_run(
+    microbatches: int,
+) -> None:
+    """pp_rank 0's step thread takes its own response when the schedule has nothing to start meanwhile,
+    and pp_rank 1's worker takes the next request after answering one; with several microbatches the
+    schedule has forwards to start, so pp_rank 0 hands back to its main thread (as before)."""
+    x = torch.randn(2 * microbatches, 6)
+
+    def make() -> nn.Module:
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+
+    kept: list[PipelineRuntime] = []
+    models, results = run_two_ranks(make, SEQ_SPLIT, _sum_loss(x), microbatches, "simple", keep=kept)
+    assert not any(isinstance(r, BaseException) for r in results), results
+    ref = make()
+    ref(x).sum().backward()
+    for name, p in ref.named_parameters():
+        got = dict(models[owner_of(SEQ_SPLIT, name)].named_parameters())[name].grad
+        torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    front, back = (rt.last_stats for rt in kept)
+    # rank 1 owns two of the layers: 2 FWD and 2 BWD requests per microbatch. Its worker takes every
+    # request after the first itself (the main thread takes the first, and the step's end).
+    assert back["requests"] == 4 * microbatches and back["in_place"] == 4 * microbatches - 1, back
+    if microbatches == 1:  # nothing else to start: rank 0's step thread takes all of its responses
+        assert front["responses"] == front["in_place"] == 4, front
+    else:  # while a forward may start, a response goes through the main thread, which starts it
+        assert front["responses"] == 12 and front["in_place"] < 12, front
+    for rt in kept:
+        rt.close()
+
+
 class _BusyProbe(nn.Linear):
     """Records, in forward and in backward, whether its rank's transport is marked busy."""
 

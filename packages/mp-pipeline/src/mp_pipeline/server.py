@@ -411,7 +411,7 @@ class Server:
         if self.sequencer is not None or self.finished or self.closed or self._inbox:
             return False
         driver = self._driver
-        return driver is None or (driver.failure is None and not driver.has_task())
+        return driver is None or not (driver.failure is not None or driver.done or driver.has_task())
 
     def _take_in_place(self) -> Any:
         """The next message of this step, taken by the thread holding the rank; None if it may not wait
