@@ -63,7 +63,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Bumped whenever the header layout changes; a header of another version is refused by name.
+#: Bumped whenever the header layout or the encoding of bodies changes; a header of another version is
+#: refused by name.
 PROTOCOL_VERSION: Final = 2
 
 #: A message tag: an int, a str, or a tuple of those (anything hashable and picklable).
