@@ -328,12 +328,11 @@ def report(
 
 
 def _placement(host: dict[str, Any]) -> str:
-    """How the launcher placed the ranks, from the CPUs each was allowed (runs before it was recorded:
-    nothing to say)."""
+    """How the launcher placed the ranks (`WorldInfo.bound`) and the CPUs each was allowed."""
     cpus = host.get("rank_cpus")
     if not cpus:
         return ""
-    if all(len(c) < host["cpus"] for c in cpus) and not set(cpus[0]) & set(cpus[1]):
+    if host["bound"]:
         where = "; ".join(f"rank {r} on CPU {', '.join(map(str, c))}" for r, c in enumerate(cpus))
         return f" and is bound to a core of its own as mp-launch binds ranks by default ({where})"
     return " (the ranks are not bound to cores: the OS places their threads)"

@@ -284,7 +284,16 @@ def main() -> None:
     ours_mpi.close()
     comm.Free()
     if rank == 0:
-        _report(samples, sizes, reps, elapsed, load, stream_samples=stream_samples, object_layer=object_layer)
+        _report(
+            samples,
+            sizes,
+            reps,
+            elapsed,
+            load,
+            stream_samples=stream_samples,
+            object_layer=object_layer,
+            bound=world.info.bound,
+        )
     world.shutdown()
 
 
@@ -319,6 +328,7 @@ def _report(
     *,
     stream_samples: dict[str, dict[int, list[float]]],
     object_layer: list[float],
+    bound: bool,
 ) -> None:
     results: dict[str, dict[str, dict[str, float]]] = {}
     for name, by_size in samples.items():
@@ -421,6 +431,7 @@ def _report(
             "machine": platform.machine(),
             "cpus": os.cpu_count(),
             "rank0_cpus": sorted(os.sched_getaffinity(0)),
+            "bound": bound,
             "python": platform.python_version(),
             "load_average_1min": {"start": load[0], "end": load[1]},
         },
@@ -456,7 +467,7 @@ def _report(
         "the end (other processes shared the host). "
         + (
             "Each rank is bound to a core of its own, as mp-launch binds ranks by default."
-            if len(os.sched_getaffinity(0)) < (os.cpu_count() or 1)
+            if bound
             else "The ranks are not bound to cores."
         ),
         "",

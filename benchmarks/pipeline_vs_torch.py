@@ -336,6 +336,7 @@ def main() -> None:
                 "machine": platform.machine(),
                 "cpus": os.cpu_count(),
                 "rank_cpus": rank_cpus,
+                "bound": world.info.bound,
                 "python": platform.python_version(),
                 "torch": torch.__version__,
                 "load_average_1min": load,

@@ -132,7 +132,7 @@ class Scheduler:
     # -- decisions -------------------------------------------------------------------------------------
     def next_task(self) -> Task | None:
         """The task to start now (recorded as started), or None if none may start yet."""
-        task = self._decide()
+        task, self._pos = self._decide()
         if task is not None:
             if task.phase is Phase.FORWARD:
                 self._next_forward += 1
@@ -144,18 +144,18 @@ class Scheduler:
 
     def has_task(self) -> bool:
         """Whether `next_task` would start a task now (nothing is recorded as started)."""
-        pos = self._pos  # the fixed order's cursor moves as it decides
-        try:
-            return self._decide() is not None
-        finally:
-            self._pos = pos
+        return self._decide()[0] is not None
 
     def _can_forward(self) -> bool:
         return self._next_forward < self.microbatches and self.in_flight < self.active
 
-    def _decide(self) -> Task | None:
+    def _decide(self) -> tuple[Task | None, int]:
+        """The task to start now, and where the fixed order's cursor goes if it starts; reads only."""
         if self.deterministic:
             return self._decide_fixed()
+        return self._decide_free(), self._pos
+
+    def _decide_free(self) -> Task | None:
         if self.kind == "interleaved":
             if self._ready:
                 return Task(self._ready[0], Phase.BACKWARD)
@@ -170,22 +170,17 @@ class Scheduler:
             return Task(min(self._ready), Phase.BACKWARD)
         return None
 
-    def _decide_fixed(self) -> Task | None:
-        while self._pos < len(self._order):
-            task = self._order[self._pos]
+    def _decide_fixed(self) -> tuple[Task | None, int]:
+        pos = self._pos
+        while pos < len(self._order):
+            task = self._order[pos]
             if task.phase is Phase.BACKWARD:
                 if task.microbatch in self._finished and task.microbatch not in self._backward_started:
-                    self._pos += 1  # forward-only microbatch: no backward to start
+                    pos += 1  # forward-only microbatch: no backward to start
                     continue
-                if task.microbatch in self._ready:
-                    self._pos += 1
-                    return task
-                return None
-            if self.in_flight < self.active:
-                self._pos += 1
-                return task
-            return None
-        return None
+                return (task, pos + 1) if task.microbatch in self._ready else (None, pos)
+            return (task, pos + 1) if self.in_flight < self.active else (None, pos)
+        return None, pos
 
 
 # ------------------------------------------------------------------------------------------ simulator
