@@ -208,7 +208,7 @@ def main() -> None:
     ref.load_state_dict(base)
     ref_loss_t = ref(x, y)
     ref_loss_t.backward()
-    ref_loss = float(ref_loss_t)
+    ref_loss = float(ref_loss_t.detach())
     ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
     del ref
     n_params = {
