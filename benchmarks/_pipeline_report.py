@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,19 @@ two processes computing at the same time slow each other down on this host."""
 P = 2  # pipeline stages
 _COMPUTE = ("f0", "f1", "b1", "b0")  # the stage times that are compute (not the optimizer's "opt")
 _THREADS = ("main thread", "fresh thread", "long-lived thread")
+
+
+def bootstrap_interval(ratios: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the geometric mean of paired round ratios.
+
+    Rounds are resampled with replacement (fixed seed: the report is reproducible from its JSON), so
+    the interval says how far the pooled ratio could move on this host's noise alone.
+    """
+    rng = random.Random(seed)
+    logs = [math.log(r) for r in ratios]
+    n = len(logs)
+    means = sorted(sum(rng.choices(logs, k=n)) / n for _ in range(resamples))
+    return math.exp(means[int(0.025 * resamples)]), math.exp(means[int(0.975 * resamples) - 1])
 
 
 def _median(values: list[float]) -> float | None:
@@ -299,6 +313,7 @@ def report(
             "geometric_mean": geo,
             "mp_faster": sum(x > 1 for x in pool),
             "met": geo >= 1.0,
+            "interval_95": bootstrap_interval(pool),
         }
 
     payload = {
@@ -409,7 +424,14 @@ def _markdown(p: dict[str, Any]) -> str:
         lines.append(
             f"* pooled, mp simple vs torch GPipe and mp interleaved vs torch 1F1B, every m: geometric mean "
             f"{pooled['geometric_mean']:.2f}x, median {pooled['median']:.2f}x, mp faster in "
-            f"{pooled['mp_faster']} of {pooled['rounds']} rounds: "
+            f"{pooled['mp_faster']} of {pooled['rounds']} rounds"
+            + (
+                f", 95% interval of the geometric mean {pooled['interval_95'][0]:.2f}-"
+                f"{pooled['interval_95'][1]:.2f}x (bootstrap over rounds)"
+                if pooled.get("interval_95")
+                else ""
+            )
+            + ": "
             f"{'met' if pooled['met'] else '**not met**'} (≥ 1)"
         )
     for tgt in p["targets"]["mp_efficiency"]:
