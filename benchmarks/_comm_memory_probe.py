@@ -15,6 +15,7 @@ Two measurements of a ping-pong of `bytes` (default 1 MiB), interleaved over `re
 
 from __future__ import annotations
 
+import argparse
 import resource
 import statistics
 import sys
@@ -24,15 +25,20 @@ from pathlib import Path
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("bytes", type=int, nargs="?", default=1 << 20, help="message size (default 1 MiB)")
+    parser.add_argument("reps", type=int, nargs="?", default=7, help="interleaved repetitions (default 7)")
+    args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _launch import relaunch, under_mpi
 
     if not under_mpi():
         sys.exit(relaunch(__file__, 2))
-    nbytes = int(sys.argv[1]) if len(sys.argv) > 1 else 1 << 20
-    reps = int(sys.argv[2]) if len(sys.argv) > 2 else 7
-
-    from mp_comm.transport.ucx import preload_before_mpi
+    nbytes, reps = args.bytes, args.reps
+    # ucxx's UCX libraries must be loaded before MPI loads the mpich wheel's own copy.
+    from mp_comm.transport.ucx_setup import preload_before_mpi
 
     preload_before_mpi()
     import torch
