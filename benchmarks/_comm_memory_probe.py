@@ -1,9 +1,10 @@
 """Diagnostic: what receive memory costs a ping-pong (not part of the benchmark run; docs/comm.md,
 "Recycled receive memory from 1 MiB").
 
-    python benchmarks/_comm_memory_probe.py [bytes] [reps]      (starts itself on 2 bound ranks)
+    python benchmarks/_comm_memory_probe.py [bytes] [--reps N | --quick]   (starts itself on 2 bound ranks)
 
-Two measurements of a ping-pong of `bytes` (default 1 MiB), interleaved over `reps` repetitions:
+Two measurements of a ping-pong of `bytes` (default 1 MiB), interleaved over `--reps` repetitions (7;
+3 with `--quick`):
 
 * raw mpi4py `Send`/`Recv`, one-way time, by where the receiver puts the message: one buffer reused
   (what comm_p2p's baseline does), the received buffer sent back, 3 or 8 buffers in rotation, or a
@@ -15,7 +16,6 @@ Two measurements of a ping-pong of `bytes` (default 1 MiB), interleaved over `re
 
 from __future__ import annotations
 
-import argparse
 import resource
 import statistics
 import sys
@@ -25,18 +25,15 @@ from pathlib import Path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("bytes", type=int, nargs="?", default=1 << 20, help="message size (default 1 MiB)")
-    parser.add_argument("reps", type=int, nargs="?", default=7, help="interleaved repetitions (default 7)")
-    args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _launch import relaunch, under_mpi
+    from _launch import relaunch, sweep_parser, under_mpi
 
+    parser = sweep_parser(__doc__)
+    parser.add_argument("bytes", type=int, nargs="?", default=1 << 20, help="message size (default 1 MiB)")
+    args = parser.parse_args()
     if not under_mpi():
         sys.exit(relaunch(__file__, 2))
-    nbytes, reps = args.bytes, args.reps
+    nbytes, reps = args.bytes, args.reps or (3 if args.quick else 7)
     # ucxx's UCX libraries must be loaded before MPI loads the mpich wheel's own copy.
     from mp_comm.transport.ucx_setup import preload_before_mpi
 
