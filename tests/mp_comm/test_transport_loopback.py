@@ -156,6 +156,8 @@ def test_bad_arguments_are_refused_by_name() -> None:
     for bad in (0.0, float("inf")):
         with pytest.raises(ValueError, match="poll_busy"):
             TransportConfig(poll_busy=bad)
+        with pytest.raises(ValueError, match="poll_busy_idle"):
+            TransportConfig(poll_busy_idle=bad)
     t.close()
 
 

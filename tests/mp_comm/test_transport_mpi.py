@@ -193,6 +193,41 @@ def test_a_busy_rank_polls_rarely_and_still_makes_progress(worlds: Any) -> None:
     assert sender["send_s"] < 1.4  # taken by a busy round, before the rank's "compute" ended
 
 
+def _busy_with_a_send_in_flight(world: Any) -> dict[str, int]:
+    # Rank 1 is busy throughout. Rank 0 is busy too and looks in only every 5 s, so rank 1's large send
+    # stays in flight (MPI's rendezvous waits for the receiver) until rank 0 is back.
+    t = _open(world, poll_busy=0.01, poll_busy_idle=0.1 if world.rank == 1 else 5.0)
+    big = torch.ones(8 << 20, dtype=torch.uint8)
+    out: dict[str, int] = {}
+    t.set_busy(True)
+    time.sleep(0.05)  # the progress thread is in its busy rest now
+    world.mpi_comm.Barrier()
+    if world.rank == 1:
+
+        def rounds_in(seconds: float) -> int:
+            before = t.stats["rounds"]
+            time.sleep(seconds)
+            return t.stats["rounds"] - before
+
+        out["quiet_rounds"] = rounds_in(0.5)  # nothing in flight: a round per poll_busy_idle
+        handle = t.send(big, 0, tag="big")
+        out["in_flight_rounds"] = rounds_in(0.5)  # its send may need it: a round per poll_busy
+        world.mpi_comm.Barrier()
+        handle.wait(timeout=10.0)
+    else:
+        world.mpi_comm.Barrier()
+        t.set_busy(False)
+        assert t.recv(1, "big").obj.numel() == big.numel()
+    t.close()
+    return out
+
+
+def test_a_busy_rank_polls_often_only_while_a_transfer_of_its_own_is_in_flight(worlds: Any) -> None:
+    busy = worlds.run(2, _busy_with_a_send_in_flight, timeout=60)[1]
+    assert busy["quiet_rounds"] <= 0.5 / 0.1 + 3
+    assert busy["in_flight_rounds"] >= 15  # ~50 on an idle host (0.5 s / 10 ms)
+
+
 def _timeout_and_decode_errors(world: Any) -> list[str]:
     t = _open(world)
     messages: list[str] = []

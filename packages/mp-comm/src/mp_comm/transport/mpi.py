@@ -340,8 +340,10 @@ class MPITransport(MessageTransport):
             while not self._stopping:
                 if self.busy:
                     # The rank computes: what arrives waits for that compute anyway, and each round would
-                    # preempt it. Still look in now and then (a transfer may need this rank's help).
-                    idle.rest(self.config.poll_busy)
+                    # preempt it. Still look in now and then: often while a transfer of this rank's may
+                    # need its help, rarely when none is in flight.
+                    cfg = self.config
+                    idle.rest(cfg.poll_busy if self._in_flight() else cfg.poll_busy_idle)
                     self._progress_once()
                     continue
                 if self.mailbox.waiters > 0:
