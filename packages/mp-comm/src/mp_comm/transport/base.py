@@ -134,9 +134,10 @@ class TransportConfig:
     poll_busy_idle: float = 50e-3
     """Sleep of a polling progress thread between rounds while the rank is busy and has no transfer in
     flight: a round could then only take new arrivals, which wait for the work anyway, and each round
-    costs the computing thread on the same core far more than its own CPU (one process computing a GPT
-    microbatch while its transport polled: 2.9% slower at `poll_busy`'s 5 ms, 1.2% at 20 ms). The rank
-    still looks in now and then, so a peer's send to it completes within this time."""
+    costs the computing thread on the same core far more than its own CPU (a GPT microbatch's forward
+    and backward beside its busy transport, one core: 2.3-2.9% slower with a round every 5 ms, 0-1.1%
+    every 50 ms; benchmarks/_comm_busy_probe.py). The rank still looks in now and then, so a peer's
+    send to it completes within this time."""
     oversubscribed: bool | None = None
     """Whether the host runs more ranks than it has cores. A thread waiting in `recv` then sleeps
     `poll_min` between its polls instead of only yielding the CPU, which on Linux leaves it to the
