@@ -29,7 +29,7 @@ from pathlib import Path
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _launch import sweep_parser
+    from _launch import rotated, sweep_parser
 
     args = sweep_parser(__doc__).parse_args()
     reps = args.reps or (8 if args.quick else 30)
@@ -82,7 +82,7 @@ def main() -> None:
     got: dict[str, list[tuple[float, int]]] = {name: [] for name in variants}
     names = list(variants)
     for rep in range(reps):
-        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+        for name in rotated(names, rep):
             got[name].append(run(variants[name]))
     jobs.put(False)
     thread.join()

@@ -10,8 +10,11 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def under_mpi() -> bool:
@@ -63,3 +66,10 @@ def sweep_parser(doc: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     parser.add_argument("--reps", type=int, default=None, help="repetitions of the interleaved sweep")
     return parser
+
+
+def rotated(items: Sequence[T], rep: int) -> list[T]:
+    """`items` starting at position `rep` (cyclically): repetition `rep` of an interleaved sweep runs its
+    variants in this order, so that no variant always runs first or right after the same other one."""
+    turn = rep % len(items)
+    return [*items[turn:], *items[:turn]]

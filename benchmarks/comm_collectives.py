@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from _launch import mpiexec as find_mpiexec
-from _launch import sweep_parser, under_mpi
+from _launch import rotated, sweep_parser, under_mpi
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -190,7 +190,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any] | None:
     started = time.monotonic()
     load_before = os.getloadavg()[0]
     for rep in range(-1, reps):  # rep -1 is the warm-up
-        order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
+        order = rotated(VARIANTS, rep)
         for op in OPS:
             for n in sizes:
                 fns = bench(op, n)

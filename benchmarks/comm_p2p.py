@@ -63,7 +63,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _launch import relaunch, sweep_parser, under_mpi
+from _launch import relaunch, rotated, sweep_parser, under_mpi
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -259,7 +259,7 @@ def main() -> None:
     started = time.monotonic()
     load_before = os.getloadavg()[0]
     for rep in range(reps):
-        order = names[rep % len(names) :] + names[: rep % len(names)]
+        order = rotated(names, rep)
         for n in sizes:
             for name in order:
                 iters = _iterations(n)
@@ -268,7 +268,7 @@ def main() -> None:
                 variants[name](n, iters)
                 one_way = (time.perf_counter() - t0) / (2 * iters)
                 samples[name][n].append(comm.bcast(one_way, root=0))
-        order = stream_names[rep % len(stream_names) :] + stream_names[: rep % len(stream_names)]
+        order = rotated(stream_names, rep)
         for n in stream_sizes:
             for name in order:
                 comm.Barrier()

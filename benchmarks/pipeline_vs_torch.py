@@ -77,7 +77,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from _launch import relaunch, under_mpi
+from _launch import relaunch, rotated, under_mpi
 from _pipeline_report import ACTIVE_PLUS3, BOTH_RANKS
 
 if TYPE_CHECKING:
@@ -282,8 +282,7 @@ def main() -> None:
     # rounds run one step of each, in a rotating order, so that every ratio compares adjacent steps.
     group = 0
     for rep in range(args.reps):
-        micro = args.micro[rep % len(args.micro) :] + args.micro[: rep % len(args.micro)]
-        for m in micro:
+        for m in rotated(args.micro, rep):
             others = [
                 Spec("torch", "GPipe", m),
                 Spec("torch", "1F1B", m),
@@ -295,8 +294,7 @@ def main() -> None:
                 others.append(Spec("single", "full batch", 1, 2))
             live = [(spec, build(spec)) for spec in others]
             schedules = mp_schedules(m)
-            turn = rep % len(schedules)
-            for schedule in schedules[turn:] + schedules[:turn]:
+            for schedule in rotated(schedules, rep):
                 spec = Spec("mp", schedule, m)
                 members = [(spec, build(spec)), *live]
                 for rnd in range(args.steps):

@@ -163,16 +163,13 @@ class TransportConfig:
             raise ValueError(
                 f"poll_min={self.poll_min}, poll_max={self.poll_max}; expected 0 <= poll_min <= poll_max"
             )
-        if not (self.poll_busy > 0 and math.isfinite(self.poll_busy)):
-            raise ValueError(
-                f"poll_busy={self.poll_busy!r}; expected a positive, finite number of seconds (a busy rank "
-                "still makes progress now and then)"
-            )
-        if not (self.poll_busy_idle > 0 and math.isfinite(self.poll_busy_idle)):
-            raise ValueError(
-                f"poll_busy_idle={self.poll_busy_idle!r}; expected a positive, finite number of seconds (a "
-                "busy rank still looks in now and then)"
-            )
+        for name in ("poll_busy", "poll_busy_idle"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(
+                    f"{name}={value!r}; expected a positive, finite number of seconds (a busy rank still "
+                    "looks in now and then)"
+                )
 
     def for_world(self, world: Any) -> TransportConfig:
         """This config with `oversubscribed` decided from the world's processes on this host."""
