@@ -418,3 +418,83 @@ def test_a_step_function_called_on_some_ranks_only_is_an_error(worlds: Any) -> N
     assert f"rank 1 runs step function '{where}.train' as step 2" in (r0["error"] or ""), r0
     assert "every rank must call the same step functions in the same order" in r0["error"]
     assert r0["took"] < 10 and r1["took"] < 10, (r0, r1)
+
+
+class _SlowLast(nn.Module):
+    """The last stage: 0.1 s per forward, recording (on its rank, on the host's monotonic clock) when
+    each microbatch's forward ends and when its backward reaches it. Column 0 of the input carries the
+    microbatch's index unchanged through the first stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.events: list[tuple[str, int, float]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mb = int(x[0, 0])
+        time.sleep(0.1)
+        out = self.lin(x)
+        out.register_hook(lambda g: self.events.append(("bwd", mb, time.monotonic())) or g)
+        self.events.append(("fwd", mb, time.monotonic()))
+        return out
+
+
+class _PassThenSlow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.last = _SlowLast()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(x + 0 * self.first(x))  # the index column reaches the last stage as it was
+
+
+def _last_stage_order(world: Any, pipeline: str) -> dict[str, Any]:
+    m = 4
+    smp.init(
+        {
+            "pipeline_parallel_degree": 2,
+            "microbatches": m,
+            "pipeline": pipeline,
+            "auto_partition": False,
+            "default_partition": 0,
+        }
+    )
+    try:
+        net = _PassThenSlow()
+        set_partition(net.last, 1)
+        model = DistributedModel(net)
+
+        @step
+        def train(x: torch.Tensor) -> torch.Tensor:
+            loss = model(x).square().mean()
+            if int(x[0, 0]) == m - 1:
+                time.sleep(0.5)  # pp_rank 0 reaches the last microbatch's backward late
+            model.backward(loss)
+            return loss
+
+        x = torch.randn(2 * m, 4)
+        x[:, 0] = torch.arange(m).repeat_interleave(2).float()
+        train(x)  # the first backward also imports what torch loads lazily (0.5-1 s here)
+        net.last.events.clear()
+        train(x)
+        return {"pp_rank": smp.pp_rank(), "events": list(net.last.events)}
+    finally:
+        smp.reset()
+
+
+def test_two_stage_simple_pipeline_starts_the_last_stages_backward_right_after_its_last_forward(
+    worlds: Any,
+) -> None:
+    """GPipe on two stages: the last stage runs every forward, then the first backward at once. The
+    backward request does not wait for the last forward's output to reach pp_rank 0 and for pp_rank 0
+    to get to that microbatch's ``model.backward`` (0.5 s late here): pp_rank 0 sent it while the last
+    forwards were still running, behind them on the one ordered channel to the last stage."""
+    results = worlds.run(2, _last_stage_order, "simple", timeout=120)
+    events = next(r["events"] for r in results if r["pp_rank"] == 1)
+    m = 4
+    assert [(kind, mb) for kind, mb, _ in events] == [("fwd", i) for i in range(m)] + [
+        ("bwd", i) for i in range(m)
+    ], events
+    last_forward, first_backward = events[m - 1][2], events[m][2]
+    assert first_backward - last_forward < 0.25, events  # 0.5 s or more if it waited for pp_rank 0

@@ -34,6 +34,44 @@ def test_simple_runs_all_forwards_then_all_backwards() -> None:
     assert s.done
 
 
+def test_eager_simple_starts_each_backward_in_order_without_waiting_for_later_forwards() -> None:
+    s = Scheduler("simple", 4, eager_backward=True)
+    assert drain(s) == [Task(m, F) for m in range(4)]
+    s.backward_ready(1)
+    assert drain(s) == []  # microbatch 0 is still in its forward: the backwards keep microbatch order
+    s.backward_ready(0)
+    assert drain(s) == [Task(0, B), Task(1, B)]  # while microbatches 2 and 3 are still in their forward
+    s.finished(2)  # a forward-only microbatch has no backward to wait for
+    s.backward_ready(3)
+    assert drain(s) == [Task(3, B)]
+    for m in (0, 1, 3):
+        s.finished(m)
+    assert s.done
+    # the forwards still come first, and the flag means nothing to the interleaved schedule
+    assert Scheduler("interleaved", 2, eager_backward=True).eager_backward is False
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 4, 8])
+@pytest.mark.parametrize("costs", [(1.0, 1.0), (1.0, 1.3), (1.0, 0.7), (0.4, 2.5)])
+def test_eager_backward_on_two_stages_keeps_gpipe_order_and_time(
+    microbatches: int, costs: tuple[float, float]
+) -> None:
+    plain = simulate("simple", microbatches, forward_costs=costs)
+    eager = simulate("simple", microbatches, forward_costs=costs, eager_backward=True)
+    assert eager.makespan == pytest.approx(plain.makespan)
+    last = [(s.phase, s.microbatch) for s in sorted(eager.spans, key=lambda s: s.start) if s.stage == 1]
+    assert last == [(F, m) for m in range(microbatches)] + [(B, m) for m in range(microbatches)]
+
+
+def test_eager_backward_would_overtake_forwards_on_more_stages() -> None:
+    # why the runtime sets it only for two stages: the last stage starts backward 0 before forward 3
+    plain = simulate("simple", 4, forward_costs=(1.0,) * 3)
+    eager = simulate("simple", 4, forward_costs=(1.0,) * 3, eager_backward=True)
+    assert (plain.makespan, eager.makespan) == (18.0, 21.0)
+    last = [(s.phase, s.microbatch) for s in sorted(eager.spans, key=lambda s: s.start) if s.stage == 2]
+    assert last.index((B, 0)) < last.index((F, 3))
+
+
 def test_interleaved_prefers_a_ready_backward_and_bounds_microbatches_in_flight() -> None:
     s = Scheduler("interleaved", 4, 2)
     assert drain(s) == [Task(0, F), Task(1, F)]  # active_microbatches=2
@@ -122,11 +160,12 @@ def test_simulated_pipelines_run_every_task_within_the_bounds(
     kind=st.sampled_from(["simple", "interleaved"]),
     microbatches=st.integers(1, 6),
     deterministic=st.booleans(),
+    eager=st.booleans(),
     data=st.data(),
 )
 @settings(max_examples=150)
 def test_has_task_answers_next_task_without_starting_anything(
-    kind: str, microbatches: int, deterministic: bool, data: st.DataObject
+    kind: str, microbatches: int, deterministic: bool, eager: bool, data: st.DataObject
 ) -> None:
     """The module server asks `has_task` before a worker waits for messages itself: asking must tell
     what `next_task` would do and change nothing, whatever happened before (the fixed order's cursor
@@ -134,7 +173,7 @@ def test_has_task_answers_next_task_without_starting_anything(
     active = data.draw(st.integers(1, microbatches))
 
     def make() -> Scheduler:
-        return Scheduler(kind, microbatches, active, deterministic=deterministic)  # type: ignore[arg-type]
+        return Scheduler(kind, microbatches, active, deterministic=deterministic, eager_backward=eager)  # type: ignore[arg-type]
 
     asked, plain = make(), make()
     started: list[Task] = []

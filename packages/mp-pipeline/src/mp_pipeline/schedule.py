@@ -6,7 +6,8 @@ pp_rank 0 starts two tasks per microbatch: its forward (the step function runs u
 control and nothing else is waiting:
 
 * "simple" (GPipe): the forwards of all microbatches, then the backwards, in microbatch order, once
-  every forward in flight has reached its backward;
+  every forward in flight has reached its backward (with ``eager_backward``: each as soon as its own
+  forward has, see :class:`Scheduler`);
 * "interleaved": a microbatch that is ready for its backward goes first; otherwise the next forward,
   while fewer than ``active_microbatches`` microbatches are in flight.
 
@@ -73,7 +74,16 @@ class Scheduler:
         active_microbatches: int | None = None,
         *,
         deterministic: bool = False,
+        eager_backward: bool = False,
     ) -> None:
+        """``eager_backward`` (simple only): once no forward may start, start each backward, still in
+        microbatch order, as soon as its microbatch is ready, without waiting for the later forwards
+        still on their way through the pipeline. Right only where a backward request cannot overtake
+        such a forward, i.e. with two stages: pp_rank 0's remote calls and its backward requests then
+        all go to the other stage, in order, so that stage still runs every forward before the first
+        backward, and starts that backward without waiting for its last forward's output to travel to
+        pp_rank 0 and the request back. With more stages it could overtake a forward still in an earlier
+        stage (``simulate``, 3 stages, 4 microbatches: 21 time units instead of 18)."""
         if kind not in ("simple", "interleaved"):
             raise ValueError(f"schedule {kind!r}: expected 'simple' or 'interleaved'")
         if microbatches < 1:
@@ -85,6 +95,7 @@ class Scheduler:
         self.microbatches = microbatches
         self.active = active
         self.deterministic = deterministic and kind == "interleaved"
+        self.eager_backward = eager_backward and kind == "simple"
         self._next_forward = 0
         self._ready: list[int] = []  # microbatches waiting for their backward, in order of readiness
         self._backward_started: set[int] = set()
@@ -165,6 +176,10 @@ class Scheduler:
         # simple
         if self._can_forward():
             return Task(self._next_forward, Phase.FORWARD)
+        if self.eager_backward:
+            waiting = (m for m in range(self._next_forward) if m not in self._finished)
+            first = next((m for m in waiting if m not in self._backward_started), None)
+            return Task(first, Phase.BACKWARD) if first is not None and first in self._ready else None
         running = self.in_flight - len(self._ready) - len(self._backward_started - self._finished)
         if self._ready and running == 0:
             return Task(min(self._ready), Phase.BACKWARD)
@@ -214,6 +229,7 @@ def simulate(
     forward_costs: Sequence[float] = (1.0, 1.0),
     backward_costs: Sequence[float] | None = None,
     deterministic: bool = False,
+    eager_backward: bool = False,
 ) -> SimResult:
     """Simulates a linear pipeline of ``len(forward_costs)`` stages driven by a :class:`Scheduler`.
 
@@ -225,10 +241,13 @@ def simulate(
     bwd = list(backward_costs) if backward_costs is not None else [2.0 * c for c in forward_costs]
     if len(bwd) != stages:
         raise ValueError("backward_costs needs one cost per stage")
-    sched = Scheduler(kind, microbatches, active_microbatches, deterministic=deterministic)
+    sched = Scheduler(
+        kind, microbatches, active_microbatches, deterministic=deterministic, eager_backward=eager_backward
+    )
     result = SimResult()
     queues: list[list[tuple[float, int, int, Phase, int]]] = [[] for _ in range(stages)]
     busy_until = [0.0] * stages
+    unreported = [0] * stages  # work done or running whose completion has not been handled yet
     seq = 0
     events: list[tuple[float, int, int, int, Phase, int]] = []  # (time, seq, stage, mb, phase, hop)
 
@@ -245,6 +264,7 @@ def simulate(
         cost = forward_costs[stage] if phase is Phase.FORWARD else bwd[stage]
         end = now + cost
         busy_until[stage] = end
+        unreported[stage] += 1
         result.spans.append(Span(stage, mb, phase, now, end))
         heapq.heappush(events, (end, seq, stage, mb, phase, hop))
         seq += 1
@@ -254,7 +274,9 @@ def simulate(
     while not sched.done:
         for s in range(stages):
             start_work(s, now)
-        if busy_until[0] <= now and not (queues[0] and queues[0][0][0] <= now):
+        # stage 0 asks once its last work has been passed on (pp_rank 0 sends a forward on before it
+        # asks for the next task), with nothing queued
+        if not unreported[0] and not (queues[0] and queues[0][0][0] <= now):
             task = sched.next_task()
             if task is not None:
                 result.order.append(task)
@@ -264,6 +286,7 @@ def simulate(
         if not events:
             raise RuntimeError(f"simulation stalled at t={now} (scheduler issued {sched.issued})")
         now, _, stage, mb, phase, hop = heapq.heappop(events)
+        unreported[stage] -= 1
         if phase is Phase.FORWARD:
             if stage + 1 < stages:
                 enqueue(now, stage + 1, mb, phase, hop + 1)

@@ -307,6 +307,8 @@ class DistributedModel(nn.Module):
                     min(cfg.resolved_active_microbatches, len(inputs)),
                     # TP ranks agree on one order of events through their servers, whatever the schedule
                     deterministic=cfg.deterministic_server,
+                    # two stages: the last one starts its backward without a round trip to pp_rank 0
+                    eager_backward=cfg.pipeline_parallel_degree == 2,
                 )
                 name = getattr(func, "__qualname__", "")
                 results = self._runtime.run_step(body, scheduler, exec_state, name=name)
