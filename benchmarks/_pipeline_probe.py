@@ -19,13 +19,17 @@ share of the window the pipeline runtime did not lose.
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
 from _pipeline_gpt import GPT
 from torch import nn
 
-__all__ = ["StageProbe", "analyse"]
+__all__ = ["GAP_KINDS", "StageProbe", "analyse"]
+
+GAP_KINDS = ("FF", "FB", "BF", "BB")
+"""Transitions between a rank's consecutive stage operations (forward or backward, then the next)."""
 
 _DEPENDS = {"f1": "f0", "b1": "f1", "b0": "b1"}
 
@@ -108,4 +112,15 @@ def analyse(per_rank: list[list[tuple[str, float, float]]]) -> dict[str, Any] | 
         "makespan_s": max(done.values()),
         "compute_s": [sum(d for _, _, d in seq) for seq in ops],
         "stage_compute_s": stages,
+        "gaps_s": [_gaps(events) for events in per_rank],
     }
+
+
+def _gaps(events: list[tuple[str, float, float]]) -> dict[str, float]:
+    """One rank's idle time between consecutive operations, summed by transition: "FF" (a forward to the
+    next), "FB" (a forward to a backward), "BF", "BB"."""
+    out = dict.fromkeys(GAP_KINDS, 0.0)
+    ordered = sorted(events, key=lambda e: e[1])
+    for (kind, _, end), (nxt, start, _) in itertools.pairwise(ordered):
+        out[kind[0].upper() + nxt[0].upper()] += max(0.0, start - end)
+    return out

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from _pipeline_probe import GAP_KINDS
+
 if TYPE_CHECKING:
     from pipeline_vs_torch import Spec
 
@@ -94,6 +96,9 @@ def _time_split(
         "outside_window_ms": _median([(r["step_s"] - r["pipe"]["window_s"]) * 1e3 for r in runs]),
         "compute_ms": [_median([r["pipe"]["compute_s"][i] * 1e3 for r in runs]) for i in range(P)],
         "compute_slowdown": [paired(key, accum, slowdown(i)) for i in range(P)],
+        "gaps_ms": [
+            {k: _median([r["pipe"]["gaps_s"][i][k] * 1e3 for r in runs]) for k in GAP_KINDS} for i in range(P)
+        ],
     }
 
 
@@ -520,6 +525,23 @@ def _markdown(p: dict[str, Any]) -> str:
             *comp,
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Where the idle time sits (medians per step, ms): each rank's gaps between consecutive stage "
+        "operations of its own, summed by transition (F→F: a forward to the next forward, F→B: a forward "
+        "to a backward, ...). Both systems run the same stages, so a gap one system leaves and the other "
+        "does not is its runtime's: messages, thread hand-offs, waiting for a trigger. A rank that waits "
+        "for the other stage's compute leaves gaps in both.",
+        "",
+        "| system | schedule | m | rank 0 F→F / F→B / B→F / B→B | rank 1 F→F / F→B / B→F / B→B |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for r in p["rows"]:
+        ts = r["time_split"]
+        if ts is None:
+            continue
+        cells = [" / ".join(f"{g[k]:.1f}" for k in GAP_KINDS) for g in ts["gaps_ms"]]
+        lines.append(f"| {r['system']} | {r['schedule']} | {r['microbatches']} | {cells[0]} | {cells[1]} |")
     o = p["overhead"]
     wire = o["wire_round_trip_us"]
     steps = o["step_ms"]

@@ -50,7 +50,9 @@ Both assume each rank has a core to itself. Where the time goes instead is measu
 
 * benchmarks/_pipeline_probe.py: each stage's compute timed in place by module hooks (the same for every
   system), replayed without communication to separate what the pipeline runtime loses (messages,
-  hand-offs, waiting) from compute that ran slower than in the single process (cores shared);
+  hand-offs, waiting) from compute that ran slower than in the single process (cores shared), and each
+  rank's gaps between its consecutive stage operations summed by transition (forward to forward,
+  forward to backward, ...), which say where a runtime's idle time sits;
 * the CPU each rank spends per step (in all, in its main thread, in mp's MPI progress thread);
 * benchmarks/_pipeline_overhead.py: the per-request cost of mp's module server (a remote ``nn.Identity``
   call on a small tensor, FWD and BWD, against the same call held locally) and the raw round trip;
