@@ -102,6 +102,11 @@ def _time_split(
     }
 
 
+def _with_split(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The rows that have a time split (pipelined variants whose probe formed a pipeline), with it."""
+    return [(r, r["time_split"]) for r in rows if r["time_split"] is not None]
+
+
 def _contended_cap(m: int, slowdown: float) -> float:
     """The efficiency (vs the bubble bound) of an ideal two-stage pipeline of balanced stages whose
     compute runs `slowdown` times slower while both ranks compute: of its m + 1 stage-times, m - 1 have
@@ -504,10 +509,7 @@ def _markdown(p: dict[str, Any]) -> str:
         "outside | compute r0 | compute r1 |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in p["rows"]:
-        ts = r["time_split"]
-        if ts is None:
-            continue
+    for r, ts in _with_split(p["rows"]):
         comp = [
             f"{c:.0f} ({_fmt(sd, '.2f', 'x')})"
             for c, sd in zip(ts["compute_ms"], ts["compute_slowdown"], strict=True)
@@ -536,10 +538,7 @@ def _markdown(p: dict[str, Any]) -> str:
         "| system | schedule | m | rank 0 F→F / F→B / B→F / B→B | rank 1 F→F / F→B / B→F / B→B |",
         "|---|---|---:|---:|---:|",
     ]
-    for r in p["rows"]:
-        ts = r["time_split"]
-        if ts is None:
-            continue
+    for r, ts in _with_split(p["rows"]):
         cells = [" / ".join(f"{g[k]:.1f}" for k in GAP_KINDS) for g in ts["gaps_ms"]]
         lines.append(f"| {r['system']} | {r['schedule']} | {r['microbatches']} | {cells[0]} | {cells[1]} |")
     o = p["overhead"]
