@@ -177,8 +177,8 @@ class Scheduler:
         if self._can_forward():
             return Task(self._next_forward, Phase.FORWARD)
         if self.eager_backward:
-            waiting = (m for m in range(self._next_forward) if m not in self._finished)
-            first = next((m for m in waiting if m not in self._backward_started), None)
+            started = self._finished | self._backward_started
+            first = next((m for m in range(self._next_forward) if m not in started), None)
             return Task(first, Phase.BACKWARD) if first is not None and first in self._ready else None
         running = self.in_flight - len(self._ready) - len(self._backward_started - self._finished)
         if self._ready and running == 0:
