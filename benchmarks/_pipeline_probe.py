@@ -3,11 +3,12 @@
 :class:`StageProbe` puts module hooks on the GPT of benchmarks/_pipeline_gpt.py, the same hooks for every
 system, and records on each rank when each stage's forward and backward of a microbatch ran:
 
-* ``f0``: ``front.wte`` starts → ``front.blocks[-1]`` ends; ``b0``: the gradient reaches
-  ``front.blocks[-1]``'s output → ``front.blocks[0]``'s input gradient is done (the embedding's backward
-  is left out);
-* ``f1``: ``back.blocks[0]`` starts → ``back.loss`` ends; ``b1``: the gradient reaches ``back.loss``'s
-  output → ``back.blocks[0]``'s input gradient is done.
+* ``f0``: ``front.wte`` starts → front's last layer ends; ``b0``: the gradient reaches front's last
+  layer's output → its first layer's input gradient is done (the embedding's backward is left out);
+* ``f1``: back's first layer starts → ``back.loss`` ends; ``b1``: the gradient reaches ``back.loss``'s
+  output → back's first layer's input gradient is done.
+
+(Layers: ``Front.layers()`` and ``Back.layers()``, whole blocks and the halves of a block cut in two.)
 
 Hooks run where a module runs (mp: on its owner, since ``front``/``back`` call their children locally),
 so the intervals are the compute as it happened inside the pipeline, slowed by whatever else shared the
@@ -38,13 +39,13 @@ class StageProbe:
     def __init__(self, model: GPT) -> None:
         self.events: list[tuple[str, float, float]] = []
         self._open: dict[str, float] = {}
-        front, back = model.front, model.back
-        if not front.blocks or not back.blocks:
-            raise ValueError("the probe needs at least one block in each stage")
-        self._span("f0", front.wte, front.blocks[-1])
-        self._span("f1", back.blocks[0], back.loss)
-        self._backward_span("b0", front.blocks[-1], front.blocks[0])
-        self._backward_span("b1", back.loss, back.blocks[0])
+        front, back = model.front.layers(), model.back.layers()
+        if not front or not back:
+            raise ValueError("the probe needs at least one layer in each stage")
+        self._span("f0", model.front.wte, front[-1])
+        self._span("f1", back[0], model.back.loss)
+        self._backward_span("b0", front[-1], front[0])
+        self._backward_span("b1", model.back.loss, back[0])
 
     def _begin(self, kind: str) -> None:
         self._open[kind] = time.perf_counter()

@@ -368,13 +368,32 @@ def _markdown(p: dict[str, Any]) -> str:
     load = host["load_average_1min"]
     front, back = p["parameters"]["front"] / 1e6, p["parameters"]["back"] / 1e6
     split, layers = cfg["split"], cfg["layers"]
+
+    def blocks(first: int, last: int) -> list[str]:
+        return [] if first > last else [f"block {first}" if first == last else f"blocks {first}-{last}"]
+
+    if cfg.get("mid_block"):  # block `split` is cut between its attention and its MLP
+        front_has = ["embeddings", *blocks(0, split - 1), f"block {split}'s attention"]
+        back_has = [f"block {split}'s MLP", *blocks(split + 1, layers - 1)]
+    else:
+        front_has, back_has = ["embeddings", *blocks(0, split - 1)], blocks(split, layers - 1)
+    timed = [r for r in p["rows"] if r["system"] == "single" and r["stage_ms"]]
+    balance = ""
+    if timed:  # the lone single process's stages (the first such row), forward + backward per microbatch
+        st, m_st = timed[0]["stage_ms"], timed[0]["microbatches"]
+        s0, s1 = st["f0"] + st["b0"], st["f1"] + st["b1"]
+        balance = (
+            f" Stage compute per microbatch (single process, m = {m_st}, forward + backward): front "
+            f"{s0:.1f} ms, back {s1:.1f} ms (back/front {s1 / s0:.2f})."
+        )
     lines = [
         "# pipeline_vs_torch: mp vs torch.distributed.pipelining vs single process (GPT, CPU, 2 ranks)",
         "",
         f"GPT: {cfg['layers']} blocks, hidden {cfg['hidden']}, {cfg['heads']} heads, "
         f"vocab {cfg['vocab']}, seq {cfg['seq']}, untied head ({front:.2f} M parameters in front = "
-        f"embeddings + blocks 0-{split - 1} on rank 0, {back:.2f} M in back = blocks {split}-{layers - 1} "
-        f"+ ln_f + head + loss on rank 1). Global batch {a['batch']} sequences; step = forward + "
+        f"{' + '.join(front_has)} on rank 0, {back:.2f} M in back = "
+        f"{' + '.join([*back_has, 'ln_f', 'head', 'loss'])} on rank 1).{balance} "
+        f"Global batch {a['batch']} sequences; step = forward + "
         "backward + AdamW. Both pipelines hold the same split (mp: manual partition with "
         "`smp.set_partition`; torch: `PipelineStage` on the same two modules). Each rank uses 1 torch "
         f"thread{_placement(host)}; the host has {host['cpus']} cores (1-minute load average "

@@ -2,9 +2,11 @@
 
 One GPT model (benchmarks/_pipeline_gpt.py: 8 pre-LN blocks, hidden 256, 8 heads, vocab 2048, seq 128,
 untied head), one global batch of token ids (16 sequences) and the same initial weights for every
-system; the model is split by hand into the same two stages for both pipelines (``front``: embeddings
-and blocks 0-3 on rank 0; ``back``: blocks 4-7, final LayerNorm, head and loss on rank 1). A training
-step is forward, backward and AdamW's step; variants:
+system; the model is split by hand into the same two stages for both pipelines (``front``: embeddings,
+blocks 0-3 and block 4's attention on rank 0; ``back``: block 4's MLP, blocks 5-7, final LayerNorm, head
+and loss on rank 1: the cut inside block 4 balances the stages, which a cut between blocks 3 and 4 does
+not, by about a fifth; ``--whole-blocks`` restores that cut, which the runs before 2026-11-24 used). A
+training step is forward, backward and AdamW's step; variants:
 
 * ``single``: one process (rank 0; rank 1 sleeps), no pipeline: the full batch at once with 1 and with
   2 threads, and the batch as ``m`` accumulated microbatches on 1 thread, run stage by stage (front,
@@ -166,6 +168,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument(
+        "--whole-blocks",
+        action="store_true",
+        help="split between blocks (the runs before 2026-11-24), not inside the middle block",
+    )
     parser.add_argument("--calls", type=int, default=64, help="remote calls per step (overhead part)")
     parser.add_argument("--overhead-reps", type=int, default=5)
     parser.add_argument("--thread-reps", type=int, default=12, help="repetitions of the fresh-thread check")
@@ -196,7 +203,9 @@ def main() -> None:
     comm = world.mpi_comm.Dup()
     rank = comm.Get_rank()
     torch.set_num_threads(1)
-    cfg = GPTConfig(hidden=args.hidden, layers=args.layers, split=args.layers // 2)
+    cfg = GPTConfig(
+        hidden=args.hidden, layers=args.layers, split=args.layers // 2, mid_block=not args.whole_blocks
+    )
     torch.manual_seed(SEED)
     base = {k: v.clone() for k, v in GPT(cfg).state_dict().items()}
     x, y = make_batch(cfg, args.batch, SEED)
