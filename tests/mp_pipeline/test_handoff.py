@@ -1,5 +1,5 @@
-"""The per-request hand-offs of the module server: the Baton between threads, and the execution state
-(grad mode, autocast, task) a request carries and re-applies."""
+"""The per-request hand-offs of the module server: the Baton between threads, the execution state
+(grad mode, autocast, task) a request carries and re-applies, and what pp_rank 0 does first."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import time
 import pytest
 import torch
 
+from mp_comm.transport import LoopbackHub, TransportConfig
 from mp_pipeline.context import ExecState, TaskContext, applied, capture, current, task_context
-from mp_pipeline.server import MAIN, Baton, ServerClosed
+from mp_pipeline.messages import Handoff, StepId
+from mp_pipeline.schedule import Phase, Task
+from mp_pipeline.server import MAIN, Baton, Server, ServerClosed
 
 
 def _start(target: object) -> threading.Thread:
@@ -122,3 +125,57 @@ def test_task_context_nests_and_restores() -> None:
             assert current() is inner
         assert current() is outer
     assert current() is None
+
+
+class _ScriptedDriver:
+    """pp_rank 0's driver with a fixed script of tasks; `start` records what the server had not yet
+    handled at that moment."""
+
+    def __init__(self, server: Server, tasks: list[Task]) -> None:
+        self.server = server
+        self.tasks = tasks
+        self.failure: BaseException | None = None
+        self.unhandled_at_start: list[int] = []
+
+    def next_task(self) -> Task | None:
+        return self.tasks.pop(0) if self.tasks else None
+
+    def has_task(self) -> bool:
+        return bool(self.tasks)
+
+    def has_backward(self) -> bool:
+        return bool(self.tasks) and self.tasks[0].phase is Phase.BACKWARD
+
+    @property
+    def done(self) -> bool:
+        return not self.tasks
+
+    def start(self, task: Task) -> None:
+        self.unhandled_at_start.append(len(self.server._inbox))
+
+    def peer_results(self) -> list[object]:
+        return []
+
+
+@pytest.mark.parametrize("phase", [Phase.BACKWARD, Phase.FORWARD])
+def test_pp_rank0_starts_a_ready_backward_before_the_messages_that_wait(phase: Phase) -> None:
+    """A backward the schedule would start goes before any message waiting at pp_rank 0: its first act
+    (the request that starts it on the last stage) must not wait for what those messages resume here. A
+    forward still waits for them."""
+    transport = LoopbackHub(1, config=TransportConfig(timeout=5.0)).transport(0)
+    server = Server(
+        transport=transport,
+        rank=0,
+        peers=(0,),
+        step=StepId(0, 0),
+        handle_request=lambda request: pytest.fail("no request expected"),  # type: ignore[arg-type,return-value]
+        timeout=5.0,
+        early=[],
+    )
+    key = ("act", 0, 0, 0)
+    server._inbox.append(Handoff(StepId(0, 0), key, torch.ones(2)))  # stored when handled
+    driver = _ScriptedDriver(server, [Task(0, phase)])
+    server.serve(driver)
+    assert driver.unhandled_at_start == ([1] if phase is Phase.BACKWARD else [0])
+    assert key in server._handed  # the message was handled all the same
+    transport.close()

@@ -89,6 +89,9 @@ class StepDriver:
     def has_task(self) -> bool:
         return self.failure is None and self.scheduler.has_task()
 
+    def has_backward(self) -> bool:
+        return self.failure is None and self.scheduler.has_backward()
+
     def start(self, task: Task) -> None:
         if task.phase is Phase.FORWARD:
             self.server.run_job(self._job(task.microbatch))

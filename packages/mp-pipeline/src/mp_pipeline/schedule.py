@@ -157,6 +157,11 @@ class Scheduler:
         """Whether `next_task` would start a task now (nothing is recorded as started)."""
         return self._decide()[0] is not None
 
+    def has_backward(self) -> bool:
+        """Whether `next_task` would start a backward now (nothing is recorded as started)."""
+        task = self._decide()[0]
+        return task is not None and task.phase is Phase.BACKWARD
+
     def _can_forward(self) -> bool:
         return self._next_forward < self.microbatches and self.in_flight < self.active
 

@@ -254,6 +254,10 @@ class Driver(Protocol):
         """Whether `next_task` would start a task now (without starting it)."""
         ...
 
+    def has_backward(self) -> bool:
+        """Whether `next_task` would start a backward now (without starting it)."""
+        ...
+
     @property
     def done(self) -> bool: ...
 
@@ -487,6 +491,8 @@ class Server:
                     raise self._inbox_error
                 if driver is not None and driver.failure is not None:
                     raise driver.failure
+                if self._backward_first(driver):
+                    continue
                 if self._inbox:  # taken by a thread that waited in place: arrived before anything else
                     self._arrived(self._inbox.popleft())
                     continue
@@ -498,9 +504,7 @@ class Server:
                     if message is None:
                         task = driver.next_task()
                         if task is not None:
-                            log.debug("rank %d starts %s", self.rank, task)
-                            self._announce((TASK, str(task)))
-                            driver.start(task)
+                            self._start(driver, task)
                             continue
                         if driver.done:
                             self._announce((FINISH,))
@@ -519,6 +523,25 @@ class Server:
         finally:
             self._shutdown()
         return self.results
+
+    def _start(self, driver: Driver, task: Task) -> None:
+        log.debug("rank %d starts %s", self.rank, task)
+        self._announce((TASK, str(task)))
+        driver.start(task)
+
+    def _backward_first(self, driver: Driver | None) -> bool:
+        """pp_rank 0 (or its TP leader): start a backward the schedule would start now before handling
+        any message. Its first act is usually the request that starts the backward on the last stage,
+        which otherwise waits behind whatever those messages resume here (a forward's continuation, a
+        backward's local half): the last stage idles meanwhile. Forwards still wait for the messages."""
+        if driver is None or (self.sequencer is not None and not self.sequencer.is_leader):
+            return False
+        if not driver.has_backward():
+            return False
+        task = driver.next_task()
+        assert task is not None
+        self._start(driver, task)
+        return True
 
     def _sequence_state(self) -> str:
         seq = self.sequencer
