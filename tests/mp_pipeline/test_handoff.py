@@ -11,9 +11,9 @@ import torch
 
 from mp_comm.transport import LoopbackHub, TransportConfig
 from mp_pipeline.context import ExecState, TaskContext, applied, capture, current, task_context
-from mp_pipeline.messages import Handoff, StepId
+from mp_pipeline.messages import TAG, Failure, Handoff, Request, Response, StepId
 from mp_pipeline.schedule import Phase, Task
-from mp_pipeline.server import MAIN, Baton, Server, ServerClosed
+from mp_pipeline.server import MAIN, Baton, Server, ServerClosed, _Slot
 
 
 def _start(target: object) -> threading.Thread:
@@ -136,6 +136,9 @@ class _ScriptedDriver:
         self.tasks = tasks
         self.failure: BaseException | None = None
         self.unhandled_at_start: list[int] = []
+        self.early_forwards = False
+        """As the simple schedule: forwards may start before waiting responses are handled."""
+        self.started: list[Task] = []
 
     def next_task(self) -> Task | None:
         return self.tasks.pop(0) if self.tasks else None
@@ -146,12 +149,16 @@ class _ScriptedDriver:
     def has_backward(self) -> bool:
         return bool(self.tasks) and self.tasks[0].phase is Phase.BACKWARD
 
+    def has_early_forward(self) -> bool:
+        return self.early_forwards and bool(self.tasks) and self.tasks[0].phase is Phase.FORWARD
+
     @property
     def done(self) -> bool:
         return not self.tasks
 
     def start(self, task: Task) -> None:
         self.unhandled_at_start.append(len(self.server._inbox))
+        self.started.append(task)
 
     def peer_results(self) -> list[object]:
         return []
@@ -178,4 +185,46 @@ def test_pp_rank0_starts_a_ready_backward_before_the_messages_that_wait(phase: P
     server.serve(driver)
     assert driver.unhandled_at_start == ([1] if phase is Phase.BACKWARD else [0])
     assert key in server._handed  # the message was handled all the same
+    transport.close()
+
+
+@pytest.mark.parametrize("case", ["simple", "interleaved", "failure", "request"])
+def test_simple_schedule_starts_its_forwards_before_the_responses_that_wait(case: str) -> None:
+    """While the simple schedule may start a forward, a response to pp_rank 0's own request waits: it only
+    resumes a microbatch already in flight, while the next forward's request is what the last stage waits
+    for. The responses are handled once no forward may start. Other schedules, failed responses and requests
+    from other ranks (someone waits on those) are handled first."""
+    transport = LoopbackHub(1, config=TransportConfig(timeout=5.0)).transport(0)
+    step = StepId(0, 0)
+    served: list[int] = []  # how many tasks had started when the request was served
+
+    def handle(request: Request) -> Response:
+        served.append(len(driver.started))
+        return Response(step, request.request_id, 0)
+
+    server = Server(
+        transport=transport, rank=0, peers=(0,), step=step, handle_request=handle, timeout=5.0, early=[]
+    )
+    driver = _ScriptedDriver(server, [Task(0, Phase.FORWARD), Task(1, Phase.FORWARD)])
+    driver.early_forwards = case != "interleaved"
+    slot = _Slot()
+    server._pending[7] = slot
+    resumed: list[int] = []  # how many tasks had started when the paused requester got its response
+
+    def requester() -> None:
+        server.baton.wait_for(slot)
+        resumed.append(len(driver.started))
+        server.baton.hand(MAIN)
+
+    thread = _start(requester)
+    if case == "request":  # another rank's request (from "itself": a one-rank loopback)
+        transport.send(Request(step, 0, 0, Phase.FORWARD, "m", 0, (), None, [], (), capture()), 0, TAG)
+    failure = Failure(0, "m", 0, "FWD", "ValueError", "boom", "") if case == "failure" else None
+    transport.send(Response(step, 7, 0, failure=failure), 0, TAG)
+    time.sleep(0.05)  # both messages are in the mailbox before the loop starts
+    server.serve(driver)
+    thread.join(timeout=5.0)
+    assert resumed == ([2] if case in ("simple", "request") else [0])
+    assert served == ([0] if case == "request" else [])
+    assert driver.started == [Task(0, Phase.FORWARD), Task(1, Phase.FORWARD)]
     transport.close()

@@ -167,9 +167,9 @@ def test_simulated_pipelines_run_every_task_within_the_bounds(
 def test_has_task_answers_next_task_without_starting_anything(
     kind: str, microbatches: int, deterministic: bool, eager: bool, data: st.DataObject
 ) -> None:
-    """The module server asks `has_task` before a worker waits for messages itself, and `has_backward`
-    before it handles a message: asking must tell what `next_task` would do and change nothing, whatever
-    happened before (the fixed order's cursor included)."""
+    """The module server asks `has_task` before a worker waits for messages itself, and `has_backward` and
+    `has_early_forward` before it handles a message: asking must tell what `next_task` would do and change
+    nothing, whatever happened before (the fixed order's cursor included)."""
     active = data.draw(st.integers(1, microbatches))
 
     def make() -> Scheduler:
@@ -180,10 +180,14 @@ def test_has_task_answers_next_task_without_starting_anything(
     finished: set[int] = set()
     forward_only = data.draw(st.sets(st.integers(0, microbatches - 1)))
     while not asked.done:
-        answers = [(asked.has_task(), asked.has_backward()) for _ in range(data.draw(st.integers(1, 3)))]
+        answers = [
+            (asked.has_task(), asked.has_backward(), asked.has_early_forward())
+            for _ in range(data.draw(st.integers(1, 3)))
+        ]
         task = asked.next_task()
         assert task == plain.next_task()  # asking changed nothing
-        assert answers == [(task is not None, task is not None and task.phase is B)] * len(answers)
+        early = kind == "simple" and task is not None and task.phase is not B
+        assert answers == [(task is not None, task is not None and task.phase is B, early)] * len(answers)
         if task is not None:
             started.append(task)
             continue

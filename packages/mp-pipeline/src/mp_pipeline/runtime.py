@@ -92,6 +92,9 @@ class StepDriver:
     def has_backward(self) -> bool:
         return self.failure is None and self.scheduler.has_backward()
 
+    def has_early_forward(self) -> bool:
+        return self.failure is None and self.scheduler.has_early_forward()
+
     def start(self, task: Task) -> None:
         if task.phase is Phase.FORWARD:
             self.server.run_job(self._job(task.microbatch))

@@ -162,6 +162,16 @@ class Scheduler:
         task = self._decide()[0]
         return task is not None and task.phase is Phase.BACKWARD
 
+    def has_early_forward(self) -> bool:
+        """Whether `next_task` would start a forward of the simple schedule now (nothing is recorded).
+
+        Such a forward may start before pp_rank 0 handles the responses to its own requests that wait
+        for it: they only continue microbatches already in flight, and every backward of the simple
+        schedule waits for the forwards anyway (with ``eager_backward`` too, which starts none while a
+        forward may start). The last stage then gets its next forward request sooner."""
+        task = self._decide()[0]
+        return self.kind == "simple" and task is not None and task.phase is Phase.FORWARD
+
     def _can_forward(self) -> bool:
         return self._next_forward < self.microbatches and self.in_flight < self.active
 
