@@ -5,8 +5,9 @@
 Runs the ``nn.Identity`` chain of benchmarks/_pipeline_overhead.py (the calls on pp_rank 1) and timestamps
 each request by wrapping internals of mp_pipeline and mp_comm from outside (so it breaks when they are
 renamed; it changes no behaviour): the requester's ``Server.call`` (A: request built, H: worker resumed),
-the MPI transport posting it (P) and matching its header (R), the mailbox delivering it (B), the owner's
-main thread dispatching it (C), ``Remote.handle`` running it (D → E), and the same hops for the response.
+the MPI transport posting it (P) and matching its header (R), the mailbox delivering it (B), the owner
+taking it (C: its main thread, or the thread that waits in place), ``Remote.handle`` running it (D → E),
+and the same hops for the response.
 Prints, per phase (FWD, BWD), the median and mean of every hop in µs over all calls of the timed steps.
 """
 
@@ -24,14 +25,14 @@ HOPS = (
     ("build + post request", "A", "P"),
     ("MPI: post → header matched", "P", "R"),
     ("header → mailbox", "R", "B"),
-    ("mailbox → owner main thread", "B", "C"),
-    ("main → worker hand-off", "C", "D"),
+    ("mailbox → taken (main or waiting thread)", "B", "C"),
+    ("taken → executing", "C", "D"),
     ("execute (Remote.handle)", "D", "E"),
     ("build + post response", "E", "P2"),
     ("MPI: post → header matched ", "P2", "R2"),
     ("header → mailbox ", "R2", "B2"),
-    ("mailbox → requester main", "B2", "G"),
-    ("main → worker hand-off ", "G", "H"),
+    ("mailbox → taken by the requester", "B2", "G"),
+    ("taken → requester resumed", "G", "H"),
     ("round trip", "A", "H"),
 )
 
@@ -88,6 +89,15 @@ def main() -> None:
             events.append(("C" if isinstance(message, Request) else "G", clock(), key(message)))
 
     wrap(server_mod.Server, "_dispatch", dispatched)
+    # A thread that waits in place (server.py) takes its response, or the next request, itself.
+    take_in_place = server_mod.Server._take_in_place
+
+    def taken_in_place(self: Any) -> Any:
+        message = take_in_place(self)
+        dispatched(self, message)
+        return message
+
+    server_mod.Server._take_in_place = taken_in_place
     wrap(
         remote_mod.Remote,
         "handle",
@@ -174,7 +184,7 @@ def _print(gathered: list[list[tuple[str, float, Any]]], calls: int, elapsed: fl
             cells.append(
                 f"{phase} median {statistics.median(v):7.0f} mean {statistics.mean(v):7.0f}" if v else phase
             )
-        print(f"{name:30s} " + " | ".join(cells))
+        print(f"{name:40s} " + " | ".join(cells))
 
 
 if __name__ == "__main__":
