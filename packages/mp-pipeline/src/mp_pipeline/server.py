@@ -15,6 +15,11 @@ sent a request takes its own response, and one that has answered a request takes
 without the two thread switches through the main thread each would cost (~25-30 µs each here). Any
 other message goes to the main thread, which dispatches it as if it had received it.
 
+pp_rank 0's main thread, whenever it has the rank, first starts a backward the schedule would start
+(:meth:`Server._backward_first`), then handles the messages that wait, except that the simple schedule's
+next forward goes before responses to this rank's own requests (:meth:`Server._defer`), then starts the
+schedule's next task.
+
 The worker threads belong to a :class:`WorkerPool` that outlives the step (the runtime owns it): a
 fresh thread faults its memory in again (tens of thousands of minor page faults for a GPT block's
 forward and backward), so idle workers wait for the next step's requests instead of exiting.
@@ -336,10 +341,10 @@ class Server:
         self._inbox: collections.deque[Any] = collections.deque()
         """Messages a thread waiting in place took for the main thread (dispatched first, in order)."""
         self._inbox_error: BaseException | None = None
+        """An error of a thread waiting in place (a timeout), raised by the main thread."""
         self._deferred: collections.deque[Response] = collections.deque()
         """pp_rank 0: responses to its own requests held back while a forward started first (dispatched
         in order once none may start; see _defer)."""
-        """An error of a thread waiting in place (a timeout), raised by the main thread."""
 
     # -- used by worker threads ------------------------------------------------------------------------
     def next_request_id(self) -> int:
