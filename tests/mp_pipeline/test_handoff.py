@@ -220,8 +220,7 @@ def test_simple_schedule_starts_its_forwards_before_the_responses_that_wait(case
     if case == "request":  # another rank's request (from "itself": a one-rank loopback)
         transport.send(Request(step, 0, 0, Phase.FORWARD, "m", 0, (), None, [], (), capture()), 0, TAG)
     failure = Failure(0, "m", 0, "FWD", "ValueError", "boom", "") if case == "failure" else None
-    transport.send(Response(step, 7, 0, failure=failure), 0, TAG)
-    time.sleep(0.05)  # both messages are in the mailbox before the loop starts
+    transport.send(Response(step, 7, 0, failure=failure), 0, TAG)  # loopback: in the mailbox at once
     server.serve(driver)
     thread.join(timeout=5.0)
     assert resumed == ([2] if case in ("simple", "request") else [0])
