@@ -102,6 +102,9 @@ class Scheduler:
         self._finished: set[int] = set()
         self._order = fixed_order(microbatches, active) if self.deterministic else []
         self._pos = 0
+        self._decision: tuple[Task | None, int] | None = None
+        """`_decide`'s answer until an event or a started task changes the state: pp_rank 0's server asks
+        several times between two changes (has_backward, has_early_forward, next_task)."""
         self.issued: list[Task] = []
         """Every task started so far, in order."""
 
@@ -112,6 +115,7 @@ class Scheduler:
         if microbatch in self._ready or microbatch in self._backward_started:
             raise ValueError(f"microbatch {microbatch} is already ready for (or running) its backward")
         self._ready.append(microbatch)
+        self._decision = None
 
     def finished(self, microbatch: int) -> None:
         """The step function returned for this microbatch."""
@@ -119,6 +123,7 @@ class Scheduler:
         if microbatch in self._ready:
             raise ValueError(f"microbatch {microbatch} finished while waiting for its backward")
         self._finished.add(microbatch)
+        self._decision = None
 
     def _check(self, microbatch: int) -> None:
         if not 0 <= microbatch < self._next_forward:
@@ -145,6 +150,7 @@ class Scheduler:
         """The task to start now (recorded as started), or None if none may start yet."""
         task, self._pos = self._decide()
         if task is not None:
+            self._decision = None
             if task.phase is Phase.FORWARD:
                 self._next_forward += 1
             else:
@@ -176,10 +182,11 @@ class Scheduler:
         return self._next_forward < self.microbatches and self.in_flight < self.active
 
     def _decide(self) -> tuple[Task | None, int]:
-        """The task to start now, and where the fixed order's cursor goes if it starts; reads only."""
-        if self.deterministic:
-            return self._decide_fixed()
-        return self._decide_free(), self._pos
+        """The task to start now, and where the fixed order's cursor goes if it starts; reads only (but
+        remembers the answer until the state changes)."""
+        if self._decision is None:
+            self._decision = self._decide_fixed() if self.deterministic else (self._decide_free(), self._pos)
+        return self._decision
 
     def _decide_free(self) -> Task | None:
         if self.kind == "interleaved":
