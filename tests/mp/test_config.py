@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mp.config_model
+import mp.config_rules
 import mp.errors
 from mp.config import ModelParallelConfig, load_config, validate_world
 from mp.errors import (
@@ -219,20 +220,51 @@ def test_fp16_params_logs_a_deprecation(caplog: pytest.LogCaptureFixture) -> Non
     assert any("deprecated" in r.getMessage() for r in caplog.records)
 
 
-def test_keys_without_an_implementation_say_so(caplog: pytest.LogCaptureFixture) -> None:
-    """smp scripts set these; mp accepts them (the script runs, training is correct) and warns once that
-    they have no effect yet, naming each with what happens instead."""
-    with caplog.at_level(logging.WARNING, logger="mp.config"):
-        build(pipeline_parallel_degree=2)
-    assert not caplog.records
+def test_constructing_a_config_with_unbuilt_keys_logs_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    """The config object accepts every valid smp value (it can be read and compared); smp.init refuses."""
     with caplog.at_level(logging.WARNING, logger="mp.config"):
         build(fp16=True, shard_optimizer_state=True, offload_activations=True)
-    (record,) = caplog.records
-    message = record.getMessage()
-    assert "not implemented in mp yet" in message
-    for key in ("fp16 (", "shard_optimizer_state (", "offload_activations ("):
-        assert key in message, message
-    assert "sharded_data_parallel_degree" not in message
+    assert not caplog.records
+
+
+UNBUILT = [key for key, _, _ in mp.config_rules._NOT_BUILT]
+
+
+def test_unbuilt_keys_cover_the_sdp_and_offload_keys() -> None:
+    # While sharded data parallelism and offloading are not built, none of their keys may pass unnoticed.
+    for key in KEYS:
+        if key.startswith("sdp_") or "offload" in key or "loading_horizon" in key:
+            assert key in UNBUILT, key
+    assert "sharded_data_parallel_degree" in UNBUILT
+
+
+@pytest.mark.parametrize("key", UNBUILT)
+def test_smp_init_refuses_every_unbuilt_key_set_to_a_non_default(key: str) -> None:
+    """Every valid value but smp's default raises a ConfigError at smp.init (before any process group),
+    naming the key, what smp did with it and that mp does not build it; the default passes."""
+    import mp
+
+    name = SPECS[key][0]
+    default = ModelParallelConfig.__dataclass_fields__[name].default
+    refused = 0
+    for value, extra in VALID[key]:
+        cfg = build(**{key: value, **extra})
+        if getattr(cfg, name) == default:
+            mp.config_rules.refuse_not_built(cfg)
+            continue
+        with pytest.raises(ConfigError) as info:
+            mp.init({key: value, **extra})
+        message = str(info.value)
+        assert f"'{key}'" in message and "mp does not build that yet" in message and "in smp" in message
+        assert info.value.key == key and not mp.is_initialized()
+        refused += 1
+    assert refused >= 1, f"no non-default value of {key} was tried"
+
+
+def test_the_refusal_names_the_other_unbuilt_keys_too() -> None:
+    with pytest.raises(ConfigError) as info:
+        mp.config_rules.refuse_not_built(build(fp16=True, shard_optimizer_state=True))
+    assert info.value.key == "fp16" and "also set and not built: shard_optimizer_state" in str(info.value)
 
 
 def test_derived_properties() -> None:

@@ -17,7 +17,7 @@ from mp.errors import ConfigError
 if TYPE_CHECKING:
     from mp.config_model import ModelParallelConfig
 
-__all__ = ["alias_conflict", "check_rules", "log_resolutions", "not_built", "unknown_key"]
+__all__ = ["alias_conflict", "check_rules", "log_resolutions", "not_built", "refuse_not_built", "unknown_key"]
 
 logger = logging.getLogger("mp.config")
 
@@ -207,51 +207,109 @@ def _check_atp_mesh(c: ModelParallelConfig) -> None:
         )
 
 
-# Keys smp scripts set whose feature mp has not built yet (the mp-memory package): accepted, so that those
-# scripts run and train correctly, but said out loud, since each changes memory use or precision.
-_NOT_BUILT: tuple[tuple[str, Callable[[ModelParallelConfig], bool], str], ...] = (
+# Keys whose feature mp has not built yet. A script that sets one must not train as if it had: smp.init
+# refuses it (``refuse_not_built``). Each entry: the key, when it counts as set, what smp did with it.
+# A key leaves this list when its feature is built.
+_NOT_BUILT: tuple[tuple[str, Callable[[ModelParallelConfig], object], str], ...] = (
     (
-        "fp16",
-        lambda c: c.fp16,
-        "training runs in the parameters' own dtype; torch.autocast with smp.amp.GradScaler works",
+        "_fp32_grad_accumulation",
+        lambda c: c.fp32_grad_accumulation,
+        "accumulates half-precision gradients in fp32",
     ),
-    ("bf16", lambda c: c.bf16, "training runs in the parameters' own dtype; torch.autocast works"),
-    ("_fp32_grad_accumulation", lambda c: c.fp32_grad_accumulation, "gradients accumulate in their dtype"),
-    ("offload_activations", lambda c: c.offload_activations, "activations stay on their device"),
-    ("_shard_offloaded_activations", lambda c: c.shard_offloaded_activations, "nothing is offloaded"),
+    (
+        "_shard_offloaded_activations",
+        lambda c: c.shard_offloaded_activations,
+        "shards offloaded activations over tensor-parallel ranks",
+    ),
+    (
+        "activation_loading_horizon",
+        lambda c: c.activation_loading_horizon != 4,
+        "sets how many tasks ahead offloaded activations are loaded back",
+    ),
+    ("bf16", lambda c: c.bf16, "trains with bf16 parameters and fp32 master weights in the optimizer"),
+    (
+        "delayed_parameter_initialization",
+        lambda c: c.delayed_parameter_initialization,
+        "creates parameters on the meta device and materializes only this rank's partition",
+    ),
+    ("fp16", lambda c: c.fp16, "trains with fp16 parameters, fp32 master weights and loss scaling"),
+    (
+        "offload_activations",
+        lambda c: c.offload_activations,
+        "moves checkpointed activations to host memory until their backward",
+    ),
+    (
+        "sdp_gradient_clipping",
+        lambda c: c.sdp_gradient_clipping != 1.0,
+        "clips gradients under sharded data parallelism",
+    ),
+    (
+        "sdp_hierarchical_allgather",
+        lambda c: not c.sdp_hierarchical_allgather,
+        "all-gathers sharded parameters within each node first",
+    ),
+    (
+        "sdp_max_live_parameters",
+        lambda c: c.sdp_max_live_parameters != 1_000_000_000,
+        "caps the parameters all-gathered at once under sharded data parallelism",
+    ),
+    (
+        "sdp_param_persistence_threshold",
+        lambda c: c.sdp_param_persistence_threshold != 1_000_000,
+        "leaves parameters smaller than this unsharded under sharded data parallelism",
+    ),
+    (
+        "sdp_reduce_bucket_size",
+        lambda c: c.sdp_reduce_bucket_size != 500_000_000,
+        "sets the gradient bucket size under sharded data parallelism",
+    ),
     (
         "shard_optimizer_state",
         lambda c: c.shard_optimizer_state,
-        "every data-parallel rank keeps its partition's whole optimizer state",
+        "shards the optimizer state over the reduced data-parallel group",
     ),
     (
         "sharded_data_parallel_degree",
         lambda c: c.sharded_data_parallel_degree > 1,
-        "parameters are not sharded: plain data parallelism",
+        "shards parameters, gradients and optimizer state over that many ranks",
     ),
     (
-        "delayed_parameter_initialization",
-        lambda c: c.delayed_parameter_initialization,
-        "parameters are created when the model is built",
+        "task_level_activation_loading_horizon",
+        lambda c: c.task_level_activation_loading_horizon is not None,
+        "sets a per-task loading horizon for offloaded activations",
     ),
 )
 
 
 def not_built(c: ModelParallelConfig) -> list[str]:
-    """The keys set in ``c`` whose feature mp does not implement yet, each with what happens instead."""
-    return [f"{key} ({instead})" for key, active, instead in _NOT_BUILT if active(c)]
+    """The keys set in ``c`` (to a value other than smp's default) whose feature mp does not build yet."""
+    return [key for key, active, _ in _NOT_BUILT if active(c)]
+
+
+def refuse_not_built(c: ModelParallelConfig) -> None:
+    """Raise a :class:`ConfigError` for the first key (in sorted order) set to a feature mp does not build.
+
+    ``smp.init`` calls it: the config object itself accepts every valid smp value (so configs can be read,
+    compared and documented), but training must not start as if the feature were on."""
+    for key, active, does in _NOT_BUILT:
+        if active(c):
+            name = c._specs[key][0]
+            value = getattr(c, name)
+            others = [k for k in not_built(c) if k != key]
+            also = f" (also set and not built: {', '.join(others)})" if others else ""
+            default = c.__dataclass_fields__[name].default
+            raise _rule_error(
+                key,
+                value,
+                f": in smp this key {does}; mp does not build that yet{also}",
+                f"{show(default)} (smp's default) until mp builds it; docs/memory.md lists what is built",
+                f"remove '{key}' from the config (training then runs without that feature)",
+            )
 
 
 def log_resolutions(c: ModelParallelConfig) -> None:
-    """Log what construction decided for the user (deprecations, forced or disabled options, keys that
-    have no effect yet)."""
-    missing = not_built(c)
-    if missing:
-        logger.warning(
-            "config keys accepted for compatibility with smp but not implemented in mp yet, so they have no "
-            "effect: %s",
-            "; ".join(missing),
-        )
+    """Log what construction decided for the user (deprecations, forced or disabled options). Keys whose
+    feature is not built are refused by ``smp.init`` (``refuse_not_built``), not logged."""
     if c.fp16_params:
         logger.warning("config key 'fp16_params' is deprecated in smp; use 'fp16': true instead")
     if c.resolved_pipeline != c.pipeline:

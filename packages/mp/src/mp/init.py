@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from mp.atp_setup import setup_atp_mesh
 from mp.config import ConfigSource, load_config, validate_world
+from mp.config_rules import refuse_not_built
 from mp.state import State, state
 from mp_comm import GroupKind, WorldInfo, build_topology, init_world
 
@@ -23,14 +24,16 @@ def init(config: ConfigSource = None) -> None:
 
     `config` is a dict, a path to a JSON file, or None (then the JSON in MP_CONFIG, else in
     SM_HP_MP_PARAMETERS as SageMaker and the HuggingFace Trainer set it, else the defaults). Any
-    problem with the config, or a world size that does not fit it, raises the same ValueError on
-    every rank before a process group is created. A second call logs a warning and is ignored, as in
-    smp; call `smp.reset()` first to re-initialize with another config.
+    problem with the config (including a key whose feature mp does not build yet), or a world size
+    that does not fit it, raises the same ValueError on every rank before a process group is created.
+    A second call logs a warning and is ignored, as in smp; call `smp.reset()` first to re-initialize
+    with another config.
     """
     if state.initialized:
         log.warning("smp.init was called again; ignoring it (call smp.reset() first to re-initialize)")
         return
     cfg = load_config(config)
+    refuse_not_built(cfg)  # a memory saver mp does not build must not train as if it were on
 
     def check(info: WorldInfo) -> None:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else None

@@ -218,6 +218,24 @@ def _pp_rank() -> int:
     return int(model._pp_rank) if model is not None else 0
 
 
+def _refuse_loss_scaling(static: float | None, dynamic: bool, dynamic_args: dict[str, Any]) -> None:
+    """smp scales the loss only under fp16, which mp does not build yet: a script asking for loss scaling
+    must not train without it unnoticed."""
+    given = []
+    if static not in (None, 1.0):
+        given.append(f"static_loss_scale={static!r}")
+    if dynamic:
+        given.append("dynamic_loss_scale=True")
+    given += [f"{k}={v!r}" for k, v in dynamic_args.items()]
+    if given:
+        raise SMPValidationError(
+            f"smp.DistributedOptimizer got {', '.join(given)}: smp's fp16 loss scaling, which mp does not "
+            "build yet (the 'fp16' config key is refused for the same reason). Expected the defaults "
+            "(static_loss_scale=1.0, dynamic_loss_scale=False, no dynamic_loss_args). Fix: remove these "
+            "arguments; for mixed precision use torch.autocast with smp.amp.GradScaler (docs/pipeline.md)"
+        )
+
+
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     static_loss_scale: float | None = 1.0,
@@ -225,8 +243,9 @@ def DistributedOptimizer(
     **dynamic_loss_args: Any,
 ) -> torch.optim.Optimizer:
     """Register ``optimizer`` with mp and return it (see the module docstring). The loss-scale
-    arguments only matter with fp16, which the mixed-precision package handles."""
+    arguments are smp's fp16 loss scaling, which mp does not build yet: any but the defaults raise."""
     state.require()
+    _refuse_loss_scaling(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise SMPValidationError(
             f"smp.DistributedOptimizer needs a torch.optim.Optimizer; got {type(optimizer).__name__}"

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mp.errors import DistributedModelWrappedError
+from mp.errors import DistributedModelWrappedError, SMPUnsupportedError
 from mp.state import state
 from mp_comm import GroupKind
 from mp_tensor.context import TPContext, set_context_provider
@@ -75,8 +75,8 @@ def model_creation(
     are created (parameters and buffers made without an explicit dtype get it).
 
     smp also delayed parameter initialization here when the config sets
-    ``delayed_parameter_initialization``; mp does not build that yet (``smp.init`` warns about the key),
-    so parameters are created at once.
+    ``delayed_parameter_initialization``; mp does not build that yet (``smp.init`` refuses the key), so
+    parameters are created at once.
     """
     mark = _marking(True, **tensor_parallel_config) if tensor_parallelism else contextlib.nullcontext()
     with mark, default_dtype(dtype):
@@ -85,12 +85,13 @@ def model_creation(
 
 @contextlib.contextmanager
 def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
-    """smp's delayed parameter initialization (v1.10). Not built in mp yet: the model is created as
-    usual, so it takes its full memory on every rank until partitioning; a warning says so."""
+    """smp's delayed parameter initialization (v1.10). Not built in mp yet: ``enabled=True`` raises
+    (a script relying on it must not silently allocate the whole model on every rank)."""
     if enabled:
-        log.warning(
-            "smp.delay_param_initialization: delayed parameter initialization is not implemented in mp "
-            "yet; the parameters are created (and take memory) at once"
+        raise SMPUnsupportedError(
+            "smp.delay_param_initialization(enabled=True): delayed parameter initialization (creating the "
+            "model on the meta device and materializing only this rank's partition) is not built in mp yet. "
+            "Fix: build the model without it, or pass enabled=False"
         )
     yield
 
