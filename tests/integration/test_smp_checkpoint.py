@@ -113,7 +113,8 @@ def test_save_load_round_trip_pp2(worlds: Any, tmp_path: Any, partial: bool) -> 
     results = worlds.run(2, _save_load_round_trip, PP2, str(tmp_path), partial, timeout=120)
     assert results == [None, None], results
     names = sorted(os.listdir(tmp_path))
-    assert names == (["ckpt.pt_0_0.pt", "ckpt.pt_1_0.pt"] if partial else ["ckpt.pt"]), names
+    parts = ["ckpt.pt_0_0_0", "ckpt.pt_1_0_0"] if partial else ["ckpt.pt"]  # smp >= 1.10's names
+    assert names == sorted(["ckpt.pt.mp-manifest.json", *parts]), names
 
 
 @pytest.mark.parametrize("partial", [True, False], ids=["partial", "full"])
@@ -158,10 +159,10 @@ def _wrong_layout(world: Any, folder: str) -> dict[str, str]:
         smp.load(path, partial=True)
     except IncompatibleCheckpointRankFoundError as exc:  # the files name pp_rank 1, absent at pp=1
         out["load"] = str(exc)
-    part0 = torch.load(os.path.join(folder, "ckpt.pt_0_0.pt"), weights_only=False)
+    part0 = torch.load(os.path.join(folder, "ckpt.pt_0_0_0"), weights_only=True)
     smp.barrier()
     if smp.rank() == 0:  # a missing part
-        os.remove(os.path.join(folder, "ckpt.pt_0_0.pt"))
+        os.remove(os.path.join(folder, "ckpt.pt_0_0_0"))
     smp.barrier()
     smp.reset()
     smp.init(PP2)
@@ -183,7 +184,7 @@ def test_loading_a_partial_checkpoint_under_another_layout_names_both(worlds: An
     for r in worlds.run(2, _wrong_layout, str(tmp_path), timeout=120):
         assert "saved with pipeline_parallel_degree=2" in r["load"], r
         assert "this job runs with pipeline_parallel_degree=1" in r["load"], r
-        assert "lacks 1 of its 2 files" in r["missing"] and "ckpt.pt_0_0.pt" in r["missing"], r
+        assert "ckpt.pt_0_0_0' is missing (the manifest lists it" in r["missing"], r
         assert "lacks 4 of this rank's keys" in r["model"] and "b.weight" in r["model"], r
 
 
@@ -239,10 +240,11 @@ def test_save_checkpoint_resume_round_trip(worlds: Any, tmp_path: Any) -> None:
     # the older partial checkpoint was pruned
     assert sorted(os.listdir(tmp_path)) == ["newest", "step1_partial"]
     assert sorted(os.listdir(tmp_path / "step1_partial")) == [
-        "model_0_0.pt",
-        "model_1_0.pt",
-        "optimizer_0_0.pt",
-        "optimizer_1_0.pt",
+        "manifest.json",
+        "model_0_0_0.pt",
+        "model_1_0_0.pt",
+        "optimizer_0_0_0.pt",
+        "optimizer_1_0_0.pt",
         "user_content.pt",
     ]
 

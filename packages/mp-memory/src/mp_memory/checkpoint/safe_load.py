@@ -1,0 +1,107 @@
+"""Unpickling checkpoint parts without running code from them.
+
+Parts load with ``torch.load(weights_only=True)``: tensors, numbers, strings, None and containers of
+them. That covers model and optimizer state dicts and mp's own metadata (checked here against an
+allow-list). Anything else (a user's own classes, or a planted payload) is refused with
+UntrustedCheckpointError unless the caller trusts the file: ``trusted=True`` (``trust_file=True`` in the
+smp API, or ``weights_only=False`` passed to ``smp.load``) or ``MP_CHECKPOINT_TRUST=1`` in the
+environment.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Any
+
+import torch
+
+from mp_memory.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMissingError,
+    UntrustedCheckpointError,
+)
+from mp_memory.checkpoint.manifest import read_verified
+from mp_memory.checkpoint.publish import PartRecord
+
+__all__ = ["TRUST_ENV", "check_metadata", "is_trusted", "load_part"]
+
+TRUST_ENV = "MP_CHECKPOINT_TRUST"
+
+
+def is_trusted(trusted: bool | None) -> bool:
+    """``trusted`` if given, else whether ``MP_CHECKPOINT_TRUST=1``."""
+    return bool(trusted) if trusted is not None else os.environ.get(TRUST_ENV, "") in ("1", "true", "yes")
+
+
+def load_part(
+    path: str,
+    record: PartRecord | None,
+    *,
+    map_location: Any = None,
+    trusted: bool = False,
+    pickle_module: Any = None,
+    **load_args: Any,
+) -> Any:
+    """Read the part at ``path`` (checked against ``record`` when there is one) and unpickle it."""
+    if record is not None:
+        data = read_verified(path, record)
+    else:
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        except FileNotFoundError:
+            raise CheckpointMissingError(f"checkpoint file {path!r} does not exist") from None
+        if not data:
+            raise CheckpointCorruptError(f"checkpoint file {path!r} is empty (0 bytes): a save was cut short")
+    args = dict(load_args)
+    if trusted:
+        args["weights_only"] = False
+        if pickle_module is not None:
+            args["pickle_module"] = pickle_module
+    else:
+        args["weights_only"] = True
+    try:
+        return torch.load(io.BytesIO(data), map_location=map_location, **args)
+    except pickle.UnpicklingError as exc:
+        if trusted:
+            raise CheckpointCorruptError(f"checkpoint file {path!r} cannot be unpickled: {exc}") from exc
+        raise UntrustedCheckpointError(
+            f"checkpoint file {path!r} holds objects other than tensors, numbers, strings and containers "
+            f"(torch.load(weights_only=True) refused: {str(exc).splitlines()[0]}). Loading it would run "
+            "code from the file. If you trust the file, pass trust_file=True (smp.resume_from_checkpoint) "
+            f"or weights_only=False (smp.load), or set {TRUST_ENV}=1"
+        ) from exc
+    except CheckpointError:
+        raise
+    except Exception as exc:  # EOFError, zip errors, OSError 22, MemoryError on a torn length ...
+        raise CheckpointCorruptError(
+            f"checkpoint file {path!r} is damaged: torch.load failed with {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''} ({len(data)} bytes). Restore it, or load an "
+            "older checkpoint"
+        ) from exc
+
+
+_META: dict[str, type | tuple[type, ...]] = {
+    "_smp_is_partial": bool,
+    "_smp_partition": dict,
+    "_smp_param_names": list,
+    "_smp_layout": dict,
+}
+
+
+def check_metadata(obj: Any, path: str) -> None:
+    """Refuse a state dict whose mp metadata (keys starting with ``_smp_``) is not one mp writes."""
+    if not isinstance(obj, dict):
+        return
+    for key, value in obj.items():
+        if not (isinstance(key, str) and key.startswith("_smp_")):
+            continue
+        expected = _META.get(key)
+        if expected is None or not isinstance(value, expected):
+            raise CheckpointCorruptError(
+                f"checkpoint file {path!r} has metadata {key!r} of type {type(value).__name__}; mp writes "
+                f"only {sorted(_META)} with types {[t.__name__ for t in _META.values()]}"  # type: ignore[union-attr]
+            )
