@@ -4,7 +4,7 @@ import mp as smp
 smp.init({"pipeline_parallel_degree": 2, "microbatches": 4})
 """
 
-from mp import amp, nn, timeline
+from mp import amp, nn, optimizers, timeline
 from mp.activation_checkpointing import set_activation_checkpointing
 from mp.checkpoint import load, resume_from_checkpoint, save, save_checkpoint
 from mp.comm import (
@@ -60,6 +60,7 @@ from mp.errors import (  # smp's exception names, so scripts can catch them as s
 )
 from mp.init import init, is_initialized, reset, shutdown
 from mp.model import DistributedModel
+from mp.model_extras import num_microbatches
 from mp.optimizer import DistributedOptimizer
 from mp.ranks import (
     dp_rank,
@@ -194,6 +195,8 @@ __all__ = [
     "mp_rank",
     "mp_size",
     "nn",
+    "num_microbatches",
+    "optimizers",
     "partition",
     "pp_barrier",
     "pp_rank",

@@ -47,6 +47,7 @@ __all__ = [
     "MultipleDtypeOptShardingError",
     "NotInitializedError",
     "NotSupportedByFastModeError",
+    "RealSmdistributedError",
     "SMPCheckpointError",
     "SMPConfigError",
     "SMPInvalidArgumentError",
@@ -199,3 +200,8 @@ class DDPNotEnabledError(SMPUnsupportedError):
 # --------------------------------------------------------------------------------- runtime errors
 class TensorSplitError(SMPRuntimeError):
     """Step inputs cannot be split into microbatches as asked."""
+
+
+# --------------------------------------------------------------------------------- import errors
+class RealSmdistributedError(ImportError):
+    """mp's ``smdistributed`` alias would shadow a real smdistributed.modelparallel install."""

@@ -13,6 +13,7 @@ data-parallel group.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import traceback
@@ -35,6 +36,7 @@ from mp.errors import (
     SMPRuntimeError,
     SMPValidationError,
 )
+from mp.model_extras import JoinState, check_constructor_args, join, reduce_with_hook, register_comm_hook
 from mp.optimizer import keep_local_parameters
 from mp.partition_file import check_assignment, read_partition, write_partition
 from mp.state import state
@@ -160,6 +162,7 @@ class DistributedModel(nn.Module):
             raise SMPValidationError(
                 f"backward_passes_per_step={backward_passes_per_step!r}; expected an int >= 1"
             )
+        check_constructor_args(gradient_as_bucket_view, find_unused_parameters, trace_memory_usage)
         super().__init__()
         # Tensor parallelism: marked modules become their distributed versions now, at wrap time
         # (smp's order), copying the original weights into this rank's shards.
@@ -169,7 +172,7 @@ class DistributedModel(nn.Module):
         self._pp_rank = topo.coords(world.rank).pp_rank
         self._pp_peers = tuple(topo.group(GroupKind.PP, world.rank))
         self._dp_size = topo.size(GroupKind.DP)
-        self._trace_times = trace_execution_times
+        self._trace_times = trace_execution_times and trace_device == "gpu"  # smp: no timing on a CPU trace
         self._bpps = backward_passes_per_step
         self._average_mb = average_grads_across_microbatches
         self._bucket_bytes = max(1, int(bucket_cap_mb * (1 << 20)))
@@ -190,6 +193,9 @@ class DistributedModel(nn.Module):
         self._post_step_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._model_id = next(_MODEL_IDS)
         self._runtime: PipelineRuntime | None = None
+        self._size_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        self._comm_hook: tuple[Callable[..., Any], Any] | None = None  # model.register_comm_hook
+        self._join: JoinState | None = None  # set inside model.join()
         # tp == 1: each gradient bucket's all-reduce starts once the step's last accumulation into its
         # parameters is done (on a pipeline stage: while other stages still run their backward).
         self._overlap_enabled = overlapping_allreduce and cfg.tp == 1 and self._dp_size > 1
@@ -286,6 +292,8 @@ class DistributedModel(nn.Module):
         self._sync_replicas(first=self._step_count == 0)
         self._grad_scale = 1.0 / len(inputs) if self._average_mb else 1.0
         self._microbatches = len(inputs)
+        if self._join is not None:  # model.join(): count the replicas still running (mp.model_extras)
+            self._join.step_started(self)
         if self._reduces_this_step():
             overlap = self._overlap_reduction()
             if overlap is not None:
@@ -444,6 +452,10 @@ class DistributedModel(nn.Module):
 
     def _reduce_gradients(self, params: list[nn.Parameter], dp_group: dist.ProcessGroup) -> None:
         cfg = state.require()[0]
+        if self._comm_hook is not None:  # model.register_comm_hook (tp == 1 only)
+            hook, hook_state = self._comm_hook
+            reduce_with_hook(hook, hook_state, params, dp_group, self._bucket_bytes)
+            return
         if cfg.tp == 1:
             reduce_gradients(params, dp_group, bucket_bytes=self._bucket_bytes)
             return
@@ -841,3 +853,21 @@ class DistributedModel(nn.Module):
     def _run_hooks(self, hooks: OrderedDict[int, Callable[..., Any]]) -> None:
         for hook in list(hooks.values()):
             hook(self, state.optimizer)
+
+    # ------------------------------------------------------- smp's DDP-side API (mp.model_extras)
+    def size(self) -> int:
+        """Bytes of the wrapped module's parameters when it was wrapped, after tensor-parallel
+        replacement (smp's ``size()``: "size of the full model in bytes")."""
+        return self._size_bytes
+
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True
+    ) -> contextlib.AbstractContextManager[None]:
+        """Context manager for replicas with different numbers of batches (DDP's ``join``): a replica
+        that leaves it early shadows the others' steps until all have left. Enter it on every rank."""
+        return join(self, divide_by_initial_world_size, enable)
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """torch DDP's communication hook, run on each data-parallel gradient bucket instead of the
+        all-reduce; it receives gradients summed over microbatches and must average them itself."""
+        register_comm_hook(self, state, hook)
