@@ -5,7 +5,8 @@ smp.init({"pipeline_parallel_degree": 2, "microbatches": 4})
 """
 
 from mp import amp, nn, optimizers, timeline
-from mp.activation_checkpointing import set_activation_checkpointing
+from mp.activation_checkpointing import checkpoint as _checkpoint_call
+from mp.activation_checkpointing import checkpoint_sequential, set_activation_checkpointing
 from mp.checkpoint import load, resume_from_checkpoint, save, save_checkpoint
 from mp.comm import (
     CommGroup,
@@ -105,6 +106,10 @@ from mp_pipeline import PipelineAbortedError, PipelineTimeoutError, RemoteExecut
 
 __version__ = "0.1.0"
 
+# smp.checkpoint is the activation-checkpointing call (smp's patches.checkpoint.checkpoint); the
+# save/load module mp.checkpoint stays importable by its full name (smp.save, smp.load, ...).
+checkpoint = _checkpoint_call
+
 # smp exposes every CommGroup member at top level too (smp.WORLD, smp.DP_GROUP, ...).
 WORLD = CommGroup.WORLD
 PP_GROUP = CommGroup.PP_GROUP
@@ -166,6 +171,8 @@ __all__ = [
     "amp",
     "barrier",
     "broadcast",
+    "checkpoint",
+    "checkpoint_sequential",
     "delay_param_initialization",
     "dp_barrier",
     "dp_rank",

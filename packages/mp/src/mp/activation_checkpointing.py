@@ -1,167 +1,84 @@
-"""`smp.set_activation_checkpointing`: recompute a module's activations in backward instead of keeping them.
+"""smp's activation checkpointing API on a partitioned model: ``set_activation_checkpointing``,
+``checkpoint`` and ``checkpoint_sequential``. The mechanism is ``mp_memory.activation``
+(``torch.utils.checkpoint``, non-reentrant); this module adds smp's rules and mp's partitions.
 
-The mark replaces the module instance's ``forward`` with one that runs the original under
-``torch.utils.checkpoint`` (non-reentrant). It is set after wrapping and before the first step, so the
-pipeline's partitioning wraps *this* forward: the module is checkpointed on the rank that owns it,
-whether it is called there or through a remote request. A checkpointed module must lie wholly in one
-partition (its recomputation cannot issue remote calls from inside backward): after partitioning, a
-split module is an error with manual partitioning and is left unchecked, with a warning, with automatic
-partitioning (smp's rules).
+A checkpointed module is recomputed on the rank that owns it: its recomputation cannot issue remote
+calls from inside backward. So a module must lie wholly in one partition; a split one is an error with
+manual partitioning and is left unchecked, with a warning, with automatic partitioning (smp's rules).
 
-For an ``nn.Sequential``, ``strategy`` picks the unit: ``"each"`` child, ``"group_<k>"`` runs of k
-children, or ``"contiguous"`` runs of children on the same partition. A run checkpoints as one segment
-on the rank running the Sequential when that rank owns all of it; children owned elsewhere are each
-checkpointed on their owner instead.
+- ``set_activation_checkpointing`` marks the module before the first step, so the pipeline's partitioning
+  wraps the marked forward: it is checkpointed on its owner whether called there or remotely.
+- ``checkpoint(module, *args)`` inside a forward: a module this rank owns is checkpointed here; a module
+  another rank owns wholly is called remotely with the request's ``checkpoint`` flag, so its owner runs
+  it under a checkpoint.
+- For an ``nn.Sequential`` a strategy groups children into segments (``"each"``, ``"group_<k>"``,
+  ``"contiguous"``); a segment never mixes owners, and checkpoints as one unit when this rank owns it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
-import torch
-import torch.utils.checkpoint
 from torch import nn
 
 from mp.errors import CheckpointingConfigError, DistributedModelNotWrappedError, StepFunctionCalledError
 from mp.state import state
+from mp_memory import activation
+from mp_memory.errors import CheckpointArgumentError
 from mp_partition import is_tracing
 
-__all__ = ["set_activation_checkpointing"]
+__all__ = ["checkpoint", "checkpoint_sequential", "set_activation_checkpointing"]
 
 log = logging.getLogger(__name__)
 
-_MARK = "_mp_activation_checkpoint"
+
+def _strategy_error(exc: CheckpointArgumentError) -> CheckpointingConfigError:
+    return CheckpointingConfigError(str(exc))
 
 
-@dataclass
-class _Mark:
-    path: str
-    preserve_rng_state: bool
-    enabled: bool = True
+def _path(model: Any, module: nn.Module) -> str | None:
+    return next((p for p, m in model.module.named_modules() if m is module), None)
 
 
-class _Segment(threading.local):
-    active = False
-    """True while a Sequential segment runs under one checkpoint: its children then do not nest one."""
-
-
-_SEGMENT = _Segment()
-
-
-def _checkpointed(fn: Callable[..., Any], preserve_rng_state: bool, *args: Any, **kwargs: Any) -> Any:
-    return torch.utils.checkpoint.checkpoint(
-        fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs
-    )
-
-
-def _active(mark: _Mark) -> bool:
-    return mark.enabled and torch.is_grad_enabled() and not is_tracing() and not _SEGMENT.active
-
-
-def _mark_module(module: nn.Module, path: str, preserve_rng_state: bool) -> _Mark:
-    """Checkpoint ``module``'s forward (marking again only updates the options)."""
-    mark: _Mark | None = module.__dict__.get(_MARK)
-    if mark is not None:
-        mark.preserve_rng_state = preserve_rng_state
-        return mark
-    mark = _Mark(path, preserve_rng_state)
-    original = module.forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if not _active(mark):
-            return original(*args, **kwargs)
-        return _checkpointed(original, mark.preserve_rng_state, *args, **kwargs)
-
-    module.__dict__[_MARK] = mark
-    module.forward = forward
-    return mark
-
-
-def _segments(
-    strategy: str, children: list[tuple[str, nn.Module]], owner: Callable[[str], int]
-) -> list[list[int]]:
-    """Child indices grouped by the strategy, never mixing children of different owners."""
-    size = len(children) if strategy == "contiguous" else int(strategy.removeprefix("group_"))
-    out: list[list[int]] = []
-    for i, (path, _) in enumerate(children):
-        if out and len(out[-1]) < size and owner(children[out[-1][0]][0]) == owner(path):
-            out[-1].append(i)
-        else:
-            out.append([i])
-    return out
-
-
-def _mark_sequential(
-    seq: nn.Sequential, path: str, strategy: str, preserve_rng_state: bool, model: Any
-) -> list[_Mark]:
+def _owners(model: Any, path: str, module: nn.Module) -> set[int]:
+    """The pp_ranks holding ``module`` and its submodules."""
     prefix = f"{path}." if path else ""
-    children = [(prefix + name, child) for name, child in seq.named_children()]
-    marks = [_mark_module(child, p, preserve_rng_state) for p, child in children]
-    if strategy == "each":
-        return marks
-    group = _Mark(path, preserve_rng_state)
-
-    def forward(x: Any) -> Any:
-        owner = model._module_owner
-        for segment in _segments(strategy, children, owner):
-            modules = [children[i][1] for i in segment]
-            local = all(_owns(model, children[i][0], children[i][1]) for i in segment)
-            if len(segment) > 1 and local and _active(group):
-                x = _checkpointed(_run_segment(modules), group.preserve_rng_state, x)
-            else:
-                for m in modules:
-                    x = m(x)
-        return x
-
-    seq.__dict__[_MARK] = group
-    seq.forward = forward  # type: ignore[method-assign]
-    return [*marks, group]
-
-
-def _run_segment(modules: list[nn.Module]) -> Callable[[Any], Any]:
-    def run(x: Any) -> Any:
-        _SEGMENT.active = True
-        try:
-            for m in modules:
-                x = m(x)
-        finally:
-            _SEGMENT.active = False
-        return x
-
-    return run
+    return {model._module_owner(prefix + sub if sub else path) for sub, _ in module.named_modules()}
 
 
 def _owns(model: Any, path: str, module: nn.Module) -> bool:
     """Whether this rank owns ``module`` and everything inside it."""
-    me = int(model._pp_rank)
-    prefix = f"{path}." if path else ""
-    return all(model._module_owner(prefix + sub if sub else path) == me for sub, _ in module.named_modules())
+    return _owners(model, path, module) == {int(model._pp_rank)}
 
 
-def _check_partition(model: Any, marks: list[_Mark]) -> None:
+def _pipelined(model: Any) -> bool:
+    return model is not None and model._pp > 1 and model.partitioned
+
+
+def _split(model: Any, path: str, owners: set[int]) -> bool:
+    """A module split across partitions: an error with manual partitioning, else warn and skip."""
+    where = f"module {path or '<root>'!r} is split across pp_ranks {sorted(owners)}"
+    if not state.require()[0].auto_partition:
+        raise CheckpointingConfigError(
+            f"activation checkpointing: {where}; a checkpointed module must lie in one partition. "
+            "Assign it and all its submodules to one partition, or checkpoint its children instead"
+        )
+    log.warning("activation checkpointing skipped: %s by the automatic partition", where)
+    return False
+
+
+def _check_partition(model: Any, marks: list[activation.Mark]) -> None:
     """After partitioning: a checkpointed module must lie in one partition (smp's rule)."""
-    cfg = state.require()[0]
     root = model.module
     for mark in marks:
         module = root.get_submodule(mark.path) if mark.path else root
-        prefix = f"{mark.path}." if mark.path else ""
-        owners = {
-            model._module_owner(prefix + sub if sub else mark.path) for sub, _ in module.named_modules()
-        }
-        if len(owners) <= 1 or (isinstance(module, nn.Sequential) and module.__dict__.get(_MARK) is mark):
+        owners = _owners(model, mark.path, module)
+        if len(owners) <= 1 or (isinstance(module, nn.Sequential) and activation.mark_of(module) is mark):
             continue  # a Sequential's segments never span partitions
-        where = f"module {mark.path or '<root>'!r} is split across pp_ranks {sorted(owners)}"
-        if not cfg.auto_partition:
-            raise CheckpointingConfigError(
-                f"activation checkpointing: {where}; a checkpointed module must lie in one partition. "
-                "Assign it and all its submodules to one partition, or checkpoint its children instead"
-            )
-        log.warning("activation checkpointing skipped: %s by the automatic partition", where)
-        mark.enabled = False
+        mark.enabled = _split(model, mark.path, owners)
 
 
 def set_activation_checkpointing(
@@ -191,14 +108,11 @@ def set_activation_checkpointing(
             f"strategy={strategy!r} applies to nn.Sequential only; "
             f"{type(module).__name__} takes strategy='each'"
         )
-    k = strategy.removeprefix("group_")
-    if strategy not in ("each", "contiguous") and not (
-        strategy.startswith("group_") and k.isdigit() and int(k) > 0
-    ):
-        raise CheckpointingConfigError(
-            f"strategy={strategy!r}; expected 'each', 'contiguous' or 'group_<k>' with k >= 1"
-        )
-    path = next((p for p, m in model.module.named_modules() if m is module), None)
+    try:
+        activation.group_size(strategy)
+    except CheckpointArgumentError as exc:
+        raise _strategy_error(exc) from exc
+    path = _path(model, module)
     if path is None:
         raise CheckpointingConfigError(
             f"the {type(module).__name__} passed to set_activation_checkpointing is not part of the "
@@ -212,8 +126,102 @@ def set_activation_checkpointing(
     if pack_args_as_tuple:
         log.info("set_activation_checkpointing: pack_args_as_tuple is deprecated and has no effect")
     if sequential is not None:
-        marks = _mark_sequential(sequential, path, strategy, preserve_rng_state, model)
+        prefix = f"{path}." if path else ""
+        children = [(prefix + name, child) for name, child in sequential.named_children()]
+        marks = activation.mark_sequential(
+            sequential,
+            path,
+            strategy,
+            preserve_rng_state,
+            skip=is_tracing,
+            owner=lambda i: model._module_owner(children[i][0]),
+            local=lambda i: _owns(model, *children[i]),
+        )
     else:
-        marks = [_mark_module(module, path, preserve_rng_state)]
+        marks = [activation.mark_module(module, path, preserve_rng_state, skip=is_tracing)]
     if not model.partitioned:
         model.register_post_partition_hook(lambda m, _opt: _check_partition(m, marks))
+
+
+@contextlib.contextmanager
+def _checkpointed_remotely(model: Any, path: str) -> Iterator[None]:
+    """Calls of module ``path`` made inside ask its owner to run it under a checkpoint."""
+    flagged = model._runtime.remote.checkpointed
+    added = path not in flagged
+    flagged.add(path)
+    try:
+        yield
+    finally:
+        if added:
+            flagged.discard(path)
+
+
+def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True, **kwargs: Any) -> Any:
+    """``module(*args, **kwargs)`` with its activations recomputed in backward (smp's
+    ``smp.checkpoint``). Call it inside the model's forward, e.g. ``x = smp.checkpoint(self.block, x)``.
+    The module is checkpointed on the rank that owns it (see the module docstring)."""
+    if not isinstance(module, nn.Module):
+        raise CheckpointingConfigError(
+            f"smp.checkpoint checkpoints a module call; got {type(module).__name__}. Pass an nn.Module "
+            "(wrap a function in a module, or use torch.utils.checkpoint for functions)"
+        )
+    model = state.model
+    if is_tracing():
+        return module(*args, **kwargs)  # the partitioner measures the plain call
+    if not _pipelined(model):
+        return activation.checkpoint(module, *args, preserve_rng_state=preserve_rng_state, **kwargs)
+    path = _path(model, module)
+    if path is None:  # not part of the partitioned model: it runs here
+        return activation.checkpoint(module, *args, preserve_rng_state=preserve_rng_state, **kwargs)
+    owners = _owners(model, path, module)
+    if owners == {int(model._pp_rank)}:
+        return activation.checkpoint(module, *args, preserve_rng_state=preserve_rng_state, **kwargs)
+    if len(owners) == 1:
+        with _checkpointed_remotely(model, path):
+            return module(*args, **kwargs)
+    _split(model, path, owners)
+    return module(*args, **kwargs)
+
+
+def checkpoint_sequential(
+    sequential_module: nn.Sequential,
+    input: Any,
+    strategy: str = "each",
+    preserve_rng_state: bool = True,
+    pack_args_as_tuple: bool = False,
+) -> Any:
+    """Run ``sequential_module`` on ``input`` with its children checkpointed in segments (smp's
+    ``smp.checkpoint_sequential``). ``strategy``: ``"each"``, ``"group_<k>"`` or ``"contiguous"``.
+    ``pack_args_as_tuple``: a tuple passed between children goes to the next child as one argument
+    (else it is spread over its arguments)."""
+    if not isinstance(sequential_module, nn.Sequential):
+        raise CheckpointingConfigError(
+            f"smp.checkpoint_sequential needs an nn.Sequential; got {type(sequential_module).__name__}. "
+            "Use smp.checkpoint(module, *args) for other modules"
+        )
+    try:
+        activation.group_size(strategy)
+    except CheckpointArgumentError as exc:
+        raise _strategy_error(exc) from exc
+    model = state.model
+    path = _path(model, sequential_module) if _pipelined(model) else None
+    if is_tracing():
+        return activation.run_children(list(sequential_module), input, pack_args_as_tuple)
+    if path is None:
+        return activation.checkpoint_sequential(
+            sequential_module, input, strategy, preserve_rng_state, pack_args_as_tuple
+        )
+    prefix = f"{path}." if path else ""
+    children = [(prefix + name, child) for name, child in sequential_module.named_children()]
+    x = input
+    for segment in activation.segments(
+        strategy, len(children), lambda i: model._module_owner(children[i][0])
+    ):
+        part = [children[i] for i in segment]
+        if len(part) > 1 and all(_owns(model, p, m) for p, m in part):
+            x = activation.checkpoint_run([m for _, m in part], x, preserve_rng_state, pack_args_as_tuple)
+            continue
+        for _, child in part:
+            args = (x,) if pack_args_as_tuple or not isinstance(x, tuple) else x
+            x = checkpoint(child, *args, preserve_rng_state=preserve_rng_state)
+    return x
