@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mp as smp
-from mp.errors import MissingCheckpointFilesError, SMPCheckpointError
+from mp.errors import SMPCheckpointError
 
 PP2 = {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0}
 
@@ -116,7 +116,7 @@ def _crash(folder: Path, mode: str, point: str) -> str:
     proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, f"no rank died at {point}:\n{out[-3000:]}"
-    assert f"exits at {point.split(':')[0]}" in out, out[-3000:]
+    assert f"exits at {point.split(':', maxsplit=1)[0]}" in out, out[-3000:]
     return out
 
 
