@@ -144,7 +144,7 @@ def reduce_with_hook(
             grads = [p.grad for p in members if p.grad is not None]
             bucket = Bucket(index, grads, members, index == len(ranges) - 1)
             future = hook(hook_state, bucket)
-            if not isinstance(future, torch.futures.Future):
+            if not callable(getattr(future, "wait", None)):  # torch.futures.Future or torch._C.Future
                 raise SMPValidationError(
                     f"the comm hook returned a {type(future).__name__}; expected a "
                     "torch.futures.Future[torch.Tensor] (as torch DDP's comm hooks return). Fix: return "
