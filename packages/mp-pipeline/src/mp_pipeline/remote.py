@@ -88,7 +88,7 @@ class _Link:
         "microbatch",
         "module",
         "n_inputs",
-        "outputs",
+        "n_outputs",
         "position",
         "remote",
         "request_id",
@@ -105,7 +105,7 @@ class _Link:
         microbatch: int,
         position: tuple[str, ...],
         n_inputs: int,
-        outputs: list[torch.Tensor],
+        n_outputs: int,
     ) -> None:
         self.remote = remote
         self.dest = dest
@@ -115,7 +115,10 @@ class _Link:
         self.microbatch = microbatch
         self.position = position
         self.n_inputs = n_inputs
-        self.outputs = outputs
+        # Only the count: the outputs' grad_fn holds this link (through ctx), so a link holding the
+        # outputs would be a cycle through autograd's C++ graph that Python's collector cannot see,
+        # keeping every step's received activations and their graphs alive.
+        self.n_outputs = n_outputs
         self.grads: tuple[torch.Tensor | None, ...] | None = None
         self.backward_sent = False
         """The owner has been asked for this call's backward (it no longer keeps the outputs)."""
@@ -178,22 +181,24 @@ class _RemoteFunction(torch.autograd.Function):
     def backward(ctx: Any, token_grad: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         link: _Link = ctx.link
         grads, link.grads = link.grads, None
-        return (None, None, *link.backward(grads or (None,) * len(link.outputs)))
+        return (None, None, *link.backward(grads or (None,) * link.n_outputs))
 
 
 class _Unpack(torch.autograd.Function):
     """The received outputs of a remote call; backward only hands their gradients to the link."""
 
     @staticmethod
-    def forward(ctx: Any, link: _Link, token: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, link: _Link, received: list[torch.Tensor], token: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.link = link
         ctx.set_materialize_grads(False)
-        return tuple(link.outputs)
+        return tuple(received)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, torch.Tensor]:
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, None, torch.Tensor]:
         ctx.link.grads = grads
-        return None, torch.zeros(0)
+        return None, None, torch.zeros(0)
 
 
 class _Produced(NamedTuple):
@@ -332,11 +337,12 @@ class Remote:
                     microbatch,
                     position,
                     len(grad_inputs),
-                    [outputs[i] for i in wire],
+                    len(wire),
                 )
                 anchor = torch.empty(0, requires_grad=True)
                 token = _RemoteFunction.apply(link, anchor, *grad_inputs)  # type: ignore[no-untyped-call]
-                wired = _Unpack.apply(link, token)  # type: ignore[no-untyped-call]
+                received = [outputs[i] for i in wire]
+                wired = _Unpack.apply(link, received, token)  # type: ignore[no-untyped-call]
                 for i, t in zip(wire, wired, strict=True):
                     outputs[i] = t
                 if call is not None:
