@@ -40,6 +40,7 @@ from mp.model_extras import JoinState, check_constructor_args, join, reduce_with
 from mp.optimizer import keep_local_parameters
 from mp.partition_file import check_assignment, read_partition, write_partition
 from mp.state import state
+from mp.state_dicts import full_state_dict, layout_of, load_full_state_dict, local_layout_check
 from mp.tensor_api import replace_tp_modules
 from mp_comm import GroupKind, LoopbackTransport, Router, Transport, TransportConfig, World
 from mp_comm.world import mpi_comm_of
@@ -691,7 +692,8 @@ class DistributedModel(nn.Module):
 
     # -------------------------------------------------------------------------------- state dicts
     def local_state_dict(self, *args: Any, cast_to_cpu: bool = True, **kwargs: Any) -> dict[str, Any]:
-        """This rank's part of the model's state, with ``_smp_is_partial: True``."""
+        """This rank's part of the model's state (its stage, its TP shards), with ``_smp_is_partial``,
+        the partition (``_smp_partition``, pp > 1) and the layout (``_smp_layout``)."""
         out: dict[str, Any] = OrderedDict()
         for key, value in self.module.state_dict(keep_vars=False).items():
             if self._owner(key) != self._pp_rank:
@@ -702,6 +704,7 @@ class DistributedModel(nn.Module):
             # The partition travels with the parts: loaded before the first step of another run, it
             # replaces that run's own partitioning (which could differ: traced times vary).
             out["_smp_partition"] = dict(self._assignment)
+        out["_smp_layout"] = layout_of(self)
         return out
 
     def state_dict(  # type: ignore[override]
@@ -713,68 +716,58 @@ class DistributedModel(nn.Module):
         cast_to_cpu: bool = True,
         gather_to_rank0: bool = True,
     ) -> dict[str, Any]:
-        """The full state of the user's model (keys as ``module.state_dict()``), gathered from the
-        pipeline stages. Collective over the pipeline group: call it on every rank of the pipeline."""
-        if not self._partitioned or self._pp == 1:
-            full = self.module.state_dict(keep_vars=keep_vars)
-            return OrderedDict(
-                (
-                    prefix + k,
-                    v.detach().cpu() if cast_to_cpu and isinstance(v, torch.Tensor) and not keep_vars else v,
-                )
-                for k, v in full.items()
-            )
-        self._enter_collective("model.state_dict()")
-        local = self.local_state_dict(cast_to_cpu=True)
-        local.pop("_smp_is_partial", None)
-        parts: list[Any] = [None] * self._pp
-        dist.all_gather_object(parts, local, group=state.process_groups[GroupKind.PP])
-        merged: dict[str, Any] = OrderedDict()
-        for key in self.module.state_dict(keep_vars=True):
-            for part in parts:
-                if key in part:
-                    merged[prefix + key] = part[key]
-                    break
-        if destination is not None:
-            destination.update(merged)
-            return destination  # type: ignore[no-any-return]
-        return merged
+        """The full state of the user's model on every rank: the original module's key names (a
+        Hugging Face model's own, even under tensor parallelism) and full tensors, TP shards and
+        pipeline stages gathered. Collective over the TP and pipeline groups: call it on every rank
+        (or every ``rdp_rank() == 0`` rank, as smp asks). ``keep_vars`` returns the live tensors when
+        nothing needs gathering (pp = 1 or not yet partitioned, no TP)."""
+        gathers = any(True for _ in self.distributed_modules()) or (self._partitioned and self._pp > 1)
+        if keep_vars and not gathers:
+            return OrderedDict((prefix + k, v) for k, v in self.module.state_dict(keep_vars=True).items())
+        merged = full_state_dict(self, cast_to_cpu)
+        out: dict[str, Any] = destination if destination is not None else OrderedDict()
+        out.update((prefix + k, v) for k, v in merged.items())
+        return out
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True, *args: Any, **kwargs: Any) -> Any:
+    def load_state_dict(  # type: ignore[override]
+        self,
+        state_dict: Any,
+        strict: bool = True,
+        translate_function: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        same_partition_load: bool = True,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         """Load a full (``state_dict``) or partial (``local_state_dict``) state; keys with or without
-        ``module.``. A partial state must be this rank's part under the layout and partition it was
-        saved with (else IncompatibleCheckpointFoundError); before partitioning (pp > 1) it loads into
-        the whole module now and is checked, on every pipeline rank, once the model is partitioned."""
+        ``module.``; ``translate_function`` is applied to the state first.
+
+        A full state loads under any layout: each rank keeps its own TP shards and its stage. A partial
+        state must be this rank's part under the layout it was saved with (else
+        IncompatibleCheckpointFoundError); ``same_partition_load`` (pp > 1) makes this run use the
+        partition it was saved with. Before partitioning (pp > 1) a partial state loads into the whole
+        module now and is checked, on every pipeline rank, once the model is partitioned."""
         sd = dict(state_dict)
+        if translate_function is not None:
+            sd = dict(translate_function(sd))
         partial = bool(sd.pop("_smp_is_partial", False))
         saved_partition = sd.pop("_smp_partition", None)
+        saved_layout = sd.pop("_smp_layout", None)
         if sd and all(k.startswith("module.") for k in sd):
             sd = {k[len("module.") :]: v for k, v in sd.items()}
-        if partial:
-            if not self._partitioned and self._pp > 1:
-                if saved_partition is not None:
-                    self._pin_partition(saved_partition)
-                loaded = set(sd)
-                if strict:
-                    self.register_post_partition_hook(lambda m, _opt: m._check_partial_keys(loaded, True))
-                return self.module.load_state_dict(sd, strict=False)
+        if not partial:
+            return load_full_state_dict(self, sd, strict)
+        if isinstance(saved_layout, dict):
+            local_layout_check(self, saved_layout)
+        if not self._partitioned and self._pp > 1:
+            if saved_partition is not None and same_partition_load:
+                self._pin_partition(saved_partition)
+            loaded = set(sd)
             if strict:
-                self._check_partial_keys(set(sd), False)
+                self.register_post_partition_hook(lambda m, _opt: m._check_partial_keys(loaded, True))
             return self.module.load_state_dict(sd, strict=False)
-        if not self._partitioned or self._pp == 1:
-            return self.module.load_state_dict(sd, strict=strict)
-        keys = set(self.module.state_dict(keep_vars=True))
-        local = {k for k in keys if self._owner(k) == self._pp_rank}
-        subset = {k: v for k, v in sd.items() if k in local}
         if strict:
-            missing = sorted(local - set(subset))
-            unexpected = sorted(set(sd) - keys)
-            if missing or unexpected:
-                raise RuntimeError(
-                    f"load_state_dict: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}; "
-                    "expected the keys of the wrapped model's state_dict() (pass strict=False to ignore)"
-                )
-        return self.module.load_state_dict(subset, strict=False)
+            self._check_partial_keys(set(sd), False)
+        return self.module.load_state_dict(sd, strict=False)
 
     def _module_paths(self) -> Iterator[str]:
         """The paths of the wrapped model's modules (what a partition assigns)."""

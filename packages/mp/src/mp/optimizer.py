@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from mp.errors import IncompatibleCheckpointFoundError, SMPValidationError
+from mp.optimizer_state import has_tp_roots, load_named_state, named_state
 from mp.state import state
+from mp.state_dicts import layout_of, local_layout_check
 from mp_comm import GroupKind
 
 __all__ = ["DistributedOptimizer", "keep_local_parameters"]
@@ -68,19 +70,45 @@ def _pipelined(model: Any) -> bool:
 
 
 def _local_state_dict(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> dict[str, Any]:
-    """This rank's optimizer state, with the names of its parameters (checked when loading)."""
+    """This rank's optimizer state, with the names of its parameters and the layout (checked when
+    loading: a TP shard's state must not load on another tp_rank)."""
     sd = dict(torch.optim.Optimizer.state_dict(self))
     sd["_smp_is_partial"] = True
     sd["_smp_param_names"] = _param_names(self)
+    if state.model is not None:
+        sd["_smp_layout"] = layout_of(state.model)
     return sd
+
+
+def _param_name_to_index(self: torch.optim.Optimizer) -> dict[str, int]:
+    """smp's extra: each local parameter's name (as ``model.named_parameters()`` gives it) and its index
+    in ``local_state_dict()``."""
+    model = state.model
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    flat = [p for group in self.param_groups for p in group["params"]]
+    return {names[id(p)]: i for i, p in enumerate(flat) if id(p) in names}
+
+
+def _param_index_to_name(self: torch.optim.Optimizer) -> dict[int, str]:
+    """The inverse of ``param_name_to_index``."""
+    return {i: n for n, i in _param_name_to_index(self).items()}
 
 
 def _state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
     """The full optimizer state, numbered as the unpartitioned optimizer numbers its parameters.
 
-    With pp > 1 it is gathered over the pipeline group: call it on every rank of the pipeline."""
-    local = torch.optim.Optimizer.state_dict(self)
+    With pp > 1 it is gathered over the pipeline group: call it on every rank of the pipeline. It
+    carries the full groups' parameter names (``_smp_param_names``). Under tensor parallelism it is keyed
+    by the original model's parameter names instead, with full tensors (``mp.optimizer_state``):
+    collective over the TP group too."""
     model = state.model
+    if has_tp_roots(model):
+        assert model is not None
+        return named_state(self, model, _all_params(self))
+    local = dict(torch.optim.Optimizer.state_dict(self))
+    if model is not None:
+        names = {id(p): n for n, p in model.module.named_parameters()}
+        local["_smp_param_names"] = [[names.get(id(p)) for p in g] for g in _all_params(self)]
     if not _pipelined(model):
         return local
     flat = [i for group in _global_indices(self) for i in group]
@@ -101,7 +129,8 @@ def _state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
         {**{k: v for k, v in g.items() if k != "params"}, "params": list(range(offsets[gi], offsets[gi + 1]))}
         for gi, g in enumerate(local["param_groups"])
     ]
-    return {"state": dict(sorted(merged.items())), "param_groups": groups}
+    names = local["_smp_param_names"]
+    return {"state": dict(sorted(merged.items())), "param_groups": groups, "_smp_param_names": names}
 
 
 def _localize(optimizer: torch.optim.Optimizer, full: dict[str, Any]) -> dict[str, Any]:
@@ -139,7 +168,16 @@ def _load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) ->
     sd = dict(state_dict)
     partial = bool(sd.pop("_smp_is_partial", False))
     names = sd.pop("_smp_param_names", None)
+    saved_layout = sd.pop("_smp_layout", None)
     model = state.model
+    if sd.pop("_smp_keyed_by_name", False) or (not partial and names is not None and has_tp_roots(model)):
+        assert model is not None
+        if not sd.get("param_groups") or not isinstance(sd["param_groups"][0]["params"][0], str):
+            sd = _by_name(sd, names)  # saved without TP, loading with it
+        load_named_state(self, model, sd, _all_params(self))
+        return
+    if partial and model is not None and isinstance(saved_layout, dict):
+        local_layout_check(model, saved_layout)
     if partial and model is not None and not model.partitioned and model._pp > 1:
         model.register_post_partition_hook(lambda _model, _opt: _load_local(self, sd, names))
         return
@@ -149,6 +187,15 @@ def _load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) ->
         torch.optim.Optimizer.load_state_dict(self, _localize(self, sd))
     else:
         torch.optim.Optimizer.load_state_dict(self, sd)
+
+
+def _by_name(sd: dict[str, Any], names: list[list[str | None]]) -> dict[str, Any]:
+    """An index-numbered full state turned into the name-keyed form, by the names it carries."""
+    flat = [n for group in names for n in group]
+    groups = []
+    for group, listed in zip(sd["param_groups"], names, strict=True):
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(listed)})
+    return {"state": {flat[i]: st for i, st in sd["state"].items()}, "param_groups": groups}
 
 
 def _load_local(optimizer: torch.optim.Optimizer, sd: dict[str, Any], names: Any) -> None:
@@ -254,6 +301,12 @@ def DistributedOptimizer(
     optimizer.load_state_dict = types.MethodType(_load_state_dict, optimizer)  # type: ignore[method-assign]
     optimizer.state_dict = types.MethodType(_state_dict, optimizer)  # type: ignore[method-assign]
     optimizer.clip_master_grads = types.MethodType(_clip_master_grads, optimizer)  # type: ignore[attr-defined]
+    for name, fn in (
+        ("local_optimizer_state_dict", _local_state_dict),  # smp's extras
+        ("param_name_to_index", _param_name_to_index),
+        ("param_index_to_name", _param_index_to_name),
+    ):
+        setattr(optimizer, name, types.MethodType(fn, optimizer))
     state.optimizer = optimizer
     model = state.model
     if model is not None and model.partitioned:

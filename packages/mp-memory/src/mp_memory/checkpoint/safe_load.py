@@ -89,6 +89,7 @@ _META: dict[str, type | tuple[type, ...]] = {
     "_smp_partition": dict,
     "_smp_param_names": list,
     "_smp_layout": dict,
+    "_smp_keyed_by_name": bool,
 }
 
 

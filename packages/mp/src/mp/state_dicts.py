@@ -1,0 +1,142 @@
+"""The model's state dicts in smp's two forms, for `DistributedModel`.
+
+- Full (``state_dict``): the whole model with the original module's key names and full tensors:
+  tensor-parallel shards all-gathered over the TP group and translated back by their replacement's
+  ``to_original`` (a Hugging Face model's own names), pipeline stages all-gathered over the PP group.
+  It loads into the unwrapped model with ``load_state_dict(strict=True)``, and into a
+  ``DistributedModel`` of any layout, each rank keeping its own shards.
+- Local (``local_state_dict``): this rank's stage, TP shards as they are, with ``_smp_is_partial`` and
+  ``_smp_layout`` (the pp/tp degrees and ranks and each shard's split dimension), so that loading it on
+  another rank or layout is refused instead of silently taking another rank's shard.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from mp.errors import IncompatibleCheckpointFoundError
+from mp.state import state
+from mp_comm import GroupKind
+from mp_tensor import gather_state_dict, load_original_state_dict
+from mp_tensor.nn.base import DistributedModule, param_spec
+from mp_tensor.state_dict import distributed_roots
+
+if TYPE_CHECKING:
+    from mp.model import DistributedModel
+
+__all__ = ["full_state_dict", "layout_of", "load_full_state_dict", "local_layout_check"]
+
+
+def _cpu(v: Any, cast_to_cpu: bool) -> Any:
+    return v.detach().cpu() if cast_to_cpu and isinstance(v, torch.Tensor) else v
+
+
+def _roots(model: DistributedModel) -> list[tuple[str, DistributedModule]]:
+    return list(distributed_roots(model.module))
+
+
+def _stage_state(model: DistributedModel, cast_to_cpu: bool) -> OrderedDict[str, Any]:
+    """This stage's part of the full state (every stage's when not partitioned), original names."""
+    pipelined = model._partitioned and model._pp > 1
+    roots = _roots(model)
+    out: OrderedDict[str, Any] = OrderedDict()
+    done: set[str] = set()
+    for key, value in model.module.state_dict().items():
+        if pipelined and model._owner(key) != model._pp_rank:
+            continue
+        root = next(((p, m) for p, m in roots if key.startswith(p)), None)
+        if root is None:
+            out[key] = _cpu(value, cast_to_cpu)
+        elif root[0] not in done:
+            done.add(root[0])
+            # Collective over the TP group: its ranks hold the same stage and walk the same keys.
+            for k, v in gather_state_dict(root[1]).items():
+                out[root[0] + k] = _cpu(v, cast_to_cpu)
+    return out
+
+
+def full_state_dict(model: DistributedModel, cast_to_cpu: bool) -> OrderedDict[str, Any]:
+    """The full, gathered state (see the module docstring); collective over the TP and PP groups."""
+    stage = _stage_state(model, cast_to_cpu)
+    if not (model._partitioned and model._pp > 1):
+        return stage
+    model._enter_collective("model.state_dict()")
+    parts: list[Any] = [None] * model._pp
+    dist.all_gather_object(parts, stage, group=state.process_groups[GroupKind.PP])
+    merged: OrderedDict[str, Any] = OrderedDict()
+    for part in sorted(parts, key=lambda p: _first_position(model, p)):
+        merged.update(part)
+    return merged
+
+
+def _first_position(model: DistributedModel, part: dict[str, Any]) -> int:
+    """Where a stage's first key sits in the model's order (stages hold contiguous runs mostly)."""
+    order = {k: i for i, k in enumerate(model.module.state_dict(keep_vars=True))}
+    return min((order.get(k, len(order)) for k in part), default=len(order))
+
+
+def load_full_state_dict(model: DistributedModel, sd: dict[str, Any], strict: bool) -> Any:
+    """Load a full state (original names, full tensors): every rank keeps its own TP shards and, once
+    partitioned, only its stage. Returns torch's ``(missing_keys, unexpected_keys)`` for the rest."""
+    pipelined = model._partitioned and model._pp > 1
+    roots = _roots(model)
+    rest = {k: v for k, v in sd.items() if not any(k.startswith(p) for p, _ in roots)}
+    for prefix, root in roots:
+        part = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
+        if pipelined and model._module_owner(prefix[:-1]) != model._pp_rank:
+            continue
+        if not part and not strict:
+            continue
+        own = set(root.state_dict(keep_vars=True))
+        if part and set(part) <= own:  # full tensors under the distributed module's own names
+            root.load_full_state_dict(part, strict=strict)
+        else:
+            load_original_state_dict(root, part, strict=strict)
+    expected = {
+        k
+        for k in model.module.state_dict(keep_vars=True)
+        if not any(k.startswith(p) for p, _ in roots) and (not pipelined or model._owner(k) == model._pp_rank)
+    }
+    every = {k for k in model.module.state_dict(keep_vars=True) if not any(k.startswith(p) for p, _ in roots)}
+    local = {k: v for k, v in rest.items() if k in expected}
+    if strict:
+        missing = sorted(expected - set(rest))
+        unexpected = sorted(set(rest) - every)
+        if missing or unexpected:
+            raise RuntimeError(
+                f"load_state_dict: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}; expected "
+                "the keys of model.state_dict() (the original module's names; pass strict=False to ignore)"
+            )
+    return model.module.load_state_dict(local, strict=False)
+
+
+def layout_of(model: DistributedModel) -> dict[str, Any]:
+    """``_smp_layout`` of a local state dict: degrees, ranks, and each TP shard's split dimension."""
+    tp = state.process_groups.get(GroupKind.TP) if state.initialized else None
+    tp_size = dist.get_world_size(tp) if tp is not None else 1
+    tp_rank = dist.get_rank(tp) if tp is not None else 0
+    split: dict[str, int] = {}
+    for prefix, root in _roots(model):
+        for name, p in root.named_parameters():
+            spec = param_spec(p)
+            if spec is not None and spec.split_dim is not None:
+                split[prefix + name] = spec.split_dim % max(p.dim(), 1)
+    return {"pp": model._pp, "pp_rank": model._pp_rank, "tp": tp_size, "tp_rank": tp_rank, "split": split}
+
+
+def local_layout_check(model: DistributedModel, saved: dict[str, Any]) -> None:
+    """Refuse a local state saved by another TP rank or degree when it holds TP shards."""
+    if not saved.get("split"):
+        return
+    mine = layout_of(model)
+    if (saved.get("tp"), saved.get("tp_rank")) != (mine["tp"], mine["tp_rank"]):
+        raise IncompatibleCheckpointFoundError(
+            f"this partial state dict holds the tensor-parallel shards of tp_rank {saved.get('tp_rank')} of "
+            f"{saved.get('tp')}; this rank is tp_rank {mine['tp_rank']} of {mine['tp']}: load each rank's "
+            "own part (smp.load(..., partial=True) picks it), or load the full model.state_dict(), which "
+            "loads under any layout"
+        )
