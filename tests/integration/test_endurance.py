@@ -1,4 +1,5 @@
-"""Memory stays flat over a few hundred training steps, on every rank, on each training path.
+"""Memory stays flat over a few hundred training steps, on every rank, on each training path
+(pipeline under each schedule and mode, data parallelism, tensor parallelism).
 
 Short tests prove equality; only a long run shows a leak. Each case trains 200 steps and compares the
 rank's live tensors (counted by the garbage collector) and its resident memory at step 200 with step
@@ -9,6 +10,7 @@ room only for tensors in flight and allocator noise.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from typing import Any
 
@@ -32,6 +34,7 @@ PATHS: dict[str, dict[str, Any]] = {
     "pp2-static": {"pipeline_parallel_degree": 2, "microbatches": 4, "static_mode": True},
     "pp2-fast": {"pipeline_parallel_degree": 2, "microbatches": 4, "fast_mode": True},
     "dp2": {"pipeline_parallel_degree": 1, "microbatches": 2, "ddp": True},
+    "tp2": {"tensor_parallel_degree": 2, "microbatches": 2, "ddp": True},
 }
 
 
@@ -61,7 +64,11 @@ def _live_tensors() -> int:
 def _train(world: Any, config: dict[str, Any]) -> dict[str, Any]:
     smp.init(config)
     torch.manual_seed(0)
-    model = smp.DistributedModel(Blocks())
+    tp = config.get("tensor_parallel_degree", 1) > 1
+    with smp.tensor_parallelism() if tp else contextlib.nullcontext():
+        net = Blocks()
+    model = smp.DistributedModel(net)
+    assert not tp or any(model.distributed_modules()), "tp2 must train distributed layers"
     optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
 
     @smp.step
