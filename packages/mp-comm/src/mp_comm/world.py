@@ -129,8 +129,18 @@ def _set_thread_count(info: WorldInfo, environ: Mapping[str, str]) -> None:
     torch.set_num_threads(max(1, cores if info.bound else cores // max(1, info.local_size)))
 
 
-def _free_port_store(host: str, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
-    return dist.TCPStore(host, 0, world_size, True, timeout=timeout, wait_for_workers=False)
+def _free_port_store(
+    host: str, world_size: int, timeout: datetime.timedelta, port: int | None = None
+) -> dist.TCPStore:
+    try:
+        return dist.TCPStore(host, port or 0, world_size, True, timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:
+        if not port:
+            raise
+        raise WorldError(
+            f"rank 0 cannot listen on port {port} for the rendezvous store ({exc}); expected a free TCP "
+            "port. Fix: choose another port, or none (a free one is picked)"
+        ) from exc
 
 
 @dataclass
@@ -327,6 +337,7 @@ def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> i
 def init_world(
     *,
     backend: str | None = None,
+    port: int | None = None,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     environ: Mapping[str, str] | None = None,
     validate: Callable[[WorldInfo], None] | None = None,
@@ -339,6 +350,9 @@ def init_world(
 
     If torch.distributed is already initialized (a user script that called init_process_group, or
     a second call), the existing default group is adopted and not torn down by `shutdown`.
+
+    `port` fixes the rendezvous store's TCP port (rank 0 listens on it; under torchrun it replaces
+    MASTER_PORT); None picks a free one under MPI and keeps the launcher's under torchrun.
     """
     env = os.environ if environ is None else environ
     launcher = detect_launcher(env)
@@ -390,14 +404,24 @@ def init_world(
         host = env.get("MASTER_ADDR", host)
         store: dist.Store
         if info.rank == 0:
-            store = _free_port_store(host, info.size, timeout)
+            store = _free_port_store(host, info.size, timeout, port)
             port = mpi_comm.bcast(store.port, root=0)
         else:
             port = mpi_comm.bcast(None, root=0)
             store = dist.TCPStore(host, port, info.size, False, timeout=timeout)
         dist.init_process_group(chosen, store=store, rank=info.rank, world_size=info.size, timeout=timeout)
     elif launcher is Launcher.TORCHRUN:
-        dist.init_process_group(chosen, init_method="env://", timeout=timeout)
+        if port:  # a store of mp's own (torchrun's tcp:// handler would look for its agent's store there)
+            master = env.get("MASTER_ADDR", "127.0.0.1")
+            if info.rank == 0:
+                store = _free_port_store(master, info.size, timeout, port)
+            else:
+                store = dist.TCPStore(master, port, info.size, False, timeout=timeout)
+            dist.init_process_group(
+                chosen, store=store, rank=info.rank, world_size=info.size, timeout=timeout
+            )
+        else:
+            dist.init_process_group(chosen, init_method="env://", timeout=timeout)
     else:
         dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     if launcher is Launcher.MPI and info.size > 1:

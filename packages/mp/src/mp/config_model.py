@@ -72,8 +72,8 @@ class ModelParallelConfig:
     """Whether each partition must be a connected part of the graph (a TensorFlow option in smp;
     accepted for compatibility)."""
     horovod: bool = _key(False, KeySpec(kind="bool", example="false"))
-    """smp: data parallelism through Horovod (TensorFlow). Accepted and informational in mp, which does
-    data parallelism itself; it may not be true together with ``ddp`` (smp's rule)."""
+    """smp: data parallelism through Horovod (TensorFlow). mp has no Horovod: ``smp.init`` refuses true
+    (mp.dp_backend); it may not be true together with ``ddp`` either (smp's rule)."""
     memory_weight: float | None = _key(
         None, KeySpec(kind="float", minimum=0.0, maximum=1.0, nullable=True, example="0.8")
     )
@@ -90,13 +90,15 @@ class ModelParallelConfig:
     ddp_port: int | None = _key(
         None, KeySpec(kind="int", minimum=0, maximum=65535, nullable=True, example="29500")
     )
-    """TCP port for the torch.distributed rendezvous (smp source only). None or 0 leaves the choice to
-    the launcher (MASTER_PORT). smp required ``ddp`` for it; mp does not (``ddp`` is informational)."""
+    """TCP port for the torch.distributed rendezvous store (smp source only): rank 0 listens on it (under
+    torchrun it replaces MASTER_PORT). None or 0 leaves the choice to mp (a free port under mpiexec) or
+    the launcher. smp required ``ddp`` for it; mp does not (``ddp`` is informational)."""
     ddp_dist_backend: Literal["auto", "nccl", "gloo"] = _key(
         "auto", KeySpec(kind="str", choices=("auto", "nccl", "gloo"), example='"auto"')
     )
     """Collective backend. "auto" (documented default from smp 1.13; smp 1.12.1's source had "nccl" as
-    the only choice) picks NCCL on GPUs and gloo on CPU; mp adds "gloo"."""
+    the only choice) picks NCCL on GPUs and gloo on CPU; "nccl" asks for NCCL (an error without CUDA;
+    gloo stays beside it for CPU tensors); mp adds "gloo", which carries CUDA tensors through the host."""
 
     # ----------------------------------------------------------------- pipeline runtime
     active_microbatches: int | None = _key(None, KeySpec(kind="int", minimum=1, nullable=True, example="2"))
@@ -207,7 +209,8 @@ class ModelParallelConfig:
     )
     """Internal smp key: a per-task activation loading horizon; None leaves it to the runtime."""
     herring: bool = _key(False, KeySpec(kind="bool", example="false"))
-    """Internal smp key: use SageMaker's data-parallel library (herring). Accepted and informational."""
+    """Internal smp key: use SageMaker's data-parallel library (herring), which mp does not have:
+    ``smp.init`` refuses true."""
     load_partition: bool = _key(False, KeySpec(kind="bool", example="false"))
     """Internal smp key: read the partition decision from ``partition_file`` instead of computing it
     (no tracing); requires ``partition_file``."""

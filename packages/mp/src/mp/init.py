@@ -11,6 +11,7 @@ import torch.distributed as dist
 from mp.atp_setup import setup_atp_mesh
 from mp.config import ConfigSource, load_config, validate_world
 from mp.config_rules import refuse_not_built
+from mp.dp_backend import check_engines, world_backend, world_port
 from mp.state import State, state
 from mp_comm import GroupKind, WorldInfo, build_topology, init_world
 
@@ -41,7 +42,8 @@ def init(config: ConfigSource = None) -> None:
             gpus = None  # ranks may share GPUs (testing on one GPU); collectives then go through gloo
         validate_world(cfg, info.size, info.local_size, gpus)
 
-    world = init_world(validate=check)
+    check_engines(cfg)  # ddp_dist_backend, ddp_port, horovod, herring (mp.dp_backend)
+    world = init_world(validate=check, backend=world_backend(cfg), port=world_port(cfg))
     topology = build_topology(
         world.size,
         cfg.pipeline_parallel_degree,
