@@ -226,13 +226,11 @@ _NOT_BUILT: tuple[tuple[str, Callable[[ModelParallelConfig], object], str], ...]
         lambda c: c.activation_loading_horizon != 4,
         "sets how many tasks ahead offloaded activations are loaded back",
     ),
-    ("bf16", lambda c: c.bf16, "trains with bf16 parameters and fp32 master weights in the optimizer"),
     (
         "delayed_parameter_initialization",
         lambda c: c.delayed_parameter_initialization,
         "creates parameters on the meta device and materializes only this rank's partition",
     ),
-    ("fp16", lambda c: c.fp16, "trains with fp16 parameters, fp32 master weights and loss scaling"),
     (
         "offload_activations",
         lambda c: c.offload_activations,

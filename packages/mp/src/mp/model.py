@@ -39,11 +39,13 @@ from mp.errors import (
 from mp.model_extras import JoinState, check_constructor_args, join, reduce_with_hook, register_comm_hook
 from mp.optimizer import keep_local_parameters
 from mp.partition_file import check_assignment, read_partition, write_partition
+from mp.precision import half_dtype
 from mp.state import state
 from mp.state_dicts import full_state_dict, layout_of, load_full_state_dict, local_layout_check
 from mp.tensor_api import replace_tp_modules
 from mp_comm import GroupKind, LoopbackTransport, Router, Transport, TransportConfig, World
 from mp_comm.world import mpi_comm_of
+from mp_memory.precision import cast_floats
 from mp_partition import PartitionPlan, Tracer, auto_partition, manual_partition
 from mp_pipeline import (
     FlowChangedError,
@@ -168,6 +170,10 @@ class DistributedModel(nn.Module):
         # Tensor parallelism: marked modules become their distributed versions now, at wrap time
         # (smp's order), copying the original weights into this rank's shards.
         self.module = replace_tp_modules(module) if cfg.tp > 1 else module
+        # fp16/bf16 (smp's FP16_Module): the parameters in half precision; inputs cast in forward
+        self._half = half_dtype(cfg.precision)
+        if self._half is not None:
+            self.module.to(self._half)
         self._pp: int = cfg.pipeline_parallel_degree
         self._rank = world.rank
         self._pp_rank = topo.coords(world.rank).pp_rank
@@ -227,6 +233,9 @@ class DistributedModel(nn.Module):
                 "the DistributedModel's forward ran outside an @smp.step function with "
                 f"pipeline_parallel_degree={self._pp}; call the model inside the step function"
             )
+        if self._half is not None:  # as smp's FP16_Module: half inputs, fp32 outputs
+            args, kwargs = cast_floats((args, kwargs), self._half)
+            return cast_floats(self.module(*args, **kwargs), torch.float32)
         return self.module(*args, **kwargs)
 
     def backward(
@@ -249,13 +258,15 @@ class DistributedModel(nn.Module):
             grads = [grad_tensors]
         else:
             grads = list(grad_tensors)
-        if self._grad_scale != 1.0:  # average over microbatches: scale the gradient seeds
+        # average over microbatches, and the fp16 loss scale: scale the gradient seeds
+        seed_scale = self._grad_scale * float(getattr(state.optimizer, "loss_scale", 1.0))
+        if seed_scale != 1.0:
             scaled: list[torch.Tensor | None] = []
             for t, g in zip(outs, grads, strict=True):
                 if g is not None:
-                    scaled.append(g * self._grad_scale)
+                    scaled.append(g * seed_scale)
                 elif t.numel() == 1:
-                    scaled.append(torch.full_like(t, self._grad_scale))
+                    scaled.append(torch.full_like(t, seed_scale))
                 else:
                     scaled.append(None)  # torch raises its own "grad can be implicitly created" error
             grads = scaled

@@ -227,12 +227,21 @@ def _clip_master_grads(self: torch.optim.Optimizer, max_norm: float, norm_type: 
     every stage by a different norm. Tensor-parallel shards count once each (summed over the TP
     group); parameters replicated across the TP group count once.
     """
+    pairs = [(p, p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
+    return clip_by_global_norm(pairs, max_norm, norm_type)
+
+
+def clip_by_global_norm(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Clip the gradients of (parameter, gradient) pairs by the whole model's norm (see
+    ``clip_master_grads``; the parameter tells whether its gradient is a tensor-parallel shard)."""
     from mp_tensor import is_distributed_parameter
 
     if norm_type not in (2.0, float("inf")):
         raise SMPValidationError(f"norm_type={norm_type!r}; expected 2.0 or float('inf')")
-    grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-    sharded = {id(p.grad) for g in self.param_groups for p in g["params"] if is_distributed_parameter(p)}
+    grads = [g for _, g in pairs]
+    sharded = {id(g) for p, g in pairs if is_distributed_parameter(p)}
     inf = norm_type == float("inf")
 
     def combine(ts: list[torch.Tensor]) -> torch.Tensor:
@@ -266,8 +275,8 @@ def _pp_rank() -> int:
 
 
 def _refuse_loss_scaling(static: float | None, dynamic: bool, dynamic_args: dict[str, Any]) -> None:
-    """smp scales the loss only under fp16, which mp does not build yet: a script asking for loss scaling
-    must not train without it unnoticed."""
+    """smp's loss scaling takes effect only under fp16: without it, a script asking for loss scaling
+    must not train unscaled unnoticed."""
     given = []
     if static not in (None, 1.0):
         given.append(f"static_loss_scale={static!r}")
@@ -276,11 +285,24 @@ def _refuse_loss_scaling(static: float | None, dynamic: bool, dynamic_args: dict
     given += [f"{k}={v!r}" for k, v in dynamic_args.items()]
     if given:
         raise SMPValidationError(
-            f"smp.DistributedOptimizer got {', '.join(given)}: smp's fp16 loss scaling, which mp does not "
-            "build yet (the 'fp16' config key is refused for the same reason). Expected the defaults "
-            "(static_loss_scale=1.0, dynamic_loss_scale=False, no dynamic_loss_args). Fix: remove these "
-            "arguments; for mixed precision use torch.autocast with smp.amp.GradScaler (docs/pipeline.md)"
+            f"smp.DistributedOptimizer got {', '.join(given)}: smp's fp16 loss scaling, which takes effect "
+            "only with the config key 'fp16': true (this run trains in fp32). Expected the defaults "
+            "(static_loss_scale=1.0, dynamic_loss_scale=False, no dynamic_loss_args). Fix: set 'fp16': true "
+            "in the config, or remove these arguments"
         )
+
+
+def _loss_args(dynamic_loss_args: dict[str, Any]) -> dict[str, Any]:
+    """smp's docs pass ``dynamic_loss_args={...}``, its signature took ``**dynamic_loss_args``: both."""
+    args = dict(dynamic_loss_args)
+    nested = args.pop("dynamic_loss_args", None)
+    if nested is not None:
+        if not isinstance(nested, dict):
+            raise SMPValidationError(
+                f"dynamic_loss_args={nested!r}; expected a dict such as {{'init_scale': 2**16}}"
+            )
+        args.update(nested)
+    return args
 
 
 def DistributedOptimizer(
@@ -288,11 +310,14 @@ def DistributedOptimizer(
     static_loss_scale: float | None = 1.0,
     dynamic_loss_scale: bool = False,
     **dynamic_loss_args: Any,
-) -> torch.optim.Optimizer:
-    """Register ``optimizer`` with mp and return it (see the module docstring). The loss-scale
-    arguments are smp's fp16 loss scaling, which mp does not build yet: any but the defaults raise."""
-    state.require()
-    _refuse_loss_scaling(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
+) -> Any:
+    """Register ``optimizer`` with mp and return it (see the module docstring). Under ``fp16``/``bf16``
+    it returns smp's half-precision optimizer instead (``mp.precision``: fp32 master weights, loss
+    scaling with these arguments under fp16; ``.optimizer`` is the one passed in)."""
+    cfg = state.require()[0]
+    loss_args = _loss_args(dynamic_loss_args)
+    if cfg.precision == "fp32":
+        _refuse_loss_scaling(static_loss_scale, dynamic_loss_scale, loss_args)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise SMPValidationError(
             f"smp.DistributedOptimizer needs a torch.optim.Optimizer; got {type(optimizer).__name__}"
@@ -307,8 +332,15 @@ def DistributedOptimizer(
         ("param_index_to_name", _param_index_to_name),
     ):
         setattr(optimizer, name, types.MethodType(fn, optimizer))
-    state.optimizer = optimizer
+    registered: Any = optimizer
+    if cfg.precision != "fp32":
+        from mp.precision import bit16_optimizer
+
+        registered = bit16_optimizer(
+            optimizer, cfg.precision, static_loss_scale, dynamic_loss_scale, loss_args
+        )
+    state.optimizer = registered
     model = state.model
     if model is not None and model.partitioned:
-        keep_local_parameters(optimizer, model._is_remote)
-    return optimizer
+        keep_local_parameters(registered, model._is_remote)
+    return registered

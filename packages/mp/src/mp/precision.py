@@ -1,0 +1,232 @@
+"""smp's fp16 and bf16 training (the ``fp16``/``bf16`` config keys), wired from ``mp_memory.precision``.
+
+- ``smp.DistributedModel`` casts the model to fp16/bf16 (smp's FP16_Module): floating-point inputs are
+  cast to that dtype, floating-point outputs back to fp32.
+- ``smp.DistributedOptimizer`` returns a :class:`DistributedBit16Optimizer`: fp32 master weights for this
+  rank's parameters, made once the model is partitioned; ``optimizer.optimizer`` is the user's optimizer
+  (give it to LR schedulers, as smp's docs say).
+- fp16: ``model.backward(loss)`` (or ``optimizer.backward(loss)``) multiplies the loss by the current
+  loss scale; ``optimizer.step()`` skips the step on every rank when any rank's gradients overflowed
+  (``optimizer.overflow``), and the dynamic scaler lowers its scale.
+- ``optimizer.clip_master_grads(max_norm)`` clips the unscaled fp32 master gradients by the whole
+  model's norm (across pipeline stages and tensor-parallel shards).
+- Optimizer state dicts hold the masters, the optimizer state and the scaler, keyed by parameter name:
+  ``local_state_dict()`` this rank's, ``state_dict()`` gathered over the pipeline; either loads under any
+  pipeline layout (each rank takes its own parameters' entries).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mp.errors import IncompatibleCheckpointFoundError, SMPValidationError
+from mp.optimizer import clip_by_global_norm
+from mp.state import state
+from mp_comm import GroupKind
+from mp_memory.errors import PrecisionError
+from mp_memory.loss_scaler import make_loss_scaler
+from mp_memory.precision import HALF_DTYPES, Bit16Optimizer
+
+__all__ = ["DistributedBit16Optimizer", "bit16_optimizer", "half_dtype"]
+
+
+def half_dtype(precision: str) -> torch.dtype | None:
+    """The parameters' dtype for a config's ``precision`` (None for fp32)."""
+    return HALF_DTYPES.get(precision)
+
+
+def _agree(flag: bool) -> bool:
+    """One rank's overflow becomes every rank's: all skip the same steps and keep the same scale."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def _cpu(v: Any) -> Any:
+    return v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+
+
+class DistributedBit16Optimizer(Bit16Optimizer):
+    """smp's fp16/bf16 optimizer (Bit16_Optimizer) over this rank's parameters (module docstring)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, precision: str, scaler: Any) -> None:
+        super().__init__(optimizer, scaler, agree=_agree, check_overflow=precision == "fp16")
+        self.precision = precision
+        self._pending: dict[str, Any] | None = None
+
+    def _ready(self, what: str) -> None:
+        """Make the masters (once the groups hold only this rank's parameters) and load a pending state."""
+        if self.masters_ready:
+            return
+        model = state.model
+        if model is not None and model._pp > 1 and not model.partitioned:
+            raise SMPValidationError(
+                f"optimizer.{what}() under {self.precision} needs the model partitioned (the fp32 master "
+                "weights are made for this rank's parameters only); call it after the first @smp.step"
+            )
+        self.make_masters()
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._apply(pending)
+
+    # -- training --------------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """``model.backward(loss)``: the loss is scaled there (smp scripts call either)."""
+        model = state.model
+        if model is None:
+            raise SMPValidationError("optimizer.backward(loss) needs a DistributedModel")
+        model.backward(loss)
+
+    def update_master_grads(self) -> None:
+        """Unscale the gradients into the fp32 masters now (``step`` and ``clip_master_grads`` do it
+        themselves; kept for scripts written for smp's FP16 optimizer)."""
+        self._ready("update_master_grads")
+        self.prepare_grads()
+
+    def step(self, closure: Any = None) -> Any:
+        self._ready("step")
+        return super().step(closure)
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the fp32 master gradients by the whole model's norm; returns the norm (inf when the step
+        overflowed: nothing is clipped and ``step()`` will skip). Collective: every rank calls it."""
+        self._ready("clip_master_grads")
+        if self.prepare_grads():
+            return torch.tensor(float("inf"))
+        pairs = [(p, m.grad) for p, m in self.pairs() if m.grad is not None]
+        return clip_by_global_norm(pairs, max_norm, norm_type)
+
+    # -- state -----------------------------------------------------------------------------------------
+    def _names(self) -> dict[int, str]:
+        model = state.model
+        assert model is not None
+        by_param = {id(p): n for n, p in model.module.named_parameters()}
+        return {id(m): by_param[id(p)] for p, m in self.pairs() if id(p) in by_param}
+
+    def local_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """This rank's masters, optimizer state and loss scaler, by parameter name."""
+        self._ready("local_state_dict")
+        names = self._names()
+        groups, states, masters = [], {}, {}
+        for g in self.optimizer.param_groups:
+            gnames = [names[id(m)] for m in g["params"]]
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": gnames})
+            for m, n in zip(g["params"], gnames, strict=True):
+                masters[n] = _cpu(m)
+                if m in self.optimizer.state:
+                    states[n] = {k: _cpu(v) for k, v in self.optimizer.state[m].items()}
+        return {
+            "_smp_is_partial": True,
+            "_mp_precision": self.precision,
+            "param_groups": groups,
+            "state": states,
+            "fp32_master_params": masters,
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "overflow": self.overflow,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole model's (gathered over the pipeline: call it on every rank of the pipeline)."""
+        sd = self.local_state_dict()
+        del sd["_smp_is_partial"]
+        model = state.model
+        if model is None or model._pp == 1:
+            return sd
+        model._enter_collective("optimizer.state_dict()")
+        parts: list[Any] = [None] * model._pp
+        mine = (sd["param_groups"], sd["state"], sd["fp32_master_params"])
+        dist.all_gather_object(parts, mine, group=state.process_groups[GroupKind.PP])
+        order = {n: i for i, (n, _) in enumerate(model.module.named_parameters())}
+        for gi, group in enumerate(sd["param_groups"]):
+            names = {n for groups, _, _ in parts for n in groups[gi]["params"]}
+            group["params"] = sorted(names, key=lambda n: order.get(n, len(order)))
+        for _, states, masters in parts:
+            sd["state"].update(states)
+            sd["fp32_master_params"].update(masters)
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``local_state_dict()`` or ``state_dict()`` of an fp16/bf16 optimizer (any layout whose
+        parameters include this rank's). Before the masters exist it is kept until they do."""
+        if "_mp_precision" not in state_dict:
+            raise IncompatibleCheckpointFoundError(
+                f"the optimizer state (keys {sorted(state_dict)[:6]}) was not saved by an fp16/bf16 "
+                f"optimizer; this one trains in {self.precision}. Load a state saved with the same "
+                "'fp16'/'bf16' setting"
+            )
+        if self.masters_ready:
+            self._apply(state_dict)
+            return
+        self._pending = dict(state_dict)
+        # the scale is needed before the masters exist: the next backward multiplies the loss by it
+        self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        model = state.model
+        if model is None or model._pp == 1 or model.partitioned:
+            self._ready("load_state_dict")
+
+    def _apply(self, sd: dict[str, Any]) -> None:
+        names = self._names()
+        masters, states = sd["fp32_master_params"], sd["state"]
+        saved_groups = sd["param_groups"]
+        if len(saved_groups) != len(self.optimizer.param_groups):
+            raise IncompatibleCheckpointFoundError(
+                f"the optimizer state has {len(saved_groups)} parameter groups; this optimizer has "
+                f"{len(self.optimizer.param_groups)}: build the optimizer as in the saving job"
+            )
+        missing = [
+            names[id(m)]
+            for g in self.optimizer.param_groups
+            for m in g["params"]
+            if names[id(m)] not in masters
+        ]
+        if missing:
+            raise IncompatibleCheckpointFoundError(
+                f"the optimizer state has no entries for parameters {missing[:6]} ({len(missing)} in all) "
+                "that this rank holds: load a state_dict() (full), or a local_state_dict() saved with "
+                "this layout"
+            )
+        pair_of = {id(m): p for p, m in self.pairs()}
+        with torch.no_grad():
+            for group, saved in zip(self.optimizer.param_groups, saved_groups, strict=True):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+                for m in group["params"]:
+                    n = names[id(m)]
+                    m.copy_(masters[n])
+                    pair_of[id(m)].copy_(m)
+                    self.optimizer.state.pop(m, None)
+                    if n in states:
+                        self.optimizer.state[m] = {
+                            k: v.to(m.device) if isinstance(v, torch.Tensor) else v
+                            for k, v in states[n].items()
+                        }
+        self.loss_scaler.load_state_dict(sd["loss_scaler"])
+        self.overflow = bool(sd.get("overflow", False))
+
+
+def bit16_optimizer(
+    optimizer: torch.optim.Optimizer,
+    precision: str,
+    static_loss_scale: float | None,
+    dynamic_loss_scale: bool,
+    dynamic_loss_args: dict[str, Any],
+) -> DistributedBit16Optimizer:
+    """The fp16/bf16 optimizer for smp's ``DistributedOptimizer`` arguments."""
+    if precision == "bf16" and (
+        dynamic_loss_scale or dynamic_loss_args or static_loss_scale not in (None, 1.0)
+    ):
+        raise SMPValidationError(
+            "smp.DistributedOptimizer got loss-scaling arguments under 'bf16': true; bf16 has fp32's "
+            "exponent range and takes no loss scaling. Fix: remove static_loss_scale/dynamic_loss_scale/"
+            "dynamic_loss_args, or train with 'fp16': true"
+        )
+    try:
+        scaler = make_loss_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
+    except PrecisionError as exc:
+        raise SMPValidationError(f"smp.DistributedOptimizer: {exc}") from exc
+    return DistributedBit16Optimizer(optimizer, precision, scaler)

@@ -1,0 +1,209 @@
+"""smp's fp16 and bf16 on real worlds: a GPT-2 at pp=2 trains like one process running the same
+mixed-precision recipe, overflows skip the step on every rank, and the half optimizer's state round-trips.
+
+The recipe (smp's, after DeepSpeed's FP16 optimizer): parameters in fp16 (bf16), fp32 master weights
+stepped by AdamW, the loss multiplied by the loss scale in backward and the gradients divided by it,
+steps with an inf/NaN gradient skipped and the dynamic scale lowered. The reference runs it by hand in
+one process on the same model, seed and microbatches. Tolerance: the masters agree within rtol 1e-3,
+atol 1e-4 (fp16's unit roundoff is 1e-3/2; both runs do the same operations, so in practice they agree to
+a few fp16 ulps or exactly) and the losses within 1e-3 relative.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import mp as smp
+from mp_memory.loss_scaler import DynamicLossScaler
+from tests.mp_pipeline.models import batch, build
+
+STEPS, MICROBATCHES = 6, 2
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+CLIP = 1.0
+SCALING = {"init_scale": 2.0**20, "scale_window": 2}  # 2**20 overflows the first steps' fp16 gradients
+
+
+def _config(precision: str, pp: int) -> dict[str, Any]:
+    return {"pipeline_parallel_degree": pp, "microbatches": MICROBATCHES, precision: True}
+
+
+def _reference(precision: str, overflow_step: int | None) -> dict[str, Any]:
+    dtype = DTYPES[precision]
+    model = build("gpt2", layers=2).to(dtype)
+    params = list(model.parameters())
+    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    opt = torch.optim.AdamW(masters, lr=1e-3)
+    scaler = DynamicLossScaler(**SCALING) if precision == "fp16" else None
+    losses, scales, skipped, norms = [], [], [], []
+    for step in range(STEPS):
+        (ids,) = batch("gpt2", 0, 0)  # one batch, learnt: the loss must fall
+        model.zero_grad()
+        scale = scaler.loss_scale if scaler is not None else 1.0
+        total = 0.0
+        for part in ids.chunk(MICROBATCHES):
+            loss = model(input_ids=part, labels=part).loss.float()
+            (loss * (scale / MICROBATCHES)).backward()
+            total += loss.item() / MICROBATCHES
+        if step == overflow_step:
+            params[-1].grad.view(-1)[0] = float("inf")  # type: ignore[union-attr]
+        overflow = scaler is not None and any(not torch.isfinite(p.grad).all() for p in params)  # type: ignore[arg-type]
+        if not overflow:
+            for p, m in zip(params, masters, strict=True):
+                m.grad = p.grad.float() / scale  # type: ignore[union-attr]
+            norms.append(torch.nn.utils.clip_grad_norm_(masters, CLIP).item())
+            opt.step()
+            with torch.no_grad():
+                for p, m in zip(params, masters, strict=True):
+                    p.copy_(m)
+        if scaler is not None:
+            scaler.update(overflow)
+        losses.append(total)
+        scales.append(scale)
+        skipped.append(overflow)
+    names = [n for n, _ in model.named_parameters()]
+    masters_by_name = dict(zip(names, masters, strict=True))
+    return {
+        "losses": losses,
+        "scales": scales,
+        "skipped": skipped,
+        "norms": norms,
+        "masters": masters_by_name,
+    }
+
+
+def _train(world: Any, precision: str, pp: int, overflow_step: int | None) -> dict[str, Any]:
+    smp.init(_config(precision, pp))
+    net = build("gpt2", layers=2)
+    model = smp.DistributedModel(net)
+    kwargs: dict[str, Any] = {}
+    if precision == "fp16":
+        kwargs = {"static_loss_scale": None, "dynamic_loss_scale": True, "dynamic_loss_args": SCALING}
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), **kwargs)
+
+    @smp.step
+    def train_step(ids: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids).loss
+        model.backward(loss)
+        return loss
+
+    losses, scales, skipped, norms = [], [], [], []
+    for step in range(STEPS):
+        (ids,) = batch("gpt2", 0, 0)  # one batch, learnt: the loss must fall
+        opt.zero_grad()
+        scales.append(opt.loss_scale)
+        out = train_step(ids)
+        last = [p for p in model.local_parameters()][-1]
+        if step == overflow_step and smp.pp_rank() == pp - 1:  # one rank only, as an fp16 overflow would
+            last.grad.view(-1)[0] = float("inf")
+        norm = opt.clip_master_grads(CLIP).item()  # before step(), as smp's docs say
+        opt.step()
+        if not opt.overflow:
+            norms.append(norm)
+        losses.append(out.reduce_mean().item())
+        skipped.append(opt.overflow)
+    dtypes = sorted({str(p.dtype) for p in model.local_parameters()})
+    names = {id(p): n for n, p in model.module.named_parameters()}
+    masters = {names[id(p)]: m.detach().clone() for p, m in opt.pairs()}
+    ref = _reference(precision, overflow_step)
+    far = [
+        ((m - ref["masters"][n]).abs().max().item(), n)
+        for n, m in masters.items()
+        if not torch.allclose(m, ref["masters"][n], rtol=1e-3, atol=1e-4)
+    ]
+    worst = max(far) if far else None
+    return {
+        "losses": losses,
+        "scales": scales,
+        "skipped": skipped,
+        "norms": norms,
+        "dtypes": dtypes,
+        "master_dtypes": sorted({str(m.dtype) for m in masters.values()}),
+        "worst": worst,
+        "ref": {k: v for k, v in ref.items() if k != "masters"},
+    }
+
+
+def _check(r: dict[str, Any], precision: str) -> None:
+    assert r["dtypes"] == [str(DTYPES[precision])] and r["master_dtypes"] == ["torch.float32"], r
+    assert all(torch.isfinite(torch.tensor(r["losses"]))), r
+    assert r["worst"] is None, r
+    for got, want in zip(r["losses"], r["ref"]["losses"], strict=True):
+        assert abs(got - want) <= 1e-3 * abs(want), r
+    assert r["scales"] == r["ref"]["scales"] and r["skipped"] == r["ref"]["skipped"], r
+    # clip_master_grads: the whole model's norm of the unscaled fp32 gradients, as torch's on the masters
+    assert len(r["norms"]) == len(r["ref"]["norms"]), r
+    for got, want in zip(r["norms"], r["ref"]["norms"], strict=True):
+        assert abs(got - want) <= 1e-4 * want, r
+    assert max(r["norms"]) > CLIP, r  # clipping took effect
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_gpt2_pp2_trains_like_one_process_with_the_same_recipe(worlds: Any, precision: str) -> None:
+    for r in worlds.run(2, _train, precision, 2, None, timeout=240):
+        _check(r, precision)
+        if precision == "fp16":
+            assert r["skipped"][0] and r["scales"][0] == 2.0**20, r  # the scale found its level...
+            assert not all(r["skipped"]), r  # ...and training went on
+        assert r["losses"][-1] < r["losses"][0], r
+
+
+def test_a_forced_overflow_on_one_rank_skips_the_step_on_every_rank(worlds: Any) -> None:
+    results = worlds.run(2, _train, "fp16", 2, 4, timeout=240)
+    for r in results:
+        _check(r, "fp16")
+        assert r["skipped"][4] and r["scales"][5] == r["scales"][4] / 2, r
+
+
+def _session(precision: str, seed: int, saved: dict[str, Any] | None, full: bool) -> dict[str, Any]:
+    smp.init(_config(precision, 2))
+    torch.manual_seed(seed)
+    model = smp.DistributedModel(build("gpt2", seed=seed, layers=2))
+    kwargs = {"dynamic_loss_scale": True, "dynamic_loss_args": SCALING} if precision == "fp16" else {}
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), **kwargs)
+    if saved is not None:  # loaded before the first step: kept until partitioning made the masters
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+
+    @smp.step
+    def train_step(ids: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.backward(loss)  # smp's fp16 scripts call the optimizer's backward
+        return loss
+
+    out: dict[str, Any] = {}
+    for step in range(0 if saved is None else 2, 3):
+        if step == 2 and saved is None:
+            # state dicts hold the live parameters (as torch's do): copy before training on
+            out["model"] = copy.deepcopy(model.state_dict() if full else model.local_state_dict())
+            out["opt"] = opt.state_dict() if full else opt.local_state_dict()
+            out["scale"] = opt.loss_scale
+        (ids,) = batch("gpt2", step, 0)
+        opt.zero_grad()
+        train_step(ids)
+        opt.step()
+    names = {id(p): n for n, p in model.module.named_parameters()}
+    out["masters"] = {names[id(p)]: m.detach().clone() for p, m in opt.pairs()}
+    out["after_scale"] = opt.loss_scale
+    smp.reset()
+    return out
+
+
+def _round_trip(world: Any, precision: str, full: bool) -> dict[str, Any]:
+    first = _session(precision, 0, None, full)
+    again = _session(precision, 1, first, full)
+    differ = [n for n, m in first["masters"].items() if not torch.equal(m, again["masters"][n])]
+    return {
+        "differ": differ,
+        "scales": (first["after_scale"], again["after_scale"]),
+        "n": len(first["masters"]),
+    }
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_the_half_optimizer_state_round_trips(worlds: Any, full: bool) -> None:
+    for r in worlds.run(2, _round_trip, "fp16", full, timeout=240):
+        assert r["n"] > 0 and r["differ"] == [] and r["scales"][0] == r["scales"][1], r
