@@ -42,6 +42,7 @@ from mp.partition_file import check_assignment, read_partition, write_partition
 from mp.precision import half_dtype
 from mp.state import state
 from mp.state_dicts import full_state_dict, layout_of, load_full_state_dict, local_layout_check
+from mp.state_dicts import full_state_dict, layout_of, load_full_state_dict, local_layout_check
 from mp.tensor_api import replace_tp_modules
 from mp_comm import GroupKind, LoopbackTransport, Router, Transport, TransportConfig, World
 from mp_comm.world import mpi_comm_of
@@ -704,7 +705,7 @@ class DistributedModel(nn.Module):
     # -------------------------------------------------------------------------------- state dicts
     def local_state_dict(self, *args: Any, cast_to_cpu: bool = True, **kwargs: Any) -> dict[str, Any]:
         """This rank's part of the model's state (its stage, its TP shards), with ``_smp_is_partial``,
-        the partition (``_smp_partition``, pp > 1) and the layout (``_smp_layout``)."""
+        the partition (``_smp_partition``, pp > 1) and, with TP shards, the layout (``_smp_layout``)."""
         out: dict[str, Any] = OrderedDict()
         for key, value in self.module.state_dict(keep_vars=False).items():
             if self._owner(key) != self._pp_rank:
@@ -715,7 +716,9 @@ class DistributedModel(nn.Module):
             # The partition travels with the parts: loaded before the first step of another run, it
             # replaces that run's own partitioning (which could differ: traced times vary).
             out["_smp_partition"] = dict(self._assignment)
-        out["_smp_layout"] = layout_of(self)
+        layout = layout_of(self)
+        if layout["split"]:  # TP shards: which tp_rank's they are, so no other rank loads them
+            out["_smp_layout"] = layout
         return out
 
     def state_dict(  # type: ignore[override]

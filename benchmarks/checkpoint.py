@@ -1,0 +1,193 @@
+"""Checkpoint save and load throughput: mp against plain torch.save/torch.load and DCP (pp=2).
+
+A ``--layers`` x Linear(``--hidden``, ``--hidden``) float32 model (16 x 4096: about 1 GB) on 2 ranks,
+pp=2 (half of the layers on each rank), each rank writing and reading its own half:
+
+- mp: ``smp.save_checkpoint(partial=True)`` (temporary names, CRC-32 computed while writing, fsync,
+  agreement, atomic publication, manifest, ``newest``) and ``smp.resume_from_checkpoint`` (size and CRC
+  checks, ``torch.load(weights_only=True)``, agreement, ``load_state_dict``);
+- torch: ``torch.save(model.local_state_dict(), part)`` per rank (no fsync, no checks) and
+  ``torch.load(part, weights_only=True)`` + ``load_state_dict``;
+- DCP: ``torch.distributed.checkpoint.save`` / ``load`` of the same local state dict (its file writer
+  fsyncs; loading copies into the model's tensors in place).
+
+Each repetition runs the three in a rotating order; a time is the slowest rank's, from a barrier to a
+barrier; throughput is the bytes of both ranks' tensors over that time, median over repetitions.
+Files go to ``--dir`` (default: a temporary folder on the same disk as /tmp) and are removed after each
+repetition, so reads after writes come from the page cache for all three alike.
+
+Run: ``python benchmarks/checkpoint.py`` (starts itself under ``mpiexec -n 2``); ``--quick`` for a smoke
+run. Results go to benchmarks/results/checkpoint.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from _launch import relaunch, under_mpi
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    """Seconds of ``fn`` on the slowest rank (barriers around it)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--dir", default=None)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if not under_mpi():
+        sys.exit(relaunch(__file__, 2))
+    if args.quick:
+        args.layers, args.hidden, args.reps = 4, 512, 2
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+
+    import mp as smp
+    from mp_partition import set_partition
+
+    torch.set_num_threads(1)
+    smp.init(
+        {"pipeline_parallel_degree": 2, "microbatches": 1, "auto_partition": False, "default_partition": 0}
+    )
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(args.hidden, args.hidden) for _ in range(args.layers)])
+    for layer in net[args.layers // 2 :]:
+        set_partition(layer, 1)
+    model = smp.DistributedModel(net)
+
+    @smp.step
+    def step(x: torch.Tensor) -> torch.Tensor:
+        out = model(x).sum()
+        model.backward(out)
+        return out
+
+    step(torch.randn(1, args.hidden))  # partitions: each rank keeps (and frees the other) half
+    local = {k: v for k, v in model.local_state_dict().items() if isinstance(v, torch.Tensor)}
+    nbytes = torch.tensor([sum(t.numel() * t.element_size() for t in local.values())], dtype=torch.float64)
+    dist.all_reduce(nbytes)
+    total = float(nbytes)
+
+    rank = smp.rank()
+    base = args.dir or tempfile.gettempdir()
+    root = os.path.join(base, "mp_checkpoint_bench")
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root)
+    dist.barrier()
+
+    def mp_save(folder: str) -> None:
+        smp.save_checkpoint(folder, "bench", partial=True, model=model)
+
+    def mp_load(folder: str) -> None:
+        smp.resume_from_checkpoint(folder, "bench", partial=True, load_optimizer=False)
+
+    def torch_save(folder: str) -> None:
+        os.makedirs(folder, exist_ok=True)
+        torch.save(model.local_state_dict(), os.path.join(folder, f"part_{rank}"))
+
+    def torch_load(folder: str) -> None:
+        sd = torch.load(os.path.join(folder, f"part_{rank}"), weights_only=True)
+        sd = {k: v for k, v in sd.items() if not k.startswith("_smp_")}
+        model.module.load_state_dict(sd, strict=False)
+
+    def dcp_save(folder: str) -> None:
+        dcp.save({"model": local}, checkpoint_id=folder)
+
+    def dcp_load(folder: str) -> None:
+        dcp.load({"model": local}, checkpoint_id=folder)
+
+    engines = {"mp": (mp_save, mp_load), "torch": (torch_save, torch_load), "dcp": (dcp_save, dcp_load)}
+    times: dict[str, dict[str, list[float]]] = {e: {"save": [], "load": []} for e in engines}
+    for rep in range(args.reps):
+        names = list(engines)
+        order = names[rep % 3 :] + names[: rep % 3]
+        for name in order:
+            save, load = engines[name]
+            folder = os.path.join(root, f"{name}{rep}")
+            times[name]["save"].append(_timed(lambda save=save, folder=folder: save(folder)))
+            times[name]["load"].append(_timed(lambda load=load, folder=folder: load(folder)))
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(folder, ignore_errors=True)
+            dist.barrier()
+
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        gbps = {
+            e: {op: total / statistics.median(ts) / 1e9 for op, ts in ops.items()} for e, ops in times.items()
+        }
+        ratio = {op: gbps["mp"][op] / max(gbps["torch"][op], gbps["dcp"][op]) for op in ("save", "load")}
+        result = {
+            "config": {
+                "layers": args.layers,
+                "hidden": args.hidden,
+                "reps": args.reps,
+                "ranks": 2,
+                "pp": 2,
+                "bytes": total,
+                "dir": base,
+                "host": platform.node(),
+                "cpus": os.cpu_count(),
+                "torch": torch.__version__,
+            },
+            "seconds": times,
+            "gb_per_s": gbps,
+            "mp_over_best_peer": ratio,
+        }
+        lines = [
+            "# Checkpoint throughput: mp vs torch.save/torch.load and DCP (pp=2)",
+            "",
+            f"{args.layers} x Linear({args.hidden}, {args.hidden}) float32, {total / 1e9:.2f} GB over 2 "
+            f"ranks (pp=2, each rank its half), files in {base} on one host ({os.cpu_count()} CPUs). Median "
+            f"of {args.reps} repetitions in rotating order; slowest rank, barrier to barrier.",
+            "",
+            "| engine | save (GB/s) | load (GB/s) |",
+            "|---|---|---|",
+            *(f"| {e} | {gbps[e]['save']:.2f} | {gbps[e]['load']:.2f} |" for e in engines),
+            "",
+            f"mp / the better peer: save {ratio['save']:.2f}x, load {ratio['load']:.2f}x (target >= 0.8x).",
+            "mp and DCP fsync what they write; plain torch.save does not (its bytes may still be in the page "
+            "cache when it returns). mp also computes a CRC-32 of every part while writing and checks it "
+            "when loading.",
+        ]
+        if not args.quick:
+            RESULTS.mkdir(exist_ok=True)
+            (RESULTS / "checkpoint.json").write_text(json.dumps(result, indent=2) + "\n")
+            (RESULTS / "checkpoint.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
