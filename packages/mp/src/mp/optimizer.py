@@ -75,8 +75,9 @@ def _local_state_dict(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) ->
     sd = dict(torch.optim.Optimizer.state_dict(self))
     sd["_smp_is_partial"] = True
     sd["_smp_param_names"] = _param_names(self)
-    if state.model is not None:
-        sd["_smp_layout"] = layout_of(state.model)
+    layout = layout_of(state.model) if state.model is not None else None
+    if layout is not None and layout["split"]:
+        sd["_smp_layout"] = layout
     return sd
 
 
