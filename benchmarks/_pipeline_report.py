@@ -8,26 +8,15 @@ import random
 import statistics
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from _pipeline_common import ACTIVE_PLUS3, BOTH_RANKS, Spec
 from _pipeline_probe import GAP_KINDS
 
-if TYPE_CHECKING:
-    from pipeline_vs_torch import Spec
-
-__all__ = ["ACTIVE_PLUS3", "BOTH_RANKS", "report"]
-
-ACTIVE_PLUS3 = "interleaved active 5"
-"""The mp session with the interleaved schedule and ``active_microbatches`` = pp + 3 instead of smp's
-pp + 2: the setting docs/pipeline.md recommends for many microbatches (run at m = 8)."""
-
-BOTH_RANKS = "accumulate, both ranks"
-"""The single-process control run on both ranks at once (each its own copy, no communication): how much
-two processes computing at the same time slow each other down on this host."""
+__all__ = ["report"]
 
 P = 2  # pipeline stages
 _COMPUTE = ("f0", "f1", "b1", "b0")  # the stage times that are compute (not the optimizer's "opt")
-_THREADS = ("main thread", "fresh thread", "long-lived thread")
 
 
 def bootstrap_interval(ratios: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
@@ -150,7 +139,6 @@ def report(
     ref_loss: float,
     n_params: dict[str, int],
     overhead: dict[str, Any],
-    threads: dict[str, Any] | None,
     host: dict[str, Any],
     elapsed_s: float,
     results: Path,
@@ -342,7 +330,6 @@ def report(
         "rows": rows,
         "targets": targets,
         "overhead": overhead,
-        "fresh_threads": threads,
         "records": records,
     }
     results.mkdir(exist_ok=True)
@@ -588,20 +575,6 @@ def _markdown(p: dict[str, Any]) -> str:
         + ".",
         "",
     ]
-    th = p["fresh_threads"]
-    if th is not None:
-        lines += [
-            "Compute in a fresh thread (what mp's workers cost before they were kept across steps): "
-            "forward + backward of the GPT on "
-            f"{th['sequences']} sequences on rank 0, median of {th['repetitions']} interleaved repetitions "
-            f"(minor page faults of the computing thread): "
-            + "; ".join(
-                f"{n} {th[n]['ms']:.0f} ms (min {th[n]['min_ms']:.0f}; {th[n]['minor_faults']:.0f} faults)"
-                for n in _THREADS
-            )
-            + f". Time in a fresh over a long-lived thread, paired: {th['fresh_over_long_lived']:.2f}x.",
-            "",
-        ]
     return "\n".join(lines)
 
 
@@ -612,11 +585,6 @@ def _pct(v: float | None) -> float | None:
 def rerender(path: Path) -> None:
     """Rebuild the markdown (and the JSON's derived fields) from a saved JSON: ``python
     benchmarks/_pipeline_report.py benchmarks/results/pipeline_vs_torch.json``."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from pipeline_vs_torch import Spec
-
     d = json.loads(path.read_text())
     specs = [Spec(r["system"], r["schedule"], r["microbatches"], r["threads"]) for r in d["rows"]]
     checks = {
@@ -640,7 +608,6 @@ def rerender(path: Path) -> None:
         ref_loss=d["reference_first_loss"],
         n_params=d["parameters"],
         overhead=d["overhead"],
-        threads=d["fresh_threads"],
         host=d["host"],
         elapsed_s=d["elapsed_s"],
         results=path.parent,
@@ -648,6 +615,8 @@ def rerender(path: Path) -> None:
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    rerender(Path(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=rerender.__doc__)
+    parser.add_argument("json", type=Path, help="benchmarks/results/pipeline_vs_torch.json")
+    rerender(parser.parse_args().json)

@@ -9,16 +9,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from _launch import on_all_cores
+from _pipeline_common import BOTH_RANKS, Runner, Spec
 from _pipeline_gpt import GPT, BackStage, GPTConfig
 from _pipeline_probe import StageProbe
-from _pipeline_report import BOTH_RANKS
-
-if TYPE_CHECKING:
-    from pipeline_vs_torch import Runner, Spec
 
 __all__ = ["MpRunner", "SingleRunner", "TorchRunner", "make_runner"]
 

@@ -6,7 +6,10 @@ system; the model is split by hand into the same two stages for both pipelines (
 blocks 0-3 and block 4's attention on rank 0; ``back``: block 4's MLP, blocks 5-7, final LayerNorm, head
 and loss on rank 1: the cut inside block 4 balances the stages, which a cut between blocks 3 and 4 does
 not, by about a fifth; ``--whole-blocks`` restores that cut, which the runs before 2026-11-24 used). A
-training step is forward, backward and AdamW's step; variants:
+training step is forward, backward and AdamW's step. This hand-cut model is a diagnostic of the
+runtime's cost on its best path (one request per microbatch crosses the ranks), not a model as users
+write it: a model whose ``forward`` loops over its blocks makes a round trip through pp_rank 0 per
+remote block (docs/pipeline.md, Limits). Variants:
 
 * ``single``: one process (rank 0; rank 1 sleeps), no pipeline: the full batch at once with 1 and with
   2 threads, and the batch as ``m`` accumulated microbatches on 1 thread, run stage by stage (front,
@@ -17,8 +20,8 @@ training step is forward, backward and AdamW's step; variants:
   ``simple`` (all forwards, then all backwards: GPipe's order) and ``interleaved`` (a ready backward
   first: 1F1B-like) schedules, each also with ``static_mode`` (``simple static``, ``interleaved static``:
   timed after the steps static mode records, MP_PIPELINE_STATIC_STEPS, default 5), and at m = 8 also
-  ``interleaved active 5`` (``active_microbatches`` pp + 3 instead of smp's default pp + 2: the setting
-  docs/pipeline.md recommends for many microbatches; not one of the targets' default-config pairs);
+  ``interleaved active 5`` (``active_microbatches`` pp + 3 instead of smp's default pp + 2; not one of
+  the targets' default-config pairs);
   manual partitioning
   (``smp.set_partition(model.front, 0)``, ``smp.set_partition(model.back, 1)``,
   ``auto_partition: false``); ``@smp.step`` with
@@ -57,9 +60,7 @@ Both assume each rank has a core to itself. Where the time goes instead is measu
   forward to backward, ...), which say where a runtime's idle time sits;
 * the CPU each rank spends per step (in all, in its main thread, in mp's MPI progress thread);
 * benchmarks/_pipeline_overhead.py: the per-request cost of mp's module server (a remote ``nn.Identity``
-  call on a small tensor, FWD and BWD, against the same call held locally) and the raw round trip;
-* benchmarks/_pipeline_threads.py: the same compute in a fresh thread (as mp's per-step workers) and
-  in a long-lived one.
+  call on a small tensor, FWD and BWD, against the same call held locally) and the raw round trip.
 
     python benchmarks/pipeline_vs_torch.py [--reps 3 --steps 2 --micro 4 8 --batch 16]
 
@@ -77,15 +78,12 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from _launch import relaunch, rotated, under_mpi
-from _pipeline_report import ACTIVE_PLUS3, BOTH_RANKS
-
-if TYPE_CHECKING:
-    from _pipeline_probe import StageProbe
+from _pipeline_common import BOTH_RANKS, Runner, Spec, make_specs, mp_schedules
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -110,54 +108,6 @@ def _code_state() -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True)
-class Spec:
-    system: str
-    """single, mp or torch."""
-    schedule: str
-    """single: full batch / accumulate; mp: simple / interleaved; torch: GPipe / 1F1B."""
-    m: int
-    """Microbatches."""
-    threads: int = 1
-    """torch threads (single process only)."""
-
-    @property
-    def key(self) -> str:
-        return f"{self.system}/{self.schedule}/m{self.m}/t{self.threads}"
-
-
-def mp_schedules(m: int) -> tuple[str, ...]:
-    """The mp sessions run at ``m`` microbatches."""
-    base = ("simple", "interleaved", "simple static", "interleaved static")
-    return (*base, ACTIVE_PLUS3) if m > 5 else base  # where m leaves room for 5 in flight
-
-
-def make_specs(micro: list[int]) -> list[Spec]:
-    out = [Spec("single", "full batch", 1, 1), Spec("single", "full batch", 1, 2)]
-    for m in micro:
-        out += [
-            Spec("single", "accumulate", m),
-            Spec("single", BOTH_RANKS, m),
-            *(Spec("mp", s, m) for s in mp_schedules(m)),
-            Spec("torch", "GPipe", m),
-            Spec("torch", "1F1B", m),
-        ]
-    return out
-
-
-class Runner(Protocol):
-    stage_times: dict[str, list[float]]
-    probe: StageProbe | None
-
-    def first_step(self) -> tuple[float | None, dict[str, Any]]:
-        """One training step; (the loss where this rank knows it, this rank's gradients before the
-        optimizer step)."""
-
-    def step(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -175,7 +125,6 @@ def main() -> None:
     )
     parser.add_argument("--calls", type=int, default=64, help="remote calls per step (overhead part)")
     parser.add_argument("--overhead-reps", type=int, default=5)
-    parser.add_argument("--thread-reps", type=int, default=12, help="repetitions of the fresh-thread check")
     parser.add_argument("--quick", action="store_true", help="a small model and one repetition")
     parser.add_argument(
         "--overhead-only", action="store_true", help="only the module-server overhead (printed, not saved)"
@@ -185,7 +134,7 @@ def main() -> None:
         sys.exit(relaunch(__file__, RANKS))
     if args.quick:
         args.reps, args.steps, args.layers, args.hidden, args.batch = 1, 1, 4, 128, 8
-        args.overhead_reps, args.thread_reps = 2, 2
+        args.overhead_reps = 2
     sys.path.insert(0, str(HERE))
 
     import torch
@@ -194,7 +143,6 @@ def main() -> None:
     from _pipeline_overhead import measure_overhead
     from _pipeline_probe import analyse
     from _pipeline_runners import make_runner
-    from _pipeline_threads import measure_fresh_threads
 
     from mp_comm.world import init_world
 
@@ -324,10 +272,6 @@ def main() -> None:
     elapsed_main = time.monotonic() - started
     overhead = measure_overhead(comm, world, calls=args.calls, steps=20, reps=args.overhead_reps)
     load.append(os.getloadavg()[0])
-    probe_model = GPT(cfg)
-    probe_model.load_state_dict(base)
-    mb = args.batch // args.micro[0]
-    threads = measure_fresh_threads(comm, probe_model, x[:mb], y[:mb], reps=args.thread_reps)
     if rank == 0:
         from _pipeline_report import report
 
@@ -340,7 +284,6 @@ def main() -> None:
             ref_loss=ref_loss,
             n_params=n_params,
             overhead=overhead,
-            threads=threads,
             host={
                 "machine": platform.machine(),
                 "cpus": os.cpu_count(),
