@@ -163,6 +163,9 @@ CHANGES = [
     ((1, 1), (2, 1), False),
     ((1, 2), (1, 1), False),
     ((2, 1), (1, 2), False),
+    ((1, 2), (1, 1), True),
+    ((1, 1), (1, 2), True),
+    ((2, 2), (2, 1), True),
 ]
 
 
@@ -171,10 +174,11 @@ def test_resume_in_another_layout_equals_training_that_never_stopped(
     worlds: Any, tmp_path: Any, saved: tuple[int, int], resumed: tuple[int, int], partial: bool
 ) -> None:
     folder = str(tmp_path)
-    first = worlds.run(2, _save_phase, *saved, folder, partial, timeout=240)
+    n = max(saved[0] * saved[1], resumed[0] * resumed[1], 2)
+    first = worlds.run(n, _save_phase, *saved, folder, partial, timeout=240)
     names = sorted(os.listdir(folder))
     assert "newest" in names, names
-    results = worlds.run(2, _resume_phase, *resumed, folder, partial, timeout=240)
+    results = worlds.run(n, _resume_phase, *resumed, folder, partial, timeout=240)
     ref_losses, ref_state = _reference()
     for rank, r in enumerate(results):
         torch.testing.assert_close(
@@ -216,3 +220,21 @@ def test_full_checkpoint_under_tp_loads_into_the_unwrapped_hf_model(worlds: Any,
         opt.step()
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(hf.state_dict()[key], value, rtol=1e-5, atol=1e-6)
+
+
+def _partial_tp_change(world: Any, folder: str) -> str:
+    _build(1, 1, 1)
+    try:
+        smp.resume_from_checkpoint(folder)
+    except smp.SMPCheckpointError as exc:  # IncompatibleCheckpointRankFoundError: tp 2 > 1
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        smp.reset()
+    return "loaded"
+
+
+def test_a_partial_checkpoint_does_not_change_tp_degree(worlds: Any, tmp_path: Any) -> None:
+    worlds.run(2, _save_phase, 2, 1, str(tmp_path), True, timeout=240)
+    for r in worlds.run(2, _partial_tp_change, str(tmp_path), timeout=240):
+        assert r.startswith("IncompatibleCheckpointRankFoundError"), r
+        assert "saved with tensor_parallel_degree=2" in r and "save a full checkpoint" in r, r

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from mp.checkpoint_layout import load_merged_model, merge_model_parts, merge_optimizer_parts
 from mp.errors import (
     IncompatibleCheckpointFoundError,
     IncompatibleCheckpointRankFoundError,
@@ -303,7 +304,7 @@ def resume_from_checkpoint(  # noqa: PLR0917 - smp's positional signature
     trusted = engine.is_trusted(trust_file)
     c = _layout()
     what = f"smp.resume_from_checkpoint({path!r}, tag={tag!r})"
-    loaded: tuple[Any, Any, Any] | None = None
+    loaded: tuple[Any, Any, Any, bool] | None = None
     error: BaseException | None = None
     try:
         with _smp_errors():
@@ -313,10 +314,13 @@ def resume_from_checkpoint(  # noqa: PLR0917 - smp's positional signature
     with _smp_errors():
         engine.collective.agree(error, None, _group(GroupKind.WORLD), what, c.rank)
     assert loaded is not None
-    sd, opt_sd, user = loaded
+    sd, opt_sd, user, moved = loaded
     if translate_function is not None:
         sd = translate_function(sd)
-    model.load_state_dict(sd, strict=strict)
+    if moved:
+        load_merged_model(model, sd, strict)
+    else:
+        model.load_state_dict(sd, strict=strict)
     if opt_sd is not None:
         _load_optimizer_when_ready(model, opt_sd)
     return user
@@ -325,12 +329,21 @@ def resume_from_checkpoint(  # noqa: PLR0917 - smp's positional signature
 def _read(
     path: str, tag: str | None, partial: bool, c: engine.Layout, *, load_optimizer: bool, trusted: bool
 ) -> Any:
-    """(model state, optimizer state or None, user content) of the checkpoint, every file checked."""
+    """(model state, optimizer state or None, user content, whether the partial checkpoint moves to
+    another pipeline degree) of the checkpoint, every file checked."""
     tag = tag if tag is not None else engine.read_newest(path)
     ckpt = engine.CheckpointFolder(path, tag, partial)
     ckpt.check()
+    if partial and _check_partial_layout(ckpt, c):
+        # Another pipeline degree: every stage's part of this tp_rank (see mp.checkpoint_layout).
+        assert ckpt.manifest is not None
+        stages = range(ckpt.manifest.layout["pp"])
+        sd = merge_model_parts([ckpt.load(f"model_{p}_{c.tp_rank}_0.pt") for p in stages])
+        opt_sd = None
+        if load_optimizer:
+            opt_sd = merge_optimizer_parts([ckpt.load(f"optimizer_{p}_{c.tp_rank}_0.pt") for p in stages])
+        return sd, opt_sd, ckpt.load("user_content.pt", trusted=trusted), True
     if partial:
-        _check_partial_layout(ckpt, c)
         model_name, opt_name = _partial_names(c)
         if not ckpt.has(model_name):  # mp before manifests: model_{pp}_{tp}.pt
             model_name, opt_name = model_name.replace("_0.pt", ".pt"), opt_name.replace("_0.pt", ".pt")
@@ -339,27 +352,30 @@ def _read(
         if load_optimizer and opt_sd is None:
             raise CheckpointMissingError(f"partial checkpoint {ckpt.folder!r} has no {opt_name!r}")
         user = ckpt.load("user_content.pt", trusted=trusted)
-        return sd, opt_sd, user
+        return sd, opt_sd, user, False
     sd = ckpt.load(tag)
     opt_name = f"optimizer_{tag}"
     opt_sd = ckpt.load(opt_name) if load_optimizer and ckpt.has(opt_name) else None
     user = ckpt.load(f"user_content_{tag}", trusted=trusted) if ckpt.has(f"user_content_{tag}") else None
-    return sd, opt_sd, user
+    return sd, opt_sd, user, False
 
 
-def _check_partial_layout(ckpt: engine.CheckpointFolder, c: engine.Layout) -> None:
+def _check_partial_layout(ckpt: engine.CheckpointFolder, c: engine.Layout) -> bool:
+    """Whether the partial checkpoint was saved under another pipeline degree (it then loads by
+    merging stages); raise if its tensor-parallel degree differs (its shards would need translating)."""
     if ckpt.manifest is None:
-        return
+        return False
     saved = ckpt.manifest.layout
-    if (saved["pp"], saved["tp"]) != (c.pp, c.tp):
-        larger = saved["pp"] > c.pp or saved["tp"] > c.tp
+    if saved["tp"] != c.tp:
         raise CheckpointLayoutError(
-            f"partial checkpoint {ckpt.folder!r} was saved with pipeline_parallel_degree={saved['pp']}, "
-            f"tensor_parallel_degree={saved['tp']}; this job runs with pipeline_parallel_degree={c.pp}, "
-            f"tensor_parallel_degree={c.tp}: resume with the layout it was saved with, or save a full "
-            "checkpoint (partial=False), which loads under any layout",
-            larger=larger,
+            f"partial checkpoint {ckpt.folder!r} was saved with tensor_parallel_degree={saved['tp']} "
+            f"(pipeline_parallel_degree={saved['pp']}); this job runs with tensor_parallel_degree={c.tp} "
+            f"(pipeline_parallel_degree={c.pp}): a partial checkpoint moves to another pipeline degree but "
+            "not to another tensor-parallel degree. Resume it with tensor_parallel_degree="
+            f"{saved['tp']} and save a full checkpoint (partial=False), which loads under any layout",
+            larger=saved["tp"] > c.tp,
         )
+    return bool(saved["pp"] != c.pp)
 
 
 def _load_optimizer_when_ready(model: Any, opt_sd: dict[str, Any]) -> None:

@@ -173,9 +173,10 @@ def _load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) ->
     model = state.model
     if sd.pop("_smp_keyed_by_name", False) or (not partial and names is not None and has_tp_roots(model)):
         assert model is not None
-        if not sd.get("param_groups") or not isinstance(sd["param_groups"][0]["params"][0], str):
+        shards = bool(sd.pop("_smp_tp_shards", False))  # a partial state moved to another pp degree
+        if not shards and not _keyed_by_name(sd):
             sd = _by_name(sd, names)  # saved without TP, loading with it
-        load_named_state(self, model, sd, _all_params(self))
+        load_named_state(self, model, sd, _all_params(self), translate=not shards)
         return
     if partial and model is not None and isinstance(saved_layout, dict):
         local_layout_check(model, saved_layout)
@@ -188,6 +189,10 @@ def _load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) ->
         torch.optim.Optimizer.load_state_dict(self, _localize(self, sd))
     else:
         torch.optim.Optimizer.load_state_dict(self, sd)
+
+
+def _keyed_by_name(sd: dict[str, Any]) -> bool:
+    return any(isinstance(p, str) for g in sd.get("param_groups", []) for p in g["params"])
 
 
 def _by_name(sd: dict[str, Any], names: list[list[str | None]]) -> dict[str, Any]:

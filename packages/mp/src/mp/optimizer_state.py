@@ -164,16 +164,22 @@ def _named_groups(
 
 
 def load_named_state(
-    optimizer: torch.optim.Optimizer, model: DistributedModel, sd: dict[str, Any], all_groups: list[list[Any]]
+    optimizer: torch.optim.Optimizer,
+    model: DistributedModel,
+    sd: dict[str, Any],
+    all_groups: list[list[Any]],
+    *,
+    translate: bool = True,
 ) -> None:
-    """Load a name-keyed full state: this rank's parameters, TP shards cut from the full tensors."""
+    """Load a name-keyed state: this rank's parameters, TP shards cut from the full tensors
+    (``translate=False``: the state already holds this rank's shards under mp's names)."""
     saved_groups = sd["param_groups"]
     if len(saved_groups) != len(all_groups):
         raise IncompatibleCheckpointFoundError(
             f"the optimizer state has {len(saved_groups)} parameter groups; this optimizer has "
             f"{len(all_groups)}: build the optimizer as in the saving job"
         )
-    roots: Roots = list(distributed_roots(model.module))
+    roots: Roots = list(distributed_roots(model.module)) if translate else []
     names = param_names_by_id(model)
     saved: dict[str, dict[str, Any]] = sd["state"]
     cache: dict[str, dict[str, dict[str, Any]]] = {}

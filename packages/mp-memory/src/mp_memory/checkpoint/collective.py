@@ -21,17 +21,19 @@ def agree(error: BaseException | None, payload: Any, group: Any, what: str, rank
         return [payload]
     text = None
     if error is not None:
-        text = f"rank {rank}: {type(error).__name__}: {error}\n" + "".join(
-            traceback.format_exception(type(error), error, error.__traceback__)
-        )
+        text = f"rank {rank}: {type(error).__name__}: {error}"
+        if not isinstance(error, ValueError):  # an unexpected failure: where it happened
+            text += "\n" + "".join(traceback.format_exception(type(error), error, error.__traceback__))
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, (text, payload), group=group)
     failed = [t for t, _ in out if t is not None]
     if failed:
         message = f"{what} failed on {len(failed)} rank(s):\n" + "\n".join(failed)
-        if error is not None:
-            raise (
-                type(error)(message) if isinstance(error, CheckpointError) else CheckpointError(message)
-            ) from error
-        raise CheckpointError(message)
+        if error is None:
+            raise CheckpointError(message)
+        try:  # this rank's own kind of error, with every rank's story
+            combined = type(error)(message)
+        except Exception:
+            combined = CheckpointError(message)
+        raise combined from error
     return [p for _, p in out]
