@@ -263,8 +263,9 @@ _NOT_BUILT: tuple[tuple[str, Callable[[ModelParallelConfig], object], str], ...]
     ),
     (
         "shard_optimizer_state",
-        lambda c: c.shard_optimizer_state,
-        "shards the optimizer state over the reduced data-parallel group",
+        lambda c: c.shard_optimizer_state and c.precision != "fp32",
+        "shards the optimizer state over the reduced data-parallel group; mp builds that for fp32 "
+        "training, not together with 'fp16'/'bf16'",
     ),
     (
         "sharded_data_parallel_degree",

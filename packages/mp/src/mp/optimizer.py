@@ -339,6 +339,10 @@ def DistributedOptimizer(
     ):
         setattr(optimizer, name, types.MethodType(fn, optimizer))
     registered: Any = optimizer
+    if cfg.shard_optimizer_state:  # ZeRO-1 over the RDP group (fp32 only: smp.init refuses the rest)
+        from mp.zero import shard_optimizer_state
+
+        shard_optimizer_state(optimizer)
     if cfg.precision != "fp32":
         from mp.precision import bit16_optimizer
 
