@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ACTIVE_PLUS3",
     "BOTH_RANKS",
+    "STAGES",
     "CpuMeter",
     "CpuSample",
     "Runner",
@@ -27,6 +28,9 @@ __all__ = [
     "make_specs",
     "mp_schedules",
 ]
+
+STAGES = 2
+"""Pipeline stages (ranks) of the benchmark."""
 
 ACTIVE_PLUS3 = "interleaved active 5"
 """The mp session with the interleaved schedule and ``active_microbatches`` = pp + 3 instead of smp's
