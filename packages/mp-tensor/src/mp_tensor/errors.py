@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "DistEmbeddingConfigError",
     "DistTransformerConfigError",
+    "HFTranslationError",
     "MPTensorError",
     "NoTPContextError",
     "TPInputError",
@@ -27,6 +28,11 @@ class DistTransformerConfigError(ValueError, MPTensorError):
 
 class DistEmbeddingConfigError(ValueError, MPTensorError):
     """A ``DistributedEmbedding`` got arguments it cannot implement (smp's name)."""
+
+
+class HFTranslationError(ValueError, MPTensorError):
+    """A state dict handed to an ``smp.nn.huggingface`` translate function is not in the expected layout,
+    or names a model family that has no mp layout."""
 
 
 class TPModuleRegisterError(RuntimeError, MPTensorError):

@@ -4,7 +4,7 @@ writing one (seed 001 Appendix I.6)."""
 import torch
 
 import mp.tensor_api  # noqa: F401  (installs the TP context provider)
-from mp.nn import utils
+from mp.nn import huggingface, utils
 from mp_tensor.nn import (
     DistributedAttentionLayer,
     DistributedEmbedding,
@@ -35,5 +35,6 @@ __all__ = [
     "DistributedTransformerLayer",
     "DistributedTransformerOutputLayer",
     "FusedLayerNorm",
+    "huggingface",
     "utils",
 ]
