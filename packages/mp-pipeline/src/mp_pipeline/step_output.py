@@ -47,6 +47,11 @@ class StepOutput:
         """The microbatch outputs stacked along a new dim 0."""
         return torch.stack(self.outputs, dim=0)
 
+    def detach(self) -> StepOutput:
+        """The same outputs detached from autograd (smp's ``StepOutput.detach``; transformers'
+        Trainer calls ``.detach().concat()`` on its smp path)."""
+        return StepOutput([t.detach() if isinstance(t, torch.Tensor) else t for t in self.outputs])
+
     def __getitem__(self, index: int) -> Any:
         return self.outputs[index]
 

@@ -6,6 +6,7 @@ keeps what `smp.init` built here. Everything below the facade receives groups ex
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,15 @@ import torch.distributed as dist
 from mp.config import ModelParallelConfig
 from mp.errors import NotInitializedError
 from mp_comm import GroupKind, Topology, World
+
+
+@dataclass
+class ModuleManager:
+    """The part of smp's ``state.module_manager`` that clients read. ``translate_functions`` holds
+    ``(smp_to_hf, hf_to_smp)`` state-dict translations for tensor-parallel HF models; transformers'
+    ``save_pretrained`` applies each ``smp_to_hf`` on its smp path (empty: nothing to translate)."""
+
+    translate_functions: list[tuple[Callable[[Any], Any], Callable[[Any], Any]]] = field(default_factory=list)
 
 
 @dataclass
@@ -31,6 +41,7 @@ class State:
     """The point-to-point transport of the pipeline (mp_comm), opened by the first pipelined model."""
     model: Any = None
     optimizer: Any = None
+    module_manager: ModuleManager = field(default_factory=ModuleManager)
 
     @property
     def initialized(self) -> bool:

@@ -1,0 +1,62 @@
+"""User-side helpers for transformers' own Trainer on its smp path (``SM_HP_MP_PARAMETERS`` set), where
+the installed transformers needs them. The Trainer's code stays as it is; these subclasses change only
+what it gets wrong on that path:
+
+- :class:`SMPTrainingArguments`: on a machine without CUDA, transformers' smp branch calls
+  ``torch.cuda.set_device`` (and with ``use_cpu=True`` reaches an unbound ``device``); this returns the
+  CPU instead. With CUDA it changes nothing.
+- :class:`SMPTrainer`: transformers 5.x delays the optimizer on the smp path and then never creates it;
+  this creates it right after ``smp.DistributedModel`` wraps the model (smp's order). Where the
+  Trainer already has an optimizer (one passed in, or a version that creates it) it changes nothing.
+  It also clips gradients by the norm of the whole model (``optimizer.clip_master_grads``, collective
+  over the pipeline and TP groups) where the Trainer clips each pipeline stage by its own norm
+  (``clip_grad_norm_(model.parameters())``; smp did the same outside fp16). And evaluation after
+  training reuses the wrapped model, as transformers 4.x did (5.x wraps ``self.model`` a second time,
+  which smp refuses with MultipleDistributedModelError).
+
+Importing this module needs ``transformers`` (and ``accelerate``, which the Trainer needs).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainingArguments
+from transformers.utils.import_utils import is_sagemaker_mp_enabled
+
+from mp.model import DistributedModel
+
+__all__ = ["SMPTrainer", "SMPTrainingArguments"]
+
+
+class SMPTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` whose device is the CPU on the smp path when there is no CUDA."""
+
+    @functools.cached_property
+    def _setup_devices(self) -> torch.device:
+        if is_sagemaker_mp_enabled() and not torch.cuda.is_available():
+            self._n_gpu = 0
+            self.distributed_state = None
+            return torch.device("cpu")
+        return super()._setup_devices
+
+
+class SMPTrainer(Trainer):
+    """``Trainer`` that creates its optimizer once the smp path has wrapped the model."""
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        if is_sagemaker_mp_enabled() and isinstance(self.model_wrapped, DistributedModel):
+            return self.model_wrapped
+        wrapped: nn.Module = super()._wrap_model(model, training, dataloader)
+        if training and is_sagemaker_mp_enabled() and self.optimizer is None:
+            self.create_optimizer(wrapped)
+        return wrapped
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        if is_sagemaker_mp_enabled():
+            optimizer: Any = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
+            return optimizer.clip_master_grads(self.args.max_grad_norm)
+        return super()._clip_grad_norm(model)  # type: ignore[no-untyped-call]

@@ -1,0 +1,121 @@
+"""transformers' own Trainer on its smp path (SM_HP_MP_PARAMETERS set, smp imported as
+``smdistributed.modelparallel.torch``, i.e. mp's alias) at pp=2 on a tiny GPT-2 trains, evaluates and
+saves like the same Trainer script without smp.
+
+The installed transformers (5.x) needs mp.hf_trainer's helpers on this path: SMPTrainingArguments (no
+CUDA: the CPU instead of torch.cuda.set_device) and SMPTrainer (creates the optimizer, which 5.x never
+does there; clips by the whole model's norm; reuses the wrapped model for evaluation). Without smp they
+change nothing, and the reference run uses transformers' own classes anyway.
+
+Both runs read the batches in order (train_sampling_strategy="sequential") with dropout off (each
+pipeline stage draws its own random numbers), and the reference lets the model average its loss
+(model_accepts_loss_kwargs=False) as the smp path does: transformers otherwise divides the summed loss
+by the number of labels before shifting (64 instead of 60 here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._harness import run_script
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # the Trainer needs it
+
+SCRIPT = """
+import json, os, sys
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+out, mode = os.environ["HF_TEST_OUT"], os.environ["HF_TEST_MODE"]
+if mode == "smp":
+    from mp.hf_trainer import SMPTrainer as Trainer, SMPTrainingArguments as TrainingArguments
+else:
+    from transformers import Trainer, TrainingArguments
+
+
+class Data(torch.utils.data.Dataset):
+    def __init__(self, n, seed):
+        self.ids = torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+torch.manual_seed(0)
+config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+model = GPT2LMHeadModel(config)
+args = TrainingArguments(
+    output_dir=out, per_device_train_batch_size=4, per_device_eval_batch_size=4, max_steps=6,
+    learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", seed=0,
+    dataloader_drop_last=True, train_sampling_strategy="sequential", max_grad_norm=0.5,
+)
+trainer = Trainer(model=model, args=args, train_dataset=Data(32, 0), eval_dataset=Data(8, 1))
+trainer.model_accepts_loss_kwargs = False  # the model's own mean loss, as on the smp path
+trainer.train()
+evaluation = trainer.evaluate()
+trainer.save_model(out + "/final")
+if trainer.is_world_process_zero():
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    record = {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
+              "eval_loss": evaluation["eval_loss"]}
+    if mode == "smp":
+        import smdistributed.modelparallel.torch as smp
+        import mp
+        record["alias"] = smp is mp and trainer.args.parallel_mode.value
+    with open(out + "/record.json", "w") as f:
+        json.dump(record, f)
+"""
+
+SMP_ENV = {
+    "SM_HP_MP_PARAMETERS": json.dumps({"partitions": 2, "microbatches": 2, "ddp": True}),
+    "SM_FRAMEWORK_PARAMS": json.dumps({"sagemaker_mpi_enabled": True}),
+}
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "final" / "model.safetensors"))
+
+
+def test_the_trainer_at_pp2_trains_like_the_plain_trainer(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    plain_out, smp_out = tmp_path / "plain", tmp_path / "smp"
+    env = {k: v for k, v in os.environ.items() if k not in SMP_ENV}
+    env.update(HF_TEST_OUT=str(plain_out), HF_TEST_MODE="plain")
+    plain = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    output, code, _ = run_script(
+        script, 2, env={**SMP_ENV, "HF_TEST_OUT": str(smp_out), "HF_TEST_MODE": "smp"}, timeout=300
+    )
+    assert code == 0, output[-5000:]
+    want = json.loads((plain_out / "record.json").read_text())
+    got = json.loads((smp_out / "record.json").read_text())
+    assert got["alias"] == "sagemaker_model_parallel", got  # the Trainer took its smp path, through mp
+    assert len(got["loss"]) == len(want["loss"]) == 6
+    # the gradient norm (above max_grad_norm=0.5: every step clips) spans both pipeline stages
+    for key in ("loss", "grad_norm"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5)
+    saved, reference = _weights(smp_out), _weights(plain_out)
+    # mp's gathered state_dict holds the tied lm_head.weight as a tensor of its own, so save_pretrained
+    # cannot see the tie and writes it too (the plain run drops it): the same values, loadable alike
+    assert set(saved) - set(reference) == {"lm_head.weight"} and set(reference) <= set(saved), sorted(saved)
+    torch.testing.assert_close(saved["lm_head.weight"], saved["transformer.wte.weight"])
+    for name, tensor in reference.items():
+        torch.testing.assert_close(saved[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
