@@ -76,7 +76,8 @@ def build(
     if k == "embedding":
         pad = o.get("padding_idx")
         r = nn.Embedding(20, 8, padding_idx=pad)
-        d = tnn.DistributedEmbedding(20, 8, padding_idx=pad, tp=ctx)
+        vocab = o.get("vocab_parallel", False)
+        d = tnn.DistributedEmbedding(20, 8, padding_idx=pad, vocab_parallel=vocab, tp=ctx)
         ids = torch.randint(0, 20, (n_total, SEQ), generator=gen)
         ids[0, 0] = 3
         return r, d, [ids], []

@@ -10,6 +10,7 @@ from mp_tensor.nn.base import (
     param_spec,
 )
 from mp_tensor.nn.embedding import DistributedEmbedding
+from mp_tensor.nn.flash_attention import FlashAttentionLayer
 from mp_tensor.nn.layernorm import DistributedLayerNorm
 from mp_tensor.nn.linear import DistributedLinear
 from mp_tensor.nn.lm_head import DistributedTransformerLMHead
@@ -26,6 +27,7 @@ __all__ = [
     "DistributedTransformerLMHead",
     "DistributedTransformerLayer",
     "DistributedTransformerOutputLayer",
+    "FlashAttentionLayer",
     "ParamSpec",
     "is_distributed_parameter",
     "is_scaled_batch_parameter",

@@ -41,9 +41,9 @@ _ACCEPTED_DEFAULTS: dict[str, object] = {
     "use_lm_head_bias": False,
     "tie_input_output_embedding": True,
 }
-# Accepted with any value and without effect: kernel-fusion switches, and keys whose meaning has no
-# counterpart here.
-_IGNORED = frozenset({"fused_softmax", "fused_bias_gelu", "layer_idx", "alibi_bias_max", "_precision_test"})
+# Accepted with any value and without effect: keys that only matter with an option refused above
+# (layer_idx with scale_attn_by_layer_idx, alibi_bias_max with use_alibi), and smp's test switch.
+_IGNORED = frozenset({"layer_idx", "alibi_bias_max", "_precision_test"})
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,9 @@ class TransformerArgs:
     final_layernorm: bool = False
     fp32_residual_addition: bool = False
     mask_value: float = -1e4
+    #: True: attention through torch's fused ``scaled_dot_product_attention`` when no attention dropout
+    #: applies (eval, or ``attention_dropout_prob=0``); False: the explicit softmax (smp's unfused path).
+    fused_softmax: bool = True
 
     @property
     def all_head_size(self) -> int:
@@ -83,7 +86,10 @@ class TransformerArgs:
         """Validate ``values`` (the constructor's arguments) for module ``who`` on ``tp_size`` ranks."""
         known = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {}
+        fused_gelu = bool(values.get("fused_bias_gelu", False))
         for key, value in values.items():
+            if key == "fused_bias_gelu":
+                continue
             if key in known:
                 kwargs[key] = value
             elif key in _ACCEPTED_DEFAULTS:
@@ -94,6 +100,15 @@ class TransformerArgs:
                     )
             elif key not in _IGNORED:
                 log.warning("%s: ignoring unknown argument %s=%r", who, key, value)
+        if fused_gelu:
+            # Megatron's fused bias-GeLU kernel (smp's fused_bias_gelu) computes the tanh approximation.
+            act = kwargs.get("activation", "gelu")
+            if act not in ("gelu", "gelu_new"):
+                raise DistTransformerConfigError(
+                    f"{who} got fused_bias_gelu=True with activation={act!r}; the fused bias-GeLU replaces a "
+                    "GeLU. Pass activation='gelu' or fused_bias_gelu=False."
+                )
+            kwargs["activation"] = "gelu_new"
         args = cls(**kwargs)
         args._check(who, tp_size)
         return args

@@ -54,21 +54,36 @@ def attend(
     causal_size: int | None,
     mask_value: float,
     dropout: Any,
+    fused: bool = False,
 ) -> Tensor:
-    """Scaled dot-product attention of ``heads`` heads; ``q [N,Sq,heads*d]``, ``k, v [N,Sk,heads*d]``."""
+    """Scaled dot-product attention of ``heads`` heads; ``q [N,Sq,heads*d]``, ``k, v [N,Sk,heads*d]``.
+
+    ``fused`` (smp's ``fused_softmax``; pass it only when ``dropout`` is the identity, since the
+    attention dropout must draw from the TP group's random state) runs torch's fused
+    ``scaled_dot_product_attention`` with the causal and padding masks as one additive bias.
+    """
     n, sq = q.shape[0], q.shape[1]
     sk = k.shape[1]
     qh = q.reshape(n, sq, heads, head_size).permute(0, 2, 1, 3)
     kh = k.reshape(n, sk, heads, head_size).permute(0, 2, 3, 1)
     vh = v.reshape(n, sk, heads, head_size).permute(0, 2, 1, 3)
-    scores = torch.matmul(qh, kh) / math.sqrt(head_size)
+    keep = None
     if causal_size is not None:
         if max(sq, sk) > causal_size:
             raise TPInputError(
                 f"the attention got sequence length {max(sq, sk)}, longer than "
                 f"causal_mask_size={causal_size}; pass shorter sequences or a larger causal_mask_size."
             )
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).tril(sk - sq)
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+    if fused:
+        bias = mask
+        if keep is not None:
+            causal = torch.zeros(sq, sk, dtype=q.dtype, device=q.device).masked_fill(~keep, mask_value)
+            bias = causal if bias is None else bias + causal
+        out = F.scaled_dot_product_attention(qh, kh.transpose(-1, -2), vh, attn_mask=bias)
+        return out.permute(0, 2, 1, 3).reshape(n, sq, heads * head_size)
+    scores = torch.matmul(qh, kh) / math.sqrt(head_size)
+    if keep is not None:
         scores = torch.where(keep, scores, torch.full_like(scores, mask_value))
     if mask is not None:
         scores = scores + mask
@@ -190,6 +205,7 @@ class DistributedAttentionLayer(DistributedModule):
             causal_size=None if a.cross_attention else a.causal_mask_size,
             mask_value=a.mask_value,
             dropout=drop_probs,
+            fused=a.fused_softmax and not (self.training and a.attention_dropout_prob > 0),
         )
         out = F.linear(context, self.dense.weight)
         if ctx.distributed and ctx.group is not None:

@@ -6,6 +6,11 @@ concatenated. With ``prescaled_batch`` the indices are already the same on every
 followed by an all-gather of the slices. ``_skip_allgather`` says the indices are already the TP group's
 (no gather); ``_skip_scatter_and_merge`` returns the ``sharded`` layout ``[T*B, ..., D/T]`` instead
 (what the transformer modules take in "memory" mode).
+
+``vocab_parallel=True`` (smp's, Megatron's vocab-parallel embedding) splits the rows instead: rank j
+holds rows ``[j*V/T, (j+1)*V/T)``, looks up the gathered indices that fall in its rows (zeros for the
+others), and a reduce-scatter over the samples (an all-reduce with ``prescaled_batch``; a reduce-scatter
+over the channels with ``_skip_scatter_and_merge``) sums the parts.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mp_comm import collectives as col
 from mp_tensor.context import TPContext
 from mp_tensor.dist_ops import gather_samples, leave
 from mp_tensor.errors import DistEmbeddingConfigError, TPInputError
@@ -22,11 +28,32 @@ from mp_tensor.nn.base import DistributedModule, ParamSpec, set_param_spec
 __all__ = ["DistributedEmbedding"]
 
 
+def _check_vocab_parallel(
+    rows: int, dim: int, scale_grad_by_freq: bool, sharded_out: bool, tp_size: int
+) -> None:
+    if rows % tp_size:
+        raise DistEmbeddingConfigError(
+            f"DistributedEmbedding(vocab_parallel=True) got num_embeddings={rows}, which the tensor-parallel "
+            f"degree {tp_size} does not divide; pad the vocabulary to a multiple of {tp_size}."
+        )
+    if scale_grad_by_freq:
+        raise DistEmbeddingConfigError(
+            "DistributedEmbedding(vocab_parallel=True) got scale_grad_by_freq=True; the frequencies would "
+            "count the indices other ranks own. Pass scale_grad_by_freq=False or vocab_parallel=False."
+        )
+    if sharded_out and dim % tp_size:
+        raise DistEmbeddingConfigError(
+            "DistributedEmbedding(vocab_parallel=True, _skip_scatter_and_merge=True) got "
+            f"embedding_dim={dim}, "
+            f"which the tensor-parallel degree {tp_size} does not divide; use a multiple of {tp_size}."
+        )
+
+
 class DistributedEmbedding(DistributedModule):
     """Tensor-parallel ``nn.Embedding``; its full state dict is that of ``nn.Embedding``.
 
     Initialization is N(0, ``initializer_range``) (row ``padding_idx`` zero). ``max_norm`` and
-    ``_weight`` are not supported (as in smp).
+    ``_weight`` are not supported (as in smp). ``vocab_parallel`` splits the rows (see the module doc).
     """
 
     def __init__(  # noqa: PLR0917
@@ -42,6 +69,7 @@ class DistributedEmbedding(DistributedModule):
         initializer_range: float = 0.02,
         _skip_allgather: bool = False,
         _skip_scatter_and_merge: bool = False,
+        vocab_parallel: bool = False,
         *,
         tp: TPContext | None = None,
     ) -> None:
@@ -56,7 +84,11 @@ class DistributedEmbedding(DistributedModule):
                 "DistributedEmbedding got an initial _weight; pass _weight=None and load the weight with "
                 "load_full_state_dict({'weight': w}) instead."
             )
-        if embedding_dim % self.tp_size:
+        if vocab_parallel:
+            _check_vocab_parallel(
+                num_embeddings, embedding_dim, scale_grad_by_freq, _skip_scatter_and_merge, self.tp_size
+            )
+        elif embedding_dim % self.tp_size:
             raise DistEmbeddingConfigError(
                 f"DistributedEmbedding got embedding_dim={embedding_dim}, which the tensor-parallel degree "
                 f"{self.tp_size} does not divide; use a multiple of {self.tp_size}."
@@ -76,15 +108,35 @@ class DistributedEmbedding(DistributedModule):
         full = torch.empty(num_embeddings, embedding_dim).normal_(0.0, initializer_range)
         if padding_idx is not None:
             full[padding_idx].zero_()
-        weight = self.shard(full, 1).clone()
+        self.vocab_parallel = vocab_parallel
+        split = 0 if vocab_parallel else 1
+        weight = self.shard(full, split).clone()
         self.weight = nn.Parameter(weight.to(self.tp.dtype or weight.dtype))
-        set_param_spec(self.weight, ParamSpec(split_dim=1, scaled_batch=True))
+        set_param_spec(self.weight, ParamSpec(split_dim=split, scaled_batch=True))
 
     def lookup(self, ids: Tensor) -> Tensor:
         """This rank's slice of the embedding of every index in ``ids`` (no communication)."""
         return F.embedding(
             ids, self.weight, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq, self.sparse
         )
+
+    def lookup_rows(self, ids: Tensor) -> Tensor:
+        """Vocab-parallel: the embedding of the indices among this rank's rows, zeros for the others."""
+        rows = self.weight.shape[0]
+        start = self.tp_rank * rows
+        inside = (ids >= start) & (ids < start + rows)
+        pad = self.padding_idx
+        local_pad = pad - start if pad is not None and start <= pad < start + rows else None
+        out = F.embedding(
+            torch.where(inside, ids - start, 0),
+            self.weight,
+            local_pad,
+            None,
+            self.norm_type,
+            False,
+            self.sparse,
+        )
+        return out * inside.unsqueeze(-1).to(out.dtype)
 
     def forward(self, ids: Tensor) -> Tensor:
         ctx = self.tp
@@ -97,6 +149,14 @@ class DistributedEmbedding(DistributedModule):
             )
         all_ids = ids if self.skip_allgather else gather_samples(ids, ctx)
         assert all_ids is not None
+        if self.vocab_parallel:
+            assert ctx.group is not None
+            part = self.lookup_rows(all_ids)
+            if self.skip_scatter_and_merge:
+                return col.reduce_scatter(part, -1, ctx.group)
+            if ctx.prescaled_batch:
+                return col.all_reduce(part, ctx.group)
+            return col.reduce_scatter(part, 0, ctx.group)
         local = self.lookup(all_ids)
         if self.skip_scatter_and_merge:
             return local

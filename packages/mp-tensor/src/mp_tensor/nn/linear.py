@@ -71,15 +71,37 @@ class LinearShard(nn.Module):
         return f"weight={tuple(self.weight.shape)}, bias={self.bias is not None}"
 
 
+def _one_size(torch_name: str, torch_value: int | None, smp_name: str, smp_value: int | None) -> int:
+    """One size given under torch's name or smp's (not both, unless equal)."""
+    if torch_value is None and smp_value is None:
+        raise TypeError(f"DistributedLinear needs {torch_name} (smp's name: {smp_name}); pass the size.")
+    if torch_value is not None and smp_value is not None and torch_value != smp_value:
+        raise TypeError(
+            f"DistributedLinear got {torch_name}={torch_value} and {smp_name}={smp_value}, two names for "
+            "one size; pass only one of them."
+        )
+    return int(torch_value if torch_value is not None else smp_value)  # type: ignore[arg-type]
+
+
 class DistributedLinear(DistributedModule):
     """Tensor-parallel ``nn.Linear``: ``in_features`` and ``out_features`` are the global sizes.
 
-    Its full state dict is that of ``nn.Linear(in_features, out_features, bias)``.
+    Its full state dict is that of ``nn.Linear(in_features, out_features, bias)``. smp's keyword names
+    ``input_features``/``output_features`` are accepted for the same two sizes.
     """
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = True, *, tp: TPContext | None = None
+        self,
+        in_features: int | None = None,
+        out_features: int | None = None,
+        bias: bool = True,
+        *,
+        input_features: int | None = None,
+        output_features: int | None = None,
+        tp: TPContext | None = None,
     ) -> None:
+        in_features = _one_size("in_features", in_features, "input_features", input_features)
+        out_features = _one_size("out_features", out_features, "output_features", output_features)
         super().__init__(tp=tp)
         if in_features % self.tp_size:
             raise DistTransformerConfigError(

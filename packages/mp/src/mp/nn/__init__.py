@@ -15,6 +15,7 @@ from mp_tensor.nn import (
     DistributedTransformerLayer,
     DistributedTransformerLMHead,
     DistributedTransformerOutputLayer,
+    FlashAttentionLayer,
 )
 
 
@@ -34,6 +35,7 @@ __all__ = [
     "DistributedTransformerLMHead",
     "DistributedTransformerLayer",
     "DistributedTransformerOutputLayer",
+    "FlashAttentionLayer",
     "FusedLayerNorm",
     "huggingface",
     "utils",
