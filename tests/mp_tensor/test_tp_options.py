@@ -148,3 +148,19 @@ def test_vocab_parallel_embedding_checks() -> None:
         tnn.DistributedEmbedding(10, 6, scale_grad_by_freq=True, vocab_parallel=True, tp=ctx)
     with pytest.raises(DistEmbeddingConfigError, match="max_norm"):
         tnn.DistributedEmbedding(10, 6, max_norm=1.0, vocab_parallel=True, tp=ctx)
+
+
+def test_tensor_parallelism_passes_vocab_parallel_to_embeddings() -> None:
+    from torch import nn
+
+    from mp_tensor.enable import tensor_parallelism
+    from mp_tensor.replace import replace_modules
+
+    torch.manual_seed(0)
+    with tensor_parallelism(vocab_parallel=True):
+        model = nn.Sequential(nn.Embedding(10, 6))
+    want = model[0].weight.detach().clone()
+    replaced = replace_modules(model, TPContext())
+    emb = replaced[0]
+    assert isinstance(emb, tnn.DistributedEmbedding) and emb.vocab_parallel
+    assert torch.equal(emb.full_state_dict()["weight"], want)

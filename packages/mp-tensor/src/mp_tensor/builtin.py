@@ -47,7 +47,7 @@ def _embedding_build(module: nn.Module, ctx: TPContext, overrides: Mapping[str, 
     extra = {
         k: v
         for k, v in overrides.items()
-        if k in ("initializer_range", "_skip_allgather", "_skip_scatter_and_merge")
+        if k in ("initializer_range", "_skip_allgather", "_skip_scatter_and_merge", "vocab_parallel")
     }
     new = DistributedEmbedding(
         module.num_embeddings,
