@@ -8,6 +8,7 @@ a free port and shares the port over MPI.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import enum
 import logging
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from mp_comm.errors import WorldError
+from mp_comm.teardown import Stage, at_exit
 
 log = logging.getLogger(__name__)
 
@@ -158,13 +160,18 @@ class World:
     owns_process_group: bool
     _group_comms: list[Any] = field(default_factory=list, init=False, repr=False)
     """The MPI twins this World created for its groups (freed by `shutdown`)."""
+    _groups: list[dist.ProcessGroup] = field(default_factory=list, init=False, repr=False)
+    """The process groups `new_groups` created here and nobody destroyed yet (destroyed by `shutdown`)."""
     previous_excepthook: Any = field(default=None, repr=False)
     """sys.excepthook before this World started torch.distributed (put back by `shutdown`)."""
+    _cancel_exit: Callable[[], None] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         world_pg = dist.group.WORLD if dist.is_initialized() else None
         if self.mpi_comm is not None and world_pg is not None:
             _MPI_TWINS[world_pg] = self.mpi_comm  # same ranks, same order as the default group
+        # A script that never shuts down still tears down in order (see mp_comm.teardown).
+        self._cancel_exit = at_exit(Stage.WORLD, self.shutdown)
 
     @property
     def rank(self) -> int:
@@ -188,6 +195,8 @@ class World:
             pg = dist.new_group(members, use_local_synchronization=False)
             mine = self.rank in members
             made.append(pg if mine else None)
+            if mine and pg is not None:
+                self._groups.append(pg)
             if mine and pg is not None and self.mpi_comm is not None:
                 # Collective over the members only; every member creates its groups in the same order.
                 mpi_group = self.mpi_comm.Get_group()
@@ -208,6 +217,7 @@ class World:
             if comm is not None and any(comm is c for c in self._group_comms):
                 self._group_comms = [c for c in self._group_comms if c is not comm]
                 comm.Free()
+            self._groups = [g for g in self._groups if g is not pg]
             dist.destroy_process_group(pg)
 
     def _forget_twins(self) -> None:
@@ -219,8 +229,23 @@ class World:
                 del _MPI_TWINS[pg]
 
     def shutdown(self) -> None:
-        """Tear down what init_world created (the process group it started, the MPI communicators)."""
+        """Tear down what init_world created: the groups `new_groups` made, the process group it
+        started, the MPI communicators. Local (no rank waits for another); a second call does nothing.
+
+        Runs at interpreter exit if the script did not call it (mp_comm.teardown), after the transports
+        have closed: destroying a group joins its gloo worker threads, which must happen while the
+        interpreter can still run the Python they may need.
+        """
+        if self._cancel_exit is not None:
+            self._cancel_exit()
+            self._cancel_exit = None
         self._forget_twins()
+        groups, self._groups = self._groups, []
+        for pg in reversed(groups):
+            # Groups another owner destroyed first (smp.reset, the user) are no longer registered.
+            with contextlib.suppress(ValueError):
+                dist.destroy_process_group(pg)
+        del groups  # the last references: the groups' C++ destructors join their threads now
         for comm in self._group_comms:
             if comm:
                 comm.Free()

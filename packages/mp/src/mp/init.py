@@ -14,6 +14,7 @@ from mp.config_rules import refuse_not_built
 from mp.dp_backend import check_engines, world_backend, world_port
 from mp.state import State, state
 from mp_comm import GroupKind, WorldInfo, build_topology, init_world
+from mp_comm.teardown import EXIT_TIMEOUT, Stage, at_exit
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +79,21 @@ def is_initialized() -> bool:
 
 def reset() -> None:
     """Forget the current initialization: destroy mp's groups and release the world it started."""
+    _release()
+
+
+def _release(transport_timeout: float | None = None) -> None:
     world = state.world
     runtime = getattr(state.model, "_runtime", None)
     if runtime is not None:
         runtime.close()  # stop the pipeline's worker threads now, not when they notice the closed transport
     if state.transport is not None:
-        state.transport.close()  # collective, like everything in reset
+        try:
+            state.transport.close(transport_timeout)  # collective, like everything in reset
+        except Exception:
+            if transport_timeout is None:
+                raise
+            log.warning("the pipeline transport did not close cleanly at exit", exc_info=True)
     if state.atp_mesh is not None:
         from mp_tensor import atp
 
@@ -100,3 +110,14 @@ def reset() -> None:
 def shutdown() -> None:
     """Tear mp down at the end of a job (same as `reset`)."""
     reset()
+
+
+def _release_at_exit() -> None:
+    # A script that ends without smp.shutdown (smp scripts do): reset's teardown, before mp_comm's stages
+    # close the transports and destroy the groups it no longer references. The transport's close meets
+    # the other ranks for a few seconds at most, so a rank that leaves while others run does not hang.
+    if state.initialized:
+        _release(transport_timeout=EXIT_TIMEOUT)
+
+
+at_exit(Stage.USERS, _release_at_exit)

@@ -26,7 +26,6 @@ a barrier that makes sure no rank still sends to one that has freed its communic
 
 from __future__ import annotations
 
-import atexit
 import collections
 import logging
 import threading
@@ -52,6 +51,7 @@ from mp_comm.message import (
     decode_header,
     default_device_map,
 )
+from mp_comm.teardown import EXIT_TIMEOUT, Stage, at_exit
 from mp_comm.transport.base import (
     Mailbox,
     MessageTransport,
@@ -181,13 +181,15 @@ class _RecvOp:
 _OPEN: weakref.WeakSet[MPITransport] = weakref.WeakSet()
 
 
-@atexit.register
-def _close_at_exit() -> None:  # runs before mpi4py finalizes MPI
+def _close_at_exit() -> None:  # after UCX (it may still hand payloads to MPI), before the process groups
     for transport in list(_OPEN):
         try:
-            transport.close(timeout=5.0)
+            transport.close(timeout=EXIT_TIMEOUT)
         except Exception as exc:
             log.warning("closing the MPI transport of rank %d at exit: %s", transport.rank, exc)
+
+
+at_exit(Stage.HOST_TRANSPORT, _close_at_exit)
 
 
 class MPITransport(MessageTransport):

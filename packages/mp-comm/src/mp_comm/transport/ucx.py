@@ -30,7 +30,6 @@ its persistent send buffer before sending, when there is room.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import contextlib
 import logging
@@ -66,6 +65,7 @@ from mp_comm.message import (
     default_device_map,
     numpy_bytes,
 )
+from mp_comm.teardown import Stage, at_exit
 from mp_comm.transport.base import Mailbox, MessageTransport, OrderCounter, Outgoing, TransportConfig
 from mp_comm.transport.bootstrap import Bootstrap, bootstrap_for_world
 from mp_comm.transport.ucx_setup import (
@@ -146,7 +146,6 @@ class _Incoming:
 _OPEN: weakref.WeakSet[UCXTransport] = weakref.WeakSet()
 
 
-@atexit.register
 def _abort_at_exit() -> None:
     # A transport left open at exit: close its endpoints so that UCX does not report them leaked.
     left = list(_OPEN)
@@ -157,6 +156,9 @@ def _abort_at_exit() -> None:
             transport.abort()
         except Exception as exc:
             log.warning("closing the UCX transport of rank %d at exit: %s", transport.rank, exc)
+
+
+at_exit(Stage.DEVICE_TRANSPORT, _abort_at_exit)
 
 
 class UCXTransport(MessageTransport):
