@@ -1,4 +1,5 @@
-"""Hugging Face transformers blocks mapped to mp's distributed transformer layer (GPT-2, BERT, RoBERTa).
+"""Hugging Face transformers blocks mapped to mp's distributed layers (GPT-2, BERT, RoBERTa, Llama), and
+smp's state-dict translations (:mod:`mp_tensor.hf.translate`).
 
 Nothing here imports ``transformers``: the blocks are matched by class name and read through their
 attributes, so the mappings cost nothing when transformers is not used.

@@ -1,0 +1,257 @@
+"""Hugging Face ``LlamaDecoderLayer`` -> :class:`DistributedLlamaLayer`: Megatron-style tensor parallelism
+of a whole block (RMSNorm, rotary attention with grouped-query heads, SwiGLU MLP).
+
+Activations are replicated over the TP group (optimize "speed"): query/key/value and gate/up are split
+by output channels (whole heads, whole key/value groups per rank), the output and down projections by
+input channels, so a block costs one all-reduce after attention and one after the MLP, and their two
+mirrors in backward. The distributed layer keeps the Hugging Face parameter names, so its full state
+dict is the block's. Rotary cos/sin come from the model (any ``rope_type``), as for the HF block.
+
+Refused (the block stays Hugging Face's and its Linears are distributed one by one, with a log line
+saying why): ``num_attention_heads``, ``num_key_value_heads`` or ``intermediate_size`` not divisible by
+the TP degree (a key/value head is never split nor copied), ``hidden_act`` other than silu, attention
+dropout, and optimize "memory" (its sharded layout is not built for this block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mp_comm import collectives as col
+from mp_tensor.context import TPContext
+from mp_tensor.dist_ops import enter, gather_samples, leave
+from mp_tensor.errors import DistTransformerConfigError, TPInputError
+from mp_tensor.hf.common import sizes_reason
+from mp_tensor.nn.base import DistributedModule, ParamSpec, set_param_spec
+from mp_tensor.nn.linear import LinearShard
+from mp_tensor.registry import Registration
+
+__all__ = ["BLOCK", "DistributedLlamaLayer", "registrations"]
+
+BLOCK = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
+
+
+class _RMSNorm(nn.Module):
+    """Hugging Face's ``LlamaRMSNorm`` (statistics in fp32), replicated over the TP group."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
+        set_param_spec(self.weight, ParamSpec(None, scaled_batch=True))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DistributedLlamaLayer(DistributedModule):
+    """A tensor-parallel Llama decoder layer; ``forward((hidden [N,S,H], mask, cos, sin))`` with ``mask``
+    additive ``[N,1,S,S]`` and ``cos``/``sin`` ``[N,S,head_dim]`` returns the new hidden states."""
+
+    def __init__(  # noqa: PLR0917
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        num_key_value_heads: int,
+        head_dim: int,
+        intermediate_size: int,
+        rms_norm_eps: float = 1e-6,
+        attention_bias: bool = False,
+        mlp_bias: bool = False,
+        *,
+        tp: TPContext | None = None,
+    ) -> None:
+        super().__init__(tp=tp)
+        n, name = self.tp_size, type(self).__name__
+        reason = sizes_reason(
+            n,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            intermediate_size=intermediate_size,
+        )
+        if reason is not None:
+            raise DistTransformerConfigError(f"{name}: {reason}; use a multiple of {n}.")
+        if self.tp.distributed and self.tp.optimize == "memory":
+            raise DistTransformerConfigError(
+                f"{name} got optimize='memory'; only the replicated (speed) layout is built for Llama "
+                "blocks. Use optimize='speed' to distribute whole blocks."
+            )
+        self.heads, self.kv_heads = num_attention_heads // n, num_key_value_heads // n
+        self.head_dim = head_dim
+        h, q_out, kv_out = hidden_size, num_attention_heads * head_dim, num_key_value_heads * head_dim
+
+        def col_split(out: int, inp: int, bias: bool) -> LinearShard:
+            return LinearShard(self.tp, out, inp, weight_split=0, bias=bias, bias_split=0)
+
+        def row_split(out: int, inp: int, bias: bool) -> LinearShard:
+            return LinearShard(self.tp, out, inp, weight_split=1, bias=bias, bias_split=None)
+
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = col_split(q_out, h, attention_bias)
+        self.self_attn.k_proj = col_split(kv_out, h, attention_bias)
+        self.self_attn.v_proj = col_split(kv_out, h, attention_bias)
+        self.self_attn.o_proj = row_split(h, q_out, attention_bias)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = col_split(intermediate_size, h, mlp_bias)
+        self.mlp.up_proj = col_split(intermediate_size, h, mlp_bias)
+        self.mlp.down_proj = row_split(h, intermediate_size, mlp_bias)
+        self.input_layernorm = _RMSNorm(h, rms_norm_eps, self.tp.dtype)
+        self.post_attention_layernorm = _RMSNorm(h, rms_norm_eps, self.tp.dtype)
+
+    def _fan_out(self, x: Tensor) -> Tensor:
+        """Megatron's f: identity forward, gradient summed over the TP group backward."""
+        ctx = self.tp
+        return col.all_reduce_backward(x, ctx.group) if ctx.distributed and ctx.group is not None else x
+
+    def _fan_in(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        """Megatron's g: the partial outputs summed over the TP group, then the (replicated) bias."""
+        ctx = self.tp
+        if ctx.distributed and ctx.group is not None:
+            x = col.all_reduce(x, ctx.group)
+        return x if bias is None else x + bias
+
+    def _attention(self, x: Tensor, mask: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        attn = cast(Any, self.self_attn)
+        n, s = x.shape[0], x.shape[1]
+
+        def heads(proj: LinearShard, count: int) -> Tensor:
+            return F.linear(x, proj.weight, proj.bias).view(n, s, count, self.head_dim).transpose(1, 2)
+
+        q, k, v = (
+            heads(attn.q_proj, self.heads),
+            heads(attn.k_proj, self.kv_heads),
+            heads(attn.v_proj, self.kv_heads),
+        )
+        c, sn = cos.unsqueeze(1), sin.unsqueeze(1)
+        q, k = q * c + _rotate_half(q) * sn, k * c + _rotate_half(k) * sn
+        groups = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
+        out = out.transpose(1, 2).reshape(n, s, self.heads * self.head_dim)
+        return self._fan_in(F.linear(out, attn.o_proj.weight), attn.o_proj.bias)
+
+    def _mlp(self, x: Tensor) -> Tensor:
+        mlp = cast(Any, self.mlp)
+        gate = F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
+        up = F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
+        return self._fan_in(F.linear(F.silu(gate) * up, mlp.down_proj.weight), mlp.down_proj.bias)
+
+    def forward(self, inputs: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
+        hidden, mask, cos, sin = inputs
+        ctx, batch = self.tp, hidden.shape[0]
+        h = enter(hidden, ctx, "replicated", type(self).__name__)
+        m, c, s = (gather_samples(t, ctx, batch) for t in (mask, cos, sin))
+        h = h + self._attention(self._fan_out(self.input_layernorm(h)), m, c, s)
+        h = h + self._mlp(self._fan_out(self.post_attention_layernorm(h)))
+        return leave(h, ctx, "replicated")
+
+
+# ------------------------------------------------------------------------------ the HF mapping
+
+
+def _config(layer: nn.Module) -> Any:
+    return cast(Any, layer).self_attn.config
+
+
+def _kwargs(config: Any) -> dict[str, Any]:
+    heads = config.num_attention_heads
+    return {
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+        "intermediate_size": config.intermediate_size,
+        "rms_norm_eps": config.rms_norm_eps,
+        "attention_bias": bool(getattr(config, "attention_bias", False)),
+        "mlp_bias": bool(getattr(config, "mlp_bias", False)),
+    }
+
+
+def check(layer: nn.Module, tp_size: int) -> str | None:
+    config = _config(layer)
+    if config.hidden_act != "silu":
+        return f"hidden_act={config.hidden_act!r} is not mapped (Llama's SwiGLU uses silu)"
+    if getattr(config, "attention_dropout", 0.0):
+        return f"attention_dropout={config.attention_dropout} is not mapped (pass 0.0)"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return f"pretraining_tp={config.pretraining_tp} is not mapped (pass 1)"
+    kw = _kwargs(config)
+    reason = sizes_reason(
+        tp_size,
+        num_attention_heads=kw["num_attention_heads"],
+        num_key_value_heads=kw["num_key_value_heads"],
+        intermediate_size=kw["intermediate_size"],
+    )
+    if reason is not None and "num_key_value_heads" in reason:
+        reason += " (grouped-query attention keeps each key/value head whole on one rank)"
+    return reason
+
+
+def _causal(n: int, s: int, like: Tensor) -> Tensor:
+    keep = torch.ones(s, s, dtype=torch.bool, device=like.device).tril()
+    return (
+        torch.zeros(s, s, dtype=like.dtype, device=like.device)
+        .masked_fill(~keep, torch.finfo(like.dtype).min)
+        .expand(n, 1, s, s)
+    )
+
+
+def forward_hook(  # noqa: PLR0917
+    hidden_states: Tensor,
+    attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
+    cache: Any = None,
+    use_cache: bool | None = False,
+    position_embeddings: tuple[Tensor, Tensor] | None = None,
+    past_key_values: Any = None,
+    **kwargs: Any,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """LlamaDecoderLayer's call -> ``((hidden, additive_mask, cos, sin),)``.
+
+    Hugging Face passes None for a plain causal mask (SDPA, no padding), a bool mask (True = attend) or
+    an additive one; each becomes an additive ``[N, 1, S, S]`` mask, the same on every rank.
+    """
+    for kv in (cache, past_key_values):
+        length = getattr(kv, "get_seq_length", None)
+        if callable(length) and length() > 0:
+            raise TPInputError(
+                "the distributed Llama layer got a non-empty key/value cache; incremental decoding is not "
+                "supported by tensor-parallel blocks. Call the model with use_cache=False."
+            )
+    if position_embeddings is None:
+        raise TPInputError("the distributed Llama layer needs position_embeddings (cos, sin) from the model.")
+    n, s = hidden_states.shape[0], hidden_states.shape[1]
+    mask = attention_mask
+    if mask is None:
+        mask = _causal(n, s, hidden_states)
+    elif mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=hidden_states.dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(hidden_states.dtype).min
+        )
+    mask = mask.to(hidden_states.dtype).expand(n, 1, s, mask.shape[-1]).contiguous()
+    cos, sin = (t.expand(n, *t.shape[1:]).contiguous() for t in position_embeddings)
+    return ((hidden_states, mask, cos, sin),), {}
+
+
+def build(layer: nn.Module, ctx: TPContext, overrides: Mapping[str, Any]) -> DistributedModule:
+    new = DistributedLlamaLayer(**_kwargs(_config(layer)), tp=ctx)
+    new.load_full_state_dict(layer.state_dict())
+    new.set_call_hooks(forward_hook, None)
+    return new
+
+
+def registrations() -> list[Registration]:
+    return [Registration(BLOCK, DistributedLlamaLayer, builder=build, check=check)]

@@ -1,0 +1,222 @@
+"""Hugging Face Llama (rotary, RMSNorm, SwiGLU, grouped-query attention) built inside
+``tensor_parallelism()`` at tp=2: whole decoder layers become ``DistributedLlamaLayer``; logits, loss,
+gradients, the full state dict and a training step equal the single-process model; one all-reduce
+pair per block; key/value heads the TP degree does not divide are refused with a reason."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mp_tensor.context import TPContext
+from mp_tensor.enable import set_tensor_parallelism, tensor_parallelism
+from mp_tensor.grads import reduce_gradients
+from mp_tensor.replace import replace_modules
+from mp_tensor.state_dict import gather_state_dict, load_original_state_dict
+from tests.mp_tensor._tp_probe import count_collectives, tally
+from tests.mp_tensor._tp_util import with_group
+
+B, S, V = 2, 6, 48  # local batch, sequence, vocabulary
+TOL = 3e-5
+
+
+def _model(layers: int = 2, kv_heads: int = 2, impl: str = "sdpa", **extra: Any) -> nn.Module:
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=kv_heads, vocab_size=V, max_position_embeddings=32, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0, tie_word_embeddings=False, **extra,
+    )  # fmt: skip
+    cfg._attn_implementation = impl
+    return tf.LlamaForCausalLM(cfg)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _replace(model: nn.Module, ctx: TPContext) -> tuple[nn.Module, list[str]]:
+    handler, logger = _Records(), logging.getLogger("mp_tensor")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        return replace_modules(model, ctx), handler.messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+
+
+def _llama_case(world: Any, impl: str, prescaled: bool, extra: dict[str, Any]) -> dict[str, Any]:
+    def run(group: dist.ProcessGroup) -> dict[str, Any]:
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        ctx = TPContext(group=group, optimize="speed", prescaled_batch=prescaled)
+        torch.manual_seed(0)
+        ref = _model(impl=impl, **extra)
+        torch.manual_seed(0)
+        with tensor_parallelism():
+            tp_model = _model(impl=impl, **extra)
+        tp_model, log = _replace(tp_model, ctx)
+        gen = torch.Generator().manual_seed(5)
+        total = B if prescaled else B * n
+        ids = torch.randint(1, V, (total, S), generator=gen)
+        mask = torch.ones(total, S, dtype=torch.long)
+        mask[1, -2:] = 0  # right padding on one sample
+        local = slice(0, total) if prescaled else slice(rank * B, (rank + 1) * B)
+        out: dict[str, Any] = {
+            "replaced": sorted(
+                {type(m).__name__ for m in tp_model.modules() if "mp_tensor" in type(m).__module__}
+            ),
+            "log": log,
+        }
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        opt_tp = torch.optim.SGD(tp_model.parameters(), lr=0.1)
+        labels = ids.masked_fill(mask == 0, -100)
+        for step in range(2):
+            ref_out = ref(input_ids=ids, attention_mask=mask, use_cache=False)
+            tp_out = tp_model(input_ids=ids[local], attention_mask=mask[local], use_cache=False)
+            keep = mask[local].bool()
+            out[f"logits{step}"] = (tp_out.logits - ref_out.logits[local])[keep].abs().max().item()
+            # loss: summed token cross entropy, so that the data-parallel sum of the ranks' losses is the
+            # single-process loss
+            ref_loss = F.cross_entropy(
+                ref_out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum"
+            )
+            tp_loss = F.cross_entropy(
+                tp_out.logits[:, :-1].flatten(0, 1), labels[local][:, 1:].flatten(), reduction="sum"
+            )
+            summed = tp_loss.detach().clone()
+            if not prescaled:
+                dist.all_reduce(summed, group=group)
+            out[f"loss{step}"] = abs(summed.item() - ref_loss.item()) / ref_loss.item()
+            opt_ref.zero_grad()
+            opt_tp.zero_grad()
+            ref_loss.backward()
+            tp_loss.backward()
+            if not prescaled:
+                reduce_gradients(
+                    tp_model.parameters(), dp_group=group, rdp_group=None, tp_size=n, average=False
+                )
+            if step == 0:
+                with torch.no_grad():
+                    saved = {id(p): p.detach().clone() for p in tp_model.parameters()}
+                    for p in tp_model.parameters():
+                        p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+                    grads = gather_state_dict(tp_model)
+                    for p in tp_model.parameters():
+                        p.copy_(saved[id(p)])
+                ref_grads = {k: p.grad for k, p in ref.named_parameters() if p.grad is not None}
+                out["grads"] = {k: (grads[k] - g).abs().max().item() for k, g in ref_grads.items()}
+            opt_ref.step()
+            opt_tp.step()
+        weights = gather_state_dict(tp_model)
+        ref_sd = ref.state_dict()
+        out["keys_equal"] = sorted(weights) == sorted(ref_sd)
+        out["weights"] = max((weights[k] - ref_sd[k]).abs().max().item() for k in ref_sd)
+        load_original_state_dict(tp_model, ref_sd)
+        again = tp_model(input_ids=ids[local], attention_mask=mask[local], use_cache=False).logits
+        want = ref(input_ids=ids, attention_mask=mask, use_cache=False).logits[local]
+        out["reloaded"] = (again - want)[mask[local].bool()].abs().max().item()
+        return out
+
+    return with_group(run)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("impl", "prescaled", "extra"),
+    [
+        ("sdpa", False, {}),
+        ("eager", True, {"attention_bias": True, "mlp_bias": True}),
+        ("sdpa", False, {"num_key_value_heads": 4, "head_dim": 6}),
+    ],
+    ids=["gqa-sdpa", "biases-eager-prescaled", "mha-head_dim"],
+)
+def test_llama_blocks_train_like_the_plain_model(
+    worlds: Any, impl: str, prescaled: bool, extra: dict[str, Any]
+) -> None:
+    kv = extra.pop("num_key_value_heads", 2)
+    results = worlds.run(2, _llama_case, impl, prescaled, {"kv_heads": kv, **extra}, timeout=240)
+    for rank, res in enumerate(results):
+        assert "DistributedLlamaLayer" in res["replaced"], res["replaced"]
+        for step in (0, 1):
+            assert res[f"logits{step}"] < TOL, (rank, step, res[f"logits{step}"])
+            assert res[f"loss{step}"] < 1e-5, (rank, step, res[f"loss{step}"])
+        bad = {k: v for k, v in res["grads"].items() if not v < TOL}
+        assert not bad, (rank, bad)
+        assert res["keys_equal"] and res["weights"] < TOL
+        assert res["reloaded"] < TOL
+
+
+def _counts(world: Any, prescaled: bool) -> dict[str, Any]:
+    def run(group: dist.ProcessGroup) -> dict[str, Any]:
+        ctx = TPContext(group=group, optimize="speed", prescaled_batch=prescaled)
+        phases: dict[int, dict[str, Any]] = {}
+        for layers in (1, 2):
+            torch.manual_seed(0)
+            model = _model(layers=layers)
+            for block in model.model.layers:  # only the blocks (the difference cancels the rest anyway)
+                set_tensor_parallelism(block, True)
+            model, _ = _replace(model, ctx)
+            ids = torch.randint(1, V, (B, S))
+            with count_collectives() as fwd:
+                logits = model(input_ids=ids, use_cache=False).logits
+            with count_collectives() as bwd:
+                logits.sum().backward()
+            phases[layers] = {"fwd": tally(fwd), "bwd": tally(bwd)}
+        return {
+            phase: {k: phases[2][phase].get(k, 0) - phases[1][phase].get(k, 0) for k in phases[2][phase]}
+            for phase in ("fwd", "bwd")
+        }
+
+    return with_group(run)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("prescaled", [False, True], ids=["per-rank-batch", "prescaled"])
+def test_one_allreduce_pair_per_llama_block(worlds: Any, prescaled: bool) -> None:
+    per_block = worlds.run(2, _counts, prescaled)[0]
+    fwd = {k: v for k, v in per_block["fwd"].items() if v}
+    bwd = {k: v for k, v in per_block["bwd"].items() if v}
+    assert fwd.get("all_reduce") == 2 and bwd.get("all_reduce") == 2, per_block
+    if prescaled:
+        assert fwd == {"all_reduce": 2} and bwd == {"all_reduce": 2}, per_block
+    else:
+        # each block also gathers its group's samples (hidden states, mask, cos, sin) on the way in and
+        # hands back the gradient of its input on the way out
+        assert fwd == {"all_reduce": 2, "all_gather": 4}, per_block
+        assert bwd == {"all_reduce": 2, "all_gather": 1}, per_block
+
+
+def _refusals(world: Any) -> list[str]:
+    def run(group: dist.ProcessGroup) -> list[str]:
+        logs: list[str] = []
+        for ctx, kv in (
+            (TPContext(group=group, optimize="speed"), 1),
+            (TPContext(group=group, optimize="memory"), 2),
+        ):
+            with tensor_parallelism():
+                model = _model(layers=1, kv_heads=kv)
+            model, log = _replace(model, ctx)
+            assert not any(type(m).__name__ == "DistributedLlamaLayer" for m in model.modules())
+            assert any(type(m).__name__ == "DistributedLinear" for m in model.modules())  # Linear-level TP
+            logs += [m for m in log if "LlamaDecoderLayer" in m]
+        return logs
+
+    return with_group(run)  # type: ignore[no-any-return]
+
+
+def test_indivisible_kv_heads_and_memory_mode_are_refused_with_a_reason(worlds: Any) -> None:
+    logs = worlds.run(2, _refusals)[0]
+    assert any("num_key_value_heads=1" in m and "tensor-parallel degree 2" in m for m in logs), logs
+    assert any("optimize='memory'" in m for m in logs), logs
