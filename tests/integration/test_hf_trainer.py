@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -35,6 +37,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 out, mode = os.environ["HF_TEST_OUT"], os.environ["HF_TEST_MODE"]
+checkpoints, resume = os.environ.get("HF_TEST_SAVE") == "1", os.environ.get("HF_TEST_RESUME")
 if mode == "smp":
     from mp.hf_trainer import SMPTrainer as Trainer, SMPTrainingArguments as TrainingArguments
 else:
@@ -58,18 +61,21 @@ config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=
 model = GPT2LMHeadModel(config)
 args = TrainingArguments(
     output_dir=out, per_device_train_batch_size=4, per_device_eval_batch_size=4, max_steps=6,
-    learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", seed=0,
+    learning_rate=1e-3, logging_steps=1, report_to=[], seed=0,
+    save_strategy="steps" if checkpoints else "no", save_steps=2, save_total_limit=2,
     dataloader_drop_last=True, train_sampling_strategy="sequential", max_grad_norm=0.5,
 )
 trainer = Trainer(model=model, args=args, train_dataset=Data(32, 0), eval_dataset=Data(8, 1))
 trainer.model_accepts_loss_kwargs = False  # the model's own mean loss, as on the smp path
-trainer.train()
+trainer.train(resume_from_checkpoint=resume)
 evaluation = trainer.evaluate()
-trainer.save_model(out + "/final")
+if not checkpoints:
+    trainer.save_model(out + "/final")
 if trainer.is_world_process_zero():
     logs = [h for h in trainer.state.log_history if "loss" in h]
     record = {"loss": [h["loss"] for h in logs], "grad_norm": [h["grad_norm"] for h in logs],
-              "eval_loss": evaluation["eval_loss"]}
+              "eval_loss": evaluation["eval_loss"], "steps": [h["step"] for h in logs],
+              "checkpoints": sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))}
     if mode == "smp":
         import smdistributed.modelparallel.torch as smp
         import mp
@@ -119,3 +125,37 @@ def test_the_trainer_at_pp2_trains_like_the_plain_trainer(tmp_path: Path) -> Non
     torch.testing.assert_close(saved["lm_head.weight"], saved["transformer.wte.weight"])
     for name, tensor in reference.items():
         torch.testing.assert_close(saved[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _run(script: Path, out: Path, mode: str, **extra: str) -> dict[str, Any]:
+    env = {"HF_TEST_OUT": str(out), "HF_TEST_MODE": mode, **extra}
+    if mode == "plain":
+        environ = {k: v for k, v in os.environ.items() if k not in SMP_ENV}
+        proc = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env={**environ, **env}
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        output, code, _ = run_script(script, 2, env={**SMP_ENV, **env}, timeout=300)
+        assert code == 0, output[-5000:]
+    record: dict[str, Any] = json.loads((out / "record.json").read_text())
+    return record
+
+
+def test_checkpoint_rotation_and_resume_through_the_trainer(tmp_path: Path) -> None:
+    """save_steps=2 with save_total_limit=2 keeps checkpoint-4 and -6 (smp.save of the optimizer's
+    partial state included); resuming from checkpoint-4 trains steps 5 and 6 as the run that went on."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    plain = _run(script, tmp_path / "plain", "plain", HF_TEST_SAVE="1")
+    whole = _run(script, tmp_path / "smp", "smp", HF_TEST_SAVE="1")
+    assert whole["checkpoints"] == plain["checkpoints"] == ["checkpoint-4", "checkpoint-6"], whole
+    assert whole["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+    resumed_out = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "smp" / "checkpoint-4", resumed_out / "checkpoint-4")
+    resumed = _run(
+        script, resumed_out, "smp", HF_TEST_SAVE="1", HF_TEST_RESUME=str(resumed_out / "checkpoint-4")
+    )
+    assert resumed["steps"] == [1, 2, 3, 4, 5, 6], resumed  # 1-4 from the checkpoint's trainer state
+    assert resumed["loss"][4:] == pytest.approx(whole["loss"][4:], rel=1e-6)
+    assert resumed["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-6)

@@ -12,7 +12,10 @@ what it gets wrong on that path:
   over the pipeline and TP groups) where the Trainer clips each pipeline stage by its own norm
   (``clip_grad_norm_(model.parameters())``; smp did the same outside fp16). And evaluation after
   training reuses the wrapped model, as transformers 4.x did (5.x wraps ``self.model`` a second time,
-  which smp refuses with MultipleDistributedModelError).
+  which smp refuses with MultipleDistributedModelError), and the Trainer gets smp's optimizer back from
+  inside accelerate's wrapper, which hides ``local_state_dict`` (called to save a checkpoint). To
+  resume, it loads the checkpoint's ``model.safetensors`` (what 5.x saves) where 5.x asks
+  ``smp.resume_from_checkpoint`` for a ``pytorch_model.bin`` it never writes.
 
 Importing this module needs ``transformers`` (and ``accelerate``, which the Trainer needs).
 """
@@ -20,6 +23,7 @@ Importing this module needs ``transformers`` (and ``accelerate``, which the Trai
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -54,6 +58,26 @@ class SMPTrainer(Trainer):
         if training and is_sagemaker_mp_enabled() and self.optimizer is None:
             self.create_optimizer(wrapped)
         return wrapped
+
+    def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
+        prepared = super()._prepare_for_training(*args, **kwargs)  # type: ignore[no-untyped-call]
+        if is_sagemaker_mp_enabled():
+            # 5.x wraps the smp optimizer in accelerate's, which hides smp's methods that the Trainer
+            # itself calls on this path (local_state_dict when it saves a checkpoint)
+            self.optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        return prepared
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        safe = os.path.join(resume_from_checkpoint, "model.safetensors")
+        legacy = os.path.join(resume_from_checkpoint, "pytorch_model.bin")
+        if is_sagemaker_mp_enabled() and os.path.isfile(safe) and not os.path.isfile(legacy):
+            from safetensors.torch import load_file
+
+            target = self.model_wrapped if isinstance(self.model_wrapped, DistributedModel) else self.model
+            assert target is not None
+            target.load_state_dict(load_file(safe, device="cpu"))  # deferred to the partition by smp
+            return
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _clip_grad_norm(self, model: nn.Module) -> Any:
         if is_sagemaker_mp_enabled():
