@@ -23,7 +23,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mp.checkpoint_layout import load_merged_model, merge_model_parts, merge_optimizer_parts
+from mp.checkpoint_layout import (
+    full_model_from_parts,
+    full_optimizer_from_parts,
+    load_merged_model,
+    merge_model_parts,
+    merge_optimizer_parts,
+)
 from mp.errors import (
     IncompatibleCheckpointFoundError,
     IncompatibleCheckpointRankFoundError,
@@ -334,15 +340,25 @@ def _read(
     tag = tag if tag is not None else engine.read_newest(path)
     ckpt = engine.CheckpointFolder(path, tag, partial)
     ckpt.check()
-    if partial and _check_partial_layout(ckpt, c):
-        # Another pipeline degree: every stage's part of this tp_rank (see mp.checkpoint_layout).
+    change = _partial_layout_change(ckpt, c) if partial else None
+    if change is not None:
+        # Another layout: see mp.checkpoint_layout.
         assert ckpt.manifest is not None
-        stages = range(ckpt.manifest.layout["pp"])
-        sd = merge_model_parts([ckpt.load(f"model_{p}_{c.tp_rank}_0.pt") for p in stages])
+        stages, tps = range(ckpt.manifest.layout["pp"]), range(ckpt.manifest.layout["tp"])
+        user = ckpt.load("user_content.pt", trusted=trusted)
+        if change == "pp":  # every stage's part of this tp_rank
+            sd = merge_model_parts([ckpt.load(f"model_{p}_{c.tp_rank}_0.pt") for p in stages])
+            opt_sd = None
+            if load_optimizer:
+                opt_sd = merge_optimizer_parts([ckpt.load(f"optimizer_{p}_{c.tp_rank}_0.pt") for p in stages])
+            return sd, opt_sd, user, True
+        model_parts = {(p, t): ckpt.load(f"model_{p}_{t}_0.pt") for p in stages for t in tps}
+        sd = full_model_from_parts(state.model, model_parts, len(tps))
         opt_sd = None
         if load_optimizer:
-            opt_sd = merge_optimizer_parts([ckpt.load(f"optimizer_{p}_{c.tp_rank}_0.pt") for p in stages])
-        return sd, opt_sd, ckpt.load("user_content.pt", trusted=trusted), True
+            opt_parts = {(p, t): ckpt.load(f"optimizer_{p}_{t}_0.pt") for p in stages for t in tps}
+            opt_sd = full_optimizer_from_parts(state.model, opt_parts, model_parts, len(tps))
+        return sd, opt_sd, user, False
     if partial:
         model_name, opt_name = _partial_names(c)
         if not ckpt.has(model_name):  # mp before manifests: model_{pp}_{tp}.pt
@@ -360,22 +376,16 @@ def _read(
     return sd, opt_sd, user, False
 
 
-def _check_partial_layout(ckpt: engine.CheckpointFolder, c: engine.Layout) -> bool:
-    """Whether the partial checkpoint was saved under another pipeline degree (it then loads by
-    merging stages); raise if its tensor-parallel degree differs (its shards would need translating)."""
+def _partial_layout_change(ckpt: engine.CheckpointFolder, c: engine.Layout) -> str | None:
+    """None when the partial checkpoint was saved under this job's pp and tp degrees; "pp" when only the
+    pipeline degree differs (stages merge at this tp_rank), "tp" when the tensor-parallel degree does
+    (every part is read and resharded through the full state)."""
     if ckpt.manifest is None:
-        return False
+        return None
     saved = ckpt.manifest.layout
     if saved["tp"] != c.tp:
-        raise CheckpointLayoutError(
-            f"partial checkpoint {ckpt.folder!r} was saved with tensor_parallel_degree={saved['tp']} "
-            f"(pipeline_parallel_degree={saved['pp']}); this job runs with tensor_parallel_degree={c.tp} "
-            f"(pipeline_parallel_degree={c.pp}): a partial checkpoint moves to another pipeline degree but "
-            "not to another tensor-parallel degree. Resume it with tensor_parallel_degree="
-            f"{saved['tp']} and save a full checkpoint (partial=False), which loads under any layout",
-            larger=saved["tp"] > c.tp,
-        )
-    return bool(saved["pp"] != c.pp)
+        return "tp"
+    return "pp" if saved["pp"] != c.pp else None
 
 
 def _load_optimizer_when_ready(model: Any, opt_sd: dict[str, Any]) -> None:

@@ -171,10 +171,11 @@ def _load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) ->
     names = sd.pop("_smp_param_names", None)
     saved_layout = sd.pop("_smp_layout", None)
     model = state.model
-    if sd.pop("_smp_keyed_by_name", False) or (not partial and names is not None and has_tp_roots(model)):
+    keyed = bool(sd.pop("_smp_keyed_by_name", False))
+    if keyed or (not partial and names is not None and has_tp_roots(model)):
         assert model is not None
         shards = bool(sd.pop("_smp_tp_shards", False))  # a partial state moved to another pp degree
-        if not shards and not _keyed_by_name(sd):
+        if not keyed:
             sd = _by_name(sd, names)  # saved without TP, loading with it
         load_named_state(self, model, sd, _all_params(self), translate=not shards)
         return
@@ -189,10 +190,6 @@ def _load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) ->
         torch.optim.Optimizer.load_state_dict(self, _localize(self, sd))
     else:
         torch.optim.Optimizer.load_state_dict(self, sd)
-
-
-def _keyed_by_name(sd: dict[str, Any]) -> bool:
-    return any(isinstance(p, str) for g in sd.get("param_groups", []) for p in g["params"])
 
 
 def _by_name(sd: dict[str, Any], names: list[list[str | None]]) -> dict[str, Any]:

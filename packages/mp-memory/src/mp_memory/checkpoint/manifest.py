@@ -9,6 +9,7 @@ read without running code, and only the fields below are accepted.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import time
 import zlib
@@ -18,7 +19,7 @@ from typing import Any
 from mp_memory.checkpoint.errors import CheckpointCorruptError, CheckpointMissingError
 from mp_memory.checkpoint.publish import PartRecord, write_text
 
-__all__ = ["FORMAT", "Manifest", "check_present", "read_manifest", "read_verified", "write_manifest"]
+__all__ = ["FORMAT", "Manifest", "check_present", "read_manifest", "verify_file", "write_manifest"]
 
 FORMAT = "mp-checkpoint"
 VERSION = 1
@@ -130,16 +131,19 @@ def _check_size(path: str, record: PartRecord) -> int:
     return size
 
 
-def read_verified(path: str, record: PartRecord) -> bytes:
-    """The bytes of the part at ``path``, after checking their size and CRC-32 against ``record``."""
+def verify_file(path: str, record: PartRecord) -> None:
+    """Check the size and CRC-32 of the part at ``path`` against ``record`` (reading it through a
+    memory map: no copy of its bytes)."""
     _check_size(path, record)
     with open(path, "rb") as fh:
-        data = fh.read()
-    crc = zlib.crc32(data)
-    if len(data) != record.size or crc != record.crc32:
+        if record.size == 0:
+            crc = 0
+        else:
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as view:
+                crc = zlib.crc32(view)
+    if crc != record.crc32:
         raise CheckpointCorruptError(
             f"checkpoint part {path!r} is corrupted: its CRC-32 is {crc:#010x}, the manifest says "
             f"{record.crc32:#010x} (bytes changed after the save: disk, copy or edit). Restore it, or load "
             "an older checkpoint"
         )
-    return data

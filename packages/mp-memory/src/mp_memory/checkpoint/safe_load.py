@@ -23,7 +23,7 @@ from mp_memory.checkpoint.errors import (
     CheckpointMissingError,
     UntrustedCheckpointError,
 )
-from mp_memory.checkpoint.manifest import read_verified
+from mp_memory.checkpoint.manifest import verify_file
 from mp_memory.checkpoint.publish import PartRecord
 
 __all__ = ["TRUST_ENV", "check_metadata", "is_trusted", "load_part"]
@@ -46,8 +46,13 @@ def load_part(
     **load_args: Any,
 ) -> Any:
     """Read the part at ``path`` (checked against ``record`` when there is one) and unpickle it."""
+    source: Any
     if record is not None:
-        data = read_verified(path, record)
+        # Checked in place, then loaded through a memory map (the part is published by rename and never
+        # rewritten in place, so the mapping stays valid): no copy of its bytes on the way.
+        verify_file(path, record)
+        source, size = path, record.size
+        args_extra: dict[str, Any] = {"mmap": True}
     else:
         try:
             with open(path, "rb") as fh:
@@ -56,7 +61,8 @@ def load_part(
             raise CheckpointMissingError(f"checkpoint file {path!r} does not exist") from None
         if not data:
             raise CheckpointCorruptError(f"checkpoint file {path!r} is empty (0 bytes): a save was cut short")
-    args = dict(load_args)
+        source, size, args_extra = io.BytesIO(data), len(data), {}
+    args = {**load_args, **args_extra}
     if trusted:
         args["weights_only"] = False
         if pickle_module is not None:
@@ -64,7 +70,7 @@ def load_part(
     else:
         args["weights_only"] = True
     try:
-        return torch.load(io.BytesIO(data), map_location=map_location, **args)
+        return torch.load(source, map_location=map_location, **args)
     except pickle.UnpicklingError as exc:
         if trusted:
             raise CheckpointCorruptError(f"checkpoint file {path!r} cannot be unpickled: {exc}") from exc
@@ -79,7 +85,7 @@ def load_part(
     except Exception as exc:  # EOFError, zip errors, OSError 22, MemoryError on a torn length ...
         raise CheckpointCorruptError(
             f"checkpoint file {path!r} is damaged: torch.load failed with {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''} ({len(data)} bytes). Restore it, or load an "
+            f"{str(exc).splitlines()[0] if str(exc) else ''} ({size} bytes). Restore it, or load an "
             "older checkpoint"
         ) from exc
 
