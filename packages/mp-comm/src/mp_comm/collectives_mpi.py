@@ -21,6 +21,10 @@ Reductions need an MPI type with arithmetic (floats, ints, complex); bfloat16, f
 none, so their reductions return None here (the caller uses gloo) and are never done bytewise.
 Operations that only move bytes (gather, all-to-all, broadcast) take any dtype as bytes.
 
+Every collective is posted nonblocking and waited for by :func:`mp_comm.mpi_wait.complete`, which
+yields the CPU and then sleeps instead of busy-polling as MPICH's blocking calls do
+(``MP_COMM_WAIT``).
+
 Outputs of 1 MB and more come from a pool of recycled host memory (:class:`HostPool`, as the
 transports use for received tensors): fresh memory pays a page fault per 4 KiB page on first write,
 which cost more than the collective itself on 16-64 MB tensors here.
@@ -36,6 +40,7 @@ import torch
 from torch import Tensor
 
 from mp_comm.buffers import HostPool
+from mp_comm.mpi_wait import complete
 
 __all__ = [
     "MPIWork",
@@ -116,10 +121,11 @@ class MPIWork:
     def __init__(self, request: Any, keep: tuple[Tensor, ...]) -> None:
         self._request = request
         self._keep: tuple[Tensor, ...] | None = keep
+        self._nbytes = max(t.numel() * t.element_size() for t in keep)
 
     def wait(self) -> bool:
         if self._keep is not None:
-            self._request.Wait()
+            complete(self._request, self._nbytes)
             self._keep = None
         return True
 
@@ -127,6 +133,15 @@ class MPIWork:
         if self._keep is not None and self._request.Test():
             self._keep = None
         return self._keep is None
+
+
+def _returned(work: MPIWork, async_op: bool) -> MPIWork | None:
+    """The work for an async call; for a blocking one, wait for it here (see :mod:`mp_comm.mpi_wait`:
+    every collective is posted nonblocking so that the wait can give the core away)."""
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def _block_type(shape: tuple[int, ...], dim: int, n: int, unit: Any, per: int) -> tuple[Any, int]:
@@ -161,10 +176,8 @@ def all_reduce(x: Tensor, comm: Any, async_op: bool) -> tuple[Tensor, MPIWork | 
     out = _empty(inp.shape, inp.dtype)
     unit, _ = _unit(inp.dtype)
     send, recv = [_buf(inp, readonly=True), inp.numel(), unit], [_buf(out, readonly=False), out.numel(), unit]
-    if async_op:
-        return out, MPIWork(comm.Iallreduce(send, recv, mpi.SUM), (inp, out))
-    comm.Allreduce(send, recv, mpi.SUM)
-    return out, None
+    work = MPIWork(comm.Iallreduce(send, recv, mpi.SUM), (inp, out))
+    return out, _returned(work, async_op)
 
 
 def all_gather(x: Tensor, dim: int, comm: Any, async_op: bool) -> tuple[Tensor, MPIWork | None]:
@@ -179,10 +192,7 @@ def all_gather(x: Tensor, dim: int, comm: Any, async_op: bool) -> tuple[Tensor, 
     send = [_buf(inp, readonly=True), inp.numel() * per, unit]
     recv = [_buf(out, readonly=False), count, block]
     try:
-        if async_op:
-            return out, MPIWork(comm.Iallgather(send, recv), (inp, out))
-        comm.Allgather(send, recv)
-        return out, None
+        return out, _returned(MPIWork(comm.Iallgather(send, recv), (inp, out)), async_op)
     finally:
         _free(block)
 
@@ -203,10 +213,7 @@ def all_to_all(
     send = [_buf(inp, readonly=True), send_count, send_type]
     recv = [_buf(out, readonly=False), recv_count, recv_type]
     try:
-        if async_op:
-            return out, MPIWork(comm.Ialltoall(send, recv), (inp, out))
-        comm.Alltoall(send, recv)
-        return out, None
+        return out, _returned(MPIWork(comm.Ialltoall(send, recv), (inp, out)), async_op)
     finally:
         _free(send_type)
         _free(recv_type)
@@ -226,20 +233,19 @@ def reduce_scatter(x: Tensor, dim: int, comm: Any, async_op: bool) -> tuple[Tens
     unit, _ = _unit(x.dtype)
     send = [_buf(inp, readonly=True), out.numel(), unit]  # mpi4py counts per block
     recv = [_buf(out, readonly=False), out.numel(), unit]
-    if async_op:
-        return out, MPIWork(comm.Ireduce_scatter_block(send, recv, mpi.SUM), (inp, out))
-    comm.Reduce_scatter_block(send, recv, mpi.SUM)
-    return out, None
+    return out, _returned(MPIWork(comm.Ireduce_scatter_block(send, recv, mpi.SUM), (inp, out)), async_op)
 
 
 def broadcast(t: Tensor, root: int, comm: Any) -> None:
     """Overwrite the contiguous CPU tensor `t` with group rank `root`'s, in place."""
     unit, per = _unit(t.dtype)
-    comm.Bcast([_buf(t, readonly=False), t.numel() * per, unit], root=root)
+    request = comm.Ibcast([_buf(t, readonly=False), t.numel() * per, unit], root=root)
+    complete(request, t.numel() * t.element_size())
 
 
 def all_reduce_(t: Tensor, comm: Any) -> None:
     """Sum the contiguous CPU tensor `t` over `comm` in place."""
     mpi = _mpi()
     unit, _ = _unit(t.dtype)
-    comm.Allreduce(mpi.IN_PLACE, [_buf(t, readonly=False), t.numel(), unit], mpi.SUM)
+    request = comm.Iallreduce(mpi.IN_PLACE, [_buf(t, readonly=False), t.numel(), unit], mpi.SUM)
+    complete(request, t.numel() * t.element_size())
