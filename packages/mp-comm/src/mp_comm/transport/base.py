@@ -136,7 +136,7 @@ class TransportConfig:
     flight: a round could then only take new arrivals, which wait for the work anyway, and each round
     costs the computing thread on the same core far more than its own CPU (a GPT microbatch's forward
     and backward beside its busy transport, one core: 2.3-2.9% slower with a round every 5 ms, 0-1.1%
-    every 50 ms; benchmarks/_comm_busy_probe.py). The rank still looks in now and then, so a peer's
+    every 50 ms; measured with a one-off probe). The rank still looks in now and then, so a peer's
     send to it completes within this time."""
     oversubscribed: bool | None = None
     """Whether the host runs more ranks than it has cores. A thread waiting in `recv` then sleeps
