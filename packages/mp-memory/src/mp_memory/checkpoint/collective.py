@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from typing import Any
 
@@ -31,9 +32,9 @@ def agree(error: BaseException | None, payload: Any, group: Any, what: str, rank
         message = f"{what} failed on {len(failed)} rank(s):\n" + "\n".join(failed)
         if error is None:
             raise CheckpointError(message)
-        try:  # this rank's own kind of error, with every rank's story
-            combined = type(error)(message)
-        except Exception:
-            combined = CheckpointError(message)
+        combined: Exception = CheckpointError(message)
+        if isinstance(error, ValueError):  # a checkpoint error: keep this rank's kind (smp's classes)
+            with contextlib.suppress(Exception):
+                combined = type(error)(message)
         raise combined from error
     return [p for _, p in out]
