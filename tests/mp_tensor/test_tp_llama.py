@@ -26,16 +26,25 @@ B, S, V = 2, 6, 48  # local batch, sequence, vocabulary
 TOL = 3e-5
 
 
-def _model(layers: int = 2, kv_heads: int = 2, impl: str = "sdpa", **extra: Any) -> nn.Module:
+def _model(
+    layers: int = 2, kv_heads: int = 2, impl: str = "sdpa", family: str = "llama", **extra: Any
+) -> nn.Module:
     import transformers as tf
 
-    cfg = tf.LlamaConfig(
+    config_cls, model_cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+    }[family]
+    extra.setdefault("head_dim", 8)
+    cfg = config_cls(
         hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=kv_heads, vocab_size=V, max_position_embeddings=32, bos_token_id=0,
         eos_token_id=0, pad_token_id=0, tie_word_embeddings=False, **extra,
     )  # fmt: skip
     cfg._attn_implementation = impl
-    return tf.LlamaForCausalLM(cfg)
+    return model_cls(cfg)  # type: ignore[no-any-return]
 
 
 class _Records(logging.Handler):
@@ -140,8 +149,18 @@ def _llama_case(world: Any, impl: str, prescaled: bool, extra: dict[str, Any]) -
         ("sdpa", False, {}),
         ("eager", True, {"attention_bias": True, "mlp_bias": True}),
         ("sdpa", False, {"num_key_value_heads": 4, "head_dim": 6}),
+        ("sdpa", False, {"family": "mistral", "sliding_window": 3}),
+        ("eager", False, {"family": "qwen2"}),
+        ("sdpa", True, {"family": "qwen3"}),
     ],
-    ids=["gqa-sdpa", "biases-eager-prescaled", "mha-head_dim"],
+    ids=[
+        "llama-gqa-sdpa",
+        "llama-biases-eager-prescaled",
+        "llama-mha-head_dim",
+        "mistral-window",
+        "qwen2",
+        "qwen3",
+    ],
 )
 def test_llama_blocks_train_like_the_plain_model(
     worlds: Any, impl: str, prescaled: bool, extra: dict[str, Any]

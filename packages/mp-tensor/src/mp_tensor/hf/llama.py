@@ -1,5 +1,7 @@
-"""Hugging Face ``LlamaDecoderLayer`` -> :class:`DistributedLlamaLayer`: Megatron-style tensor parallelism
-of a whole block (RMSNorm, rotary attention with grouped-query heads, SwiGLU MLP).
+"""Hugging Face Llama-style decoder layers (``LlamaDecoderLayer``, ``MistralDecoderLayer``,
+``Qwen2DecoderLayer``, ``Qwen3DecoderLayer``) -> :class:`DistributedLlamaLayer`: Megatron-style tensor
+parallelism of a whole block (RMSNorm, rotary attention with grouped-query heads, SwiGLU MLP; Qwen3's
+per-head query/key RMSNorm).
 
 Activations are replicated over the TP group (optimize "speed"): query/key/value and gate/up are split
 by output channels (whole heads, whole key/value groups per rank), the output and down projections by
@@ -10,7 +12,8 @@ dict is the block's. Rotary cos/sin come from the model (any ``rope_type``), as 
 Refused (the block stays Hugging Face's and its Linears are distributed one by one, with a log line
 saying why): ``num_attention_heads``, ``num_key_value_heads`` or ``intermediate_size`` not divisible by
 the TP degree (a key/value head is never split nor copied), ``hidden_act`` other than silu, attention
-dropout, and optimize "memory" (its sharded layout is not built for this block).
+dropout, attention scaling other than ``1/sqrt(head_dim)``, and optimize "memory" (its sharded layout is
+not built for this block). Sliding-window attention (Mistral, Qwen) comes in through the model's mask.
 """
 
 from __future__ import annotations
@@ -31,9 +34,14 @@ from mp_tensor.nn.base import DistributedModule, ParamSpec, set_param_spec
 from mp_tensor.nn.linear import LinearShard
 from mp_tensor.registry import Registration
 
-__all__ = ["BLOCK", "DistributedLlamaLayer", "registrations"]
+__all__ = ["BLOCKS", "DistributedLlamaLayer", "registrations"]
 
-BLOCK = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
+BLOCKS = (
+    "transformers.models.llama.modeling_llama.LlamaDecoderLayer",
+    "transformers.models.mistral.modeling_mistral.MistralDecoderLayer",
+    "transformers.models.qwen2.modeling_qwen2.Qwen2DecoderLayer",
+    "transformers.models.qwen3.modeling_qwen3.Qwen3DecoderLayer",
+)
 
 
 class _RMSNorm(nn.Module):
@@ -46,10 +54,14 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.normalize(x, self.weight)
+
+    def normalize(self, x: Tensor, weight: Tensor) -> Tensor:
+        """The norm with ``weight`` standing for this module's (a view with its own backward)."""
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return weight * h.to(dtype)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -59,7 +71,10 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 class DistributedLlamaLayer(DistributedModule):
     """A tensor-parallel Llama decoder layer; ``forward((hidden [N,S,H], mask, cos, sin))`` with ``mask``
-    additive ``[N,1,S,S]`` and ``cos``/``sin`` ``[N,S,head_dim]`` returns the new hidden states."""
+    additive ``[N,1,S,S]`` and ``cos``/``sin`` ``[N,S,head_dim]`` returns the new hidden states.
+
+    ``attention_bias`` puts a bias on q/k/v and, unless ``o_proj_bias`` says otherwise, on o (Qwen2:
+    q/k/v only); ``qk_norm`` adds Qwen3's RMSNorm over each query/key head."""
 
     def __init__(  # noqa: PLR0917
         self,
@@ -72,6 +87,8 @@ class DistributedLlamaLayer(DistributedModule):
         attention_bias: bool = False,
         mlp_bias: bool = False,
         *,
+        o_proj_bias: bool | None = None,
+        qk_norm: bool = False,
         tp: TPContext | None = None,
     ) -> None:
         super().__init__(tp=tp)
@@ -103,7 +120,11 @@ class DistributedLlamaLayer(DistributedModule):
         self.self_attn.q_proj = col_split(q_out, h, attention_bias)
         self.self_attn.k_proj = col_split(kv_out, h, attention_bias)
         self.self_attn.v_proj = col_split(kv_out, h, attention_bias)
-        self.self_attn.o_proj = row_split(h, q_out, attention_bias)
+        self.self_attn.o_proj = row_split(h, q_out, attention_bias if o_proj_bias is None else o_proj_bias)
+        self.qk_norm = qk_norm
+        if qk_norm:  # replicated, but each rank normalizes only its heads: gradients summed over the group
+            self.self_attn.q_norm = _RMSNorm(head_dim, rms_norm_eps, self.tp.dtype)
+            self.self_attn.k_norm = _RMSNorm(head_dim, rms_norm_eps, self.tp.dtype)
         self.mlp = nn.Module()
         self.mlp.gate_proj = col_split(intermediate_size, h, mlp_bias)
         self.mlp.up_proj = col_split(intermediate_size, h, mlp_bias)
@@ -127,14 +148,15 @@ class DistributedLlamaLayer(DistributedModule):
         attn = cast(Any, self.self_attn)
         n, s = x.shape[0], x.shape[1]
 
-        def heads(proj: LinearShard, count: int) -> Tensor:
-            return F.linear(x, proj.weight, proj.bias).view(n, s, count, self.head_dim).transpose(1, 2)
+        def heads(proj: LinearShard, count: int, norm: _RMSNorm | None = None) -> Tensor:
+            out = F.linear(x, proj.weight, proj.bias).view(n, s, count, self.head_dim)
+            if norm is not None:
+                out = norm.normalize(out, self._fan_out(norm.weight))
+            return out.transpose(1, 2)
 
-        q, k, v = (
-            heads(attn.q_proj, self.heads),
-            heads(attn.k_proj, self.kv_heads),
-            heads(attn.v_proj, self.kv_heads),
-        )
+        qn, kn = (attn.q_norm, attn.k_norm) if self.qk_norm else (None, None)
+        q, k = heads(attn.q_proj, self.heads, qn), heads(attn.k_proj, self.kv_heads, kn)
+        v = heads(attn.v_proj, self.kv_heads)
         c, sn = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = q * c + _rotate_half(q) * sn, k * c + _rotate_half(k) * sn
         groups = self.heads // self.kv_heads
@@ -166,29 +188,38 @@ def _config(layer: nn.Module) -> Any:
     return cast(Any, layer).self_attn.config
 
 
-def _kwargs(config: Any) -> dict[str, Any]:
+def _kwargs(layer: nn.Module) -> dict[str, Any]:
+    """The DistributedLlamaLayer arguments of ``layer``, read from its modules (families differ in
+    which projections carry a bias, and in Qwen3's query/key norms)."""
+    block = cast(Any, layer)
+    attn, mlp, config = block.self_attn, block.mlp, block.self_attn.config
     heads = config.num_attention_heads
     return {
         "hidden_size": config.hidden_size,
         "num_attention_heads": heads,
         "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
-        "intermediate_size": config.intermediate_size,
-        "rms_norm_eps": config.rms_norm_eps,
-        "attention_bias": bool(getattr(config, "attention_bias", False)),
-        "mlp_bias": bool(getattr(config, "mlp_bias", False)),
+        "head_dim": attn.head_dim,
+        "intermediate_size": mlp.gate_proj.out_features,
+        "rms_norm_eps": block.input_layernorm.variance_epsilon,
+        "attention_bias": attn.q_proj.bias is not None,
+        "o_proj_bias": attn.o_proj.bias is not None,
+        "mlp_bias": mlp.gate_proj.bias is not None,
+        "qk_norm": hasattr(attn, "q_norm"),
     }
 
 
 def check(layer: nn.Module, tp_size: int) -> str | None:
+    block = cast(Any, layer)
     config = _config(layer)
     if config.hidden_act != "silu":
-        return f"hidden_act={config.hidden_act!r} is not mapped (Llama's SwiGLU uses silu)"
+        return f"hidden_act={config.hidden_act!r} is not mapped (the SwiGLU MLP uses silu)"
     if getattr(config, "attention_dropout", 0.0):
         return f"attention_dropout={config.attention_dropout} is not mapped (pass 0.0)"
     if getattr(config, "pretraining_tp", 1) != 1:
         return f"pretraining_tp={config.pretraining_tp} is not mapped (pass 1)"
-    kw = _kwargs(config)
+    if abs(block.self_attn.scaling - block.self_attn.head_dim**-0.5) > 1e-12:
+        return f"attention scaling {block.self_attn.scaling} other than 1/sqrt(head_dim) is not mapped"
+    kw = _kwargs(layer)
     reason = sizes_reason(
         tp_size,
         num_attention_heads=kw["num_attention_heads"],
@@ -247,11 +278,11 @@ def forward_hook(  # noqa: PLR0917
 
 
 def build(layer: nn.Module, ctx: TPContext, overrides: Mapping[str, Any]) -> DistributedModule:
-    new = DistributedLlamaLayer(**_kwargs(_config(layer)), tp=ctx)
+    new = DistributedLlamaLayer(**_kwargs(layer), tp=ctx)
     new.load_full_state_dict(layer.state_dict())
     new.set_call_hooks(forward_hook, None)
     return new
 
 
 def registrations() -> list[Registration]:
-    return [Registration(BLOCK, DistributedLlamaLayer, builder=build, check=check)]
+    return [Registration(name, DistributedLlamaLayer, builder=build, check=check) for name in BLOCKS]
