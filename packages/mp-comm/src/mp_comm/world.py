@@ -402,7 +402,7 @@ def init_world(
 
     if validate is not None:
         try:
-            validate(info)
+            _validate_everywhere(validate, info, mpi_comm)
         except BaseException:
             if mpi_comm is not None:
                 mpi_comm.Free()
@@ -453,6 +453,27 @@ def init_world(
         sys.excepthook = _abort_job_after(sys.excepthook, info.rank)
     log.debug("rank %d/%d started by %s on node %d", info.rank, info.size, launcher.value, info.node)
     return World(info, chosen, device, mpi_comm, owns_process_group=True, previous_excepthook=excepthook)
+
+
+def _validate_everywhere(validate: Callable[[WorldInfo], None], info: WorldInfo, comm: Any | None) -> None:
+    """Run `validate` here; under MPI, also learn whether it failed on another rank, so that every rank
+    stops with the first failing rank's reason. Checks that only some ranks can fail (a file that one
+    host lacks, a folder only rank 0 writes to) would otherwise end that rank alone while the others
+    wait for it at the rendezvous until its timeout."""
+    try:
+        validate(info)
+    except Exception as exc:
+        if comm is not None and info.size > 1:
+            comm.allgather(f"{type(exc).__name__}: {exc}")
+        raise
+    if comm is None or info.size == 1:
+        return
+    failures = [(rank, reason) for rank, reason in enumerate(comm.allgather(None)) if reason is not None]
+    if failures:
+        rank, reason = failures[0]
+        raise WorldError(
+            f"rank {rank} of {info.size} refused to start, so this rank ({info.rank}) stops too: {reason}"
+        )
 
 
 def _abort_job_after(report: Callable[..., Any], rank: int) -> Callable[..., None]:

@@ -16,16 +16,18 @@ from pathlib import Path
 from typing import TypeAlias
 
 from mp.config_model import ModelParallelConfig
-from mp.config_schema import config_error, show
+from mp.config_schema import config_error, did_you_mean, show
 from mp.errors import ConfigError, WorkerSizeError
 
 __all__ = [
+    "ATP_TOPOLOGY_CHOICES",
     "ENV_MP_CONFIG",
     "ENV_SAGEMAKER",
     "ConfigError",
     "ConfigSource",
     "ModelParallelConfig",
     "WorkerSizeError",
+    "check_paths",
     "load_config",
     "validate_world",
 ]
@@ -94,8 +96,24 @@ def _from_environment(environ: Mapping[str, str]) -> ModelParallelConfig:
 
 
 def _parse_json(text: str, origin: str) -> object:
+    def no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+        # json.loads keeps the last of two equal keys without a word: a config edited in two places
+        # would silently run with one of them.
+        seen: dict[str, object] = {}
+        for key, value in pairs:
+            if key in seen:
+                raise config_error(
+                    key,
+                    value,
+                    f" twice in {origin} (first {show(seen[key])}, then {show(value)})",
+                    "each key once per JSON object",
+                    f"keep one '{key}' in {origin} and delete the other",
+                )
+            seen[key] = value
+        return seen
+
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=no_duplicates)
     except (json.JSONDecodeError, RecursionError) as exc:
         raise config_error(
             None,
@@ -201,6 +219,75 @@ def _only(mapping: Mapping[object, object], allowed: tuple[str, ...], where: str
             "keys " + ", ".join(repr(a) for a in allowed),
             f"remove {show(key)} from {where}; config keys go in the 'parameters' dict",
         )
+
+
+# ----------------------------------------------------------------------------- file checks
+ATP_TOPOLOGY_CHOICES = ("calibrate", "nvswitch", "dual-nvlink", "pcie")
+"""The names ``atp_topology`` takes besides the path of a JSON file written by CommMatrix.save."""
+
+
+def check_paths(cfg: ModelParallelConfig, rank: int) -> None:
+    """Check the files and folders ``cfg`` names, as rank ``rank`` will use them; raise ConfigError.
+
+    ``smp.init`` runs this on every rank before any process group exists (rank 0 alone reads or
+    writes ``partition_file``; every rank of an ``atp_mesh: "auto"`` job reads ``atp_topology``), so
+    a typo fails at once instead of after the first step's tracing.
+    """
+    topology = cfg.atp_topology
+    if cfg.atp_mesh == "auto" and topology is not None and topology not in ATP_TOPOLOGY_CHOICES:
+        _check_topology_file(topology)
+    path = cfg.partition_file
+    if rank != 0 or path is None or cfg.pipeline_parallel_degree == 1:
+        return  # with one stage nothing is partitioned, and partition_file has no effect
+    if cfg.load_partition:
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            raise config_error(
+                "partition_file",
+                path,
+                f": no readable file there (load_partition is true; rank 0 looked in {Path.cwd()})",
+                "the path of a partition file written by an earlier run",
+                "run once with 'load_partition' false to write it, or correct the path",
+            )
+        return
+    folder = Path(path).parent
+    problem = ""
+    if not folder.is_dir():
+        problem = f": its folder {str(folder)!r} does not exist"
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        problem = f": its folder {str(folder)!r} is not writable"
+    if problem:
+        raise config_error(
+            "partition_file",
+            path,
+            problem + " (rank 0 writes the partition there after the first step)",
+            "a file path in an existing, writable folder",
+            f"create {str(folder)!r} or point 'partition_file' at a writable folder",
+        )
+
+
+def _check_topology_file(path: str) -> None:
+    from mp_tensor.atp import CommMatrix  # only jobs that ask for a saved topology pay for the import
+
+    allowed = (
+        "one of " + ", ".join(repr(c) for c in ATP_TOPOLOGY_CHOICES) + ", or the path of a readable JSON "
+        "file written by mp_tensor.atp.CommMatrix.save (python -m mp_tensor.atp calibrate)"
+    )
+    try:
+        CommMatrix.load(path)
+    except FileNotFoundError:
+        close = did_you_mean(path, ATP_TOPOLOGY_CHOICES)
+        hint = f"did you mean {close!r}? Otherwise " if close is not None else ""
+        raise config_error(
+            "atp_topology", path, ", neither a preset nor an existing file", allowed, f"{hint}correct it"
+        ) from None
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise config_error(
+            "atp_topology",
+            path,
+            f", a file that cannot be read as a saved topology ({type(exc).__name__}: {exc})",
+            allowed,
+            "write the file with python -m mp_tensor.atp calibrate, or name a preset",
+        ) from None
 
 
 # ----------------------------------------------------------------------------- world checks

@@ -17,9 +17,12 @@ from typing import Any, ClassVar, Literal
 from mp.config_rules import alias_conflict, check_rules, log_resolutions, unknown_key
 from mp.config_schema import KeySpec, check_value, config_error, show
 
-__all__ = ["ModelParallelConfig"]
+__all__ = ["MAX_MICROBATCHES", "ModelParallelConfig"]
 
 _SPEC = "mp.spec"
+MAX_MICROBATCHES = 2**20
+"""The most microbatches a step may split into (a batch of one sample per microbatch, far beyond any
+pipeline's use; a typo such as 10**12 is refused at smp.init instead of exhausting memory)."""
 PLACEMENTS = ("cluster", "spread", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD")
 _NAMED_PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}
 
@@ -43,8 +46,10 @@ class ModelParallelConfig:
     """Number of pipeline stages (model partitions). Alias: ``partitions`` (its name before smp 1.6);
     giving both with different values is an error. smp's docs call it required, its source defaults
     to 1; mp defaults to 1 (no pipelining)."""
-    microbatches: int = _key(1, KeySpec(kind="int", minimum=1, example="4"))
-    """Microbatches per step; 1 means no pipelining. The batch size must be divisible by it."""
+    microbatches: int = _key(1, KeySpec(kind="int", minimum=1, maximum=MAX_MICROBATCHES, example="4"))
+    """Microbatches per step; 1 means no pipelining. The batch size must be divisible by it, so it is at
+    most 2**20 (1048576): each microbatch holds at least one sample, and the per-step bookkeeping of a
+    larger count would exhaust memory before the first step."""
     pipeline: Literal["interleaved", "simple"] = _key(
         "interleaved", KeySpec(kind="str", choices=("interleaved", "simple"), example='"interleaved"')
     )

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from mp.atp_setup import setup_atp_mesh
-from mp.config import ConfigSource, load_config, validate_world
+from mp.config import ConfigSource, check_paths, load_config, validate_world
 from mp.config_rules import refuse_not_built
 from mp.dp_backend import check_engines, world_backend, world_port
 from mp.state import State, state
@@ -42,6 +42,7 @@ def init(config: ConfigSource = None) -> None:
         if os.environ.get("MP_SHARE_GPUS") == "1":
             gpus = None  # ranks may share GPUs (testing on one GPU); collectives then go through gloo
         validate_world(cfg, info.size, info.local_size, gpus)
+        check_paths(cfg, info.rank)  # the files it names, as this rank uses them
 
     check_engines(cfg)  # ddp_dist_backend, ddp_port, horovod, herring (mp.dp_backend)
     world = init_world(validate=check, backend=world_backend(cfg), port=world_port(cfg))
