@@ -60,7 +60,8 @@ config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=
                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 model = GPT2LMHeadModel(config)
 args = TrainingArguments(
-    output_dir=out, per_device_train_batch_size=4, per_device_eval_batch_size=4, max_steps=6,
+    output_dir=out, per_device_train_batch_size=int(os.environ.get("HF_TEST_BATCH", "4")),
+    per_device_eval_batch_size=4, max_steps=6,
     learning_rate=1e-3, logging_steps=1, report_to=[], seed=0,
     save_strategy="steps" if checkpoints else "no", save_steps=2, save_total_limit=2,
     dataloader_drop_last=True, train_sampling_strategy="sequential", max_grad_norm=0.5,
@@ -127,7 +128,7 @@ def test_the_trainer_at_pp2_trains_like_the_plain_trainer(tmp_path: Path) -> Non
         torch.testing.assert_close(saved[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _run(script: Path, out: Path, mode: str, **extra: str) -> dict[str, Any]:
+def _run(script: Path, out: Path, mode: str, n: int = 2, **extra: str) -> dict[str, Any]:
     env = {"HF_TEST_OUT": str(out), "HF_TEST_MODE": mode, **extra}
     if mode == "plain":
         environ = {k: v for k, v in os.environ.items() if k not in SMP_ENV}
@@ -136,7 +137,7 @@ def _run(script: Path, out: Path, mode: str, **extra: str) -> dict[str, Any]:
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
     else:
-        output, code, _ = run_script(script, 2, env={**SMP_ENV, **env}, timeout=300)
+        output, code, _ = run_script(script, n, env={**SMP_ENV, **env}, timeout=300)
         assert code == 0, output[-5000:]
     record: dict[str, Any] = json.loads((out / "record.json").read_text())
     return record
@@ -159,3 +160,15 @@ def test_checkpoint_rotation_and_resume_through_the_trainer(tmp_path: Path) -> N
     assert resumed["steps"] == [1, 2, 3, 4, 5, 6], resumed  # 1-4 from the checkpoint's trainer state
     assert resumed["loss"][4:] == pytest.approx(whole["loss"][4:], rel=1e-6)
     assert resumed["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-6)
+
+
+def test_data_parallel_replicas_share_the_data(tmp_path: Path) -> None:
+    """pp=2 x dp=2: each replica reads its half of the batches (SMPTrainer's DistributedSampler), so
+    4 samples per replica train like the plain Trainer on 8."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    plain = _run(script, tmp_path / "plain", "plain", HF_TEST_BATCH="8")
+    got = _run(script, tmp_path / "smp", "smp", n=4, HF_TEST_BATCH="4")
+    for key in ("loss", "grad_norm"):
+        assert got[key] == pytest.approx(plain[key], rel=1e-5), key
+    assert got["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5)

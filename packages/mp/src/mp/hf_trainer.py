@@ -15,7 +15,10 @@ what it gets wrong on that path:
   which smp refuses with MultipleDistributedModelError), and the Trainer gets smp's optimizer back from
   inside accelerate's wrapper, which hides ``local_state_dict`` (called to save a checkpoint). To
   resume, it loads the checkpoint's ``model.safetensors`` (what 5.x saves) where 5.x asks
-  ``smp.resume_from_checkpoint`` for a ``pytorch_model.bin`` it never writes.
+  ``smp.resume_from_checkpoint`` for a ``pytorch_model.bin`` it never writes. With several
+  data-parallel replicas it gives each its share of the training data (a ``DistributedSampler`` over
+  ``args.world_size``, i.e. smp's dp or rdp size, as transformers 4.x did): 5.x gives every replica
+  the same batches.
 
 Importing this module needs ``transformers`` (and ``accelerate``, which the Trainer needs).
 """
@@ -78,6 +81,21 @@ class SMPTrainer(Trainer):
             target.load_state_dict(load_file(safe, device="cpu"))  # deferred to the partition by smp
             return
         super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        sampler = super()._get_train_sampler(train_dataset)
+        dataset: Any = self.train_dataset if train_dataset is None else train_dataset
+        if not is_sagemaker_mp_enabled() or self.args.world_size == 1 or sampler is None:
+            return sampler
+        shuffle = not isinstance(sampler, torch.utils.data.SequentialSampler)
+        return torch.utils.data.DistributedSampler(
+            dataset,
+            num_replicas=self.args.world_size,
+            rank=self.args.process_index,
+            shuffle=shuffle,
+            seed=self.args.seed,
+            drop_last=self.args.dataloader_drop_last,
+        )
 
     def _clip_grad_norm(self, model: nn.Module) -> Any:
         if is_sagemaker_mp_enabled():
