@@ -104,7 +104,8 @@ def _gpt_state(world: Any, pp: int) -> dict[str, Any]:
     for shard in (False, True):
         smp.init({"pipeline_parallel_degree": pp, "microbatches": 2, "shard_optimizer_state": shard})
         model = smp.DistributedModel(build("gpt2", layers=4))
-        opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+        # AdamW: its defaults hold a key (decoupled_weight_decay) that its constructor does not take
+        opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
         _gpt_step(model, *batch("gpt2", 0, smp.dp_rank()))
         opt.step()
         zero = getattr(opt, "_mp_zero", None)

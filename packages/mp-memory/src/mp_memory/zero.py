@@ -13,6 +13,7 @@ parameters).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -33,6 +34,15 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
+def _constructor_defaults(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's defaults that its constructor takes (AdamW's hold ``decoupled_weight_decay``, which
+    its constructor sets itself); the groups carry every setting anyway."""
+    accepted = inspect.signature(type(opt).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return dict(opt.defaults)
+    return {k: v for k, v in opt.defaults.items() if k in accepted}
+
+
 class ZeroSharding:
     """ZeRO-1 for ``optimizer`` over ``group`` (None: the default group), built by :meth:`build`."""
 
@@ -49,7 +59,7 @@ class ZeroSharding:
             # a group with no parameters left on this pipeline stage cannot be sharded (nor stepped)
             groups = [g for g in opt.param_groups if g["params"]]
             self.zero = ZeroRedundancyOptimizer(
-                groups, optimizer_class=type(opt), process_group=self.group, **opt.defaults
+                groups, optimizer_class=type(opt), process_group=self.group, **_constructor_defaults(opt)
             )
             opt.state.clear()
         return self.zero

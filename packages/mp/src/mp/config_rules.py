@@ -228,8 +228,9 @@ _NOT_BUILT: tuple[tuple[str, Callable[[ModelParallelConfig], object], str], ...]
     ),
     (
         "delayed_parameter_initialization",
-        lambda c: c.delayed_parameter_initialization,
-        "creates parameters on the meta device and materializes only this rank's partition",
+        lambda c: c.delayed_parameter_initialization and c.tensor_parallel_degree > 1,
+        "creates parameters on the meta device and materializes only this rank's partition; mp builds "
+        "that without tensor parallelism, not with tensor_parallel_degree > 1",
     ),
     (
         "offload_activations",

@@ -26,6 +26,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from mp.delayed_init import check as check_delayed_init
+from mp.delayed_init import delayed
+from mp.delayed_init import prepare as prepare_delayed_init
 from mp.errors import (
     BwdExecutionNotInStepFnError,
     FwdExecutionNotInStepFnError,
@@ -170,6 +173,7 @@ class DistributedModel(nn.Module):
         super().__init__()
         # Tensor parallelism: marked modules become their distributed versions now, at wrap time
         # (smp's order), copying the original weights into this rank's shards.
+        check_delayed_init(module, cfg.tp)
         self.module = replace_tp_modules(module) if cfg.tp > 1 else module
         # fp16/bf16 (smp's FP16_Module): the parameters in half precision; inputs cast in forward
         self._half = half_dtype(cfg.precision)
@@ -226,6 +230,7 @@ class DistributedModel(nn.Module):
                 tp_group=tuple(topo.group(GroupKind.TP, world.rank)) if cfg.tp > 1 else (),
             )
         state.model = self
+        prepare_delayed_init(self)  # a model built on the meta device: materialized after partitioning
 
     # ------------------------------------------------------------------------------ the nn.Module side
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -297,7 +302,8 @@ class DistributedModel(nn.Module):
         if not self._partitioned:
             _, first = flatten(inputs[0]) if inputs else (None, [])
             problem = _placement_error(
-                {p.device.type for p in self.module.parameters()}, {t.device.type for t in first}
+                {p.device.type for p in self.module.parameters() if not p.is_meta},
+                {t.device.type for t in first},
             )
             if problem is not None:
                 raise SMPValidationError(problem)
@@ -574,7 +580,7 @@ class DistributedModel(nn.Module):
             return manual_partition(
                 self.module, self._pp, cfg.resolved_default_partition, memory_weight=alpha
             )
-        if cfg.skip_tracing:
+        if cfg.skip_tracing or delayed(self.module):  # a model on the meta device cannot run yet
             return auto_partition(self.module, self._pp, memory_weight=alpha, skip_tracing=True)
         with Tracer(self.module, measure_time=self._trace_times) as tracer:
             self._tracing = True

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mp.errors import DistributedModelWrappedError, SMPUnsupportedError
+from mp.delayed_init import delay_param_initialization
+from mp.errors import DistributedModelWrappedError
 from mp.state import state
 from mp_comm import GroupKind
 from mp_tensor.context import TPContext, set_context_provider
@@ -74,26 +75,14 @@ def model_creation(
     as ``smp.tensor_parallelism(**kwargs)`` takes them); ``dtype`` is torch's default dtype while they
     are created (parameters and buffers made without an explicit dtype get it).
 
-    smp also delayed parameter initialization here when the config sets
-    ``delayed_parameter_initialization``; mp does not build that yet (``smp.init`` refuses the key), so
-    parameters are created at once.
+    With the config key ``delayed_parameter_initialization``, the parameters created inside are delayed
+    as under ``smp.delay_param_initialization()`` (mp.delayed_init): no memory until partitioning.
     """
     mark = _marking(True, **tensor_parallel_config) if tensor_parallelism else contextlib.nullcontext()
-    with mark, default_dtype(dtype):
+    cfg = state.cfg
+    delay = cfg is not None and cfg.delayed_parameter_initialization
+    with mark, default_dtype(dtype), delay_param_initialization(enabled=delay):
         yield
-
-
-@contextlib.contextmanager
-def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
-    """smp's delayed parameter initialization (v1.10). Not built in mp yet: ``enabled=True`` raises
-    (a script relying on it must not silently allocate the whole model on every rank)."""
-    if enabled:
-        raise SMPUnsupportedError(
-            "smp.delay_param_initialization(enabled=True): delayed parameter initialization (creating the "
-            "model on the meta device and materializing only this rank's partition) is not built in mp yet. "
-            "Fix: build the model without it, or pass enabled=False"
-        )
-    yield
 
 
 def set_tensor_parallelism(module: nn.Module, enabled: bool = True, **kwargs: Any) -> None:

@@ -1,0 +1,104 @@
+"""Delayed parameter initialization: build a model without its parameters' memory, then materialize and
+initialize only the parameters a rank keeps.
+
+:func:`parameters_on_meta` moves every parameter registered inside it to the meta device (one at a time:
+a parameter is created, then replaced, so the peak is one parameter, as in accelerate's
+``init_empty_weights``). Buffers stay real: modules compute them in ``__init__`` (a causal mask, rotary
+frequencies) and no init method would compute them again. A parameter created constant (zeros, ones)
+remembers its value.
+
+:func:`materialize` gives the meta parameters for which ``keep(p)`` holds real storage and initializes
+them with each module's own init: ``reset_parameters()``, then the HF model's ``_init_weights(module)``
+where the root has one (the order of HF's eager construction), or the remembered constant. Parameter
+objects keep their identity (``torch.utils.swap_tensors``), so optimizers built on the meta model work.
+
+The values are not those of eager initialization under the same seed: eager construction draws random
+numbers for every module in construction order, this draws them only for the kept modules, in module
+order. They follow the same distributions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from mp_memory.errors import MemorySaverError
+
+__all__ = ["DelayedInitError", "has_meta_parameters", "materialize", "parameters_on_meta"]
+
+_CONSTANT = "_mp_delayed_constant"
+
+
+class DelayedInitError(MemorySaverError):
+    """A parameter that delayed initialization cannot initialize."""
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Parameters registered inside live on the meta device (see the module docstring)."""
+    original = nn.Module.register_parameter
+
+    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+            if param.numel() > 0 and param.is_floating_point():
+                low, high = param.detach().aminmax()
+                if bool(low == high):
+                    setattr(meta, _CONSTANT, float(low))
+            param = meta
+        original(self, name, param)
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def has_meta_parameters(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+def materialize(
+    root: nn.Module,
+    keep: Callable[[nn.Parameter], bool],
+    device: torch.device | str = "cpu",
+) -> int:
+    """Give the kept meta parameters of ``root`` storage on ``device`` and initialize them (module
+    docstring). Returns the number of elements materialized. Parameters not kept stay on meta."""
+    hf_init: Any = getattr(root, "_init_weights", None)
+    done: set[int] = set()
+    count = 0
+    for path, module in root.named_modules():
+        fresh: list[tuple[nn.Parameter, float | None]] = []
+        for p in module.parameters(recurse=False):
+            if p.is_meta and keep(p) and id(p) not in done:
+                constant = getattr(p, _CONSTANT, None)  # swap_tensors swaps the attributes too
+                real = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                torch.utils.swap_tensors(p, real)  # type: ignore[no-untyped-call]
+                done.add(id(p))
+                fresh.append((p, constant))
+                count += p.numel()
+        if not fresh:
+            continue
+        with torch.no_grad():
+            for p, constant in fresh:
+                if constant is not None:
+                    p.fill_(constant)
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+            if callable(hf_init):
+                hf_init(module)
+            elif not callable(reset) and any(constant is None for _, constant in fresh):
+                raise DelayedInitError(
+                    f"delayed initialization cannot initialize the parameters of module {path!r} "
+                    f"({type(module).__name__}): it has no reset_parameters() and its root model no "
+                    "_init_weights(). Fix: give the module a reset_parameters() that initializes its "
+                    "parameters, or build the model without delayed initialization"
+                )
+    return count
