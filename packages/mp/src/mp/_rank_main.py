@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import runpy
+import socket
 import sys
 import traceback
 from pathlib import Path
@@ -50,6 +51,17 @@ def _fail(rank: int, code: int, text: str) -> None:
     MPI.COMM_WORLD.Abort(code)
 
 
+def _register(rank: int) -> None:
+    # Which process is which rank, for mp-launch to name a rank that dies without a word (kill -9, the
+    # OOM killer): mpiexec reports only its PID and host. The folder is on the launcher's host, so
+    # ranks on other hosts leave no entry (mp-launch then names the PID and host alone).
+    failure_dir = os.environ.get("MP_LAUNCH_FAILURE_DIR")
+    if failure_dir and os.path.isdir(failure_dir):
+        entry = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()}
+        with contextlib.suppress(OSError):
+            (Path(failure_dir) / f"pid-{os.getpid()}-{entry['host']}.json").write_text(json.dumps(entry))
+
+
 def main() -> None:
     # Started as a file, Python put this package's folder first on sys.path, where mp's own modules
     # (config.py, launch.py, ...) would shadow the user's; the user's script decides sys.path instead.
@@ -59,6 +71,7 @@ def main() -> None:
     if not argv:
         raise SystemExit("usage: python _rank_main.py (script | -m module) [args...]")
     rank = _rank()
+    _register(rank)
     if importlib.util.find_spec("libucx") is not None:
         # ucxx's UCX libraries must be loaded before MPICH's bundled older copy (see mp_comm.transport)
         with contextlib.suppress(Exception):

@@ -21,11 +21,15 @@ import argparse
 import contextlib
 import json
 import os
+import re
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -237,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         env["MP_NUM_THREADS"] = str(len(core_groups(cpu_sets[0])))
     with tempfile.TemporaryDirectory(prefix="mp-launch-") as tmp:
         env[FAILURE_DIR_ENV] = tmp
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        # mpiexec's own output passes through us so that its report of a dead process (PID and host
+        # only) can be turned into the rank's name; the ranks' output is forwarded line by line.
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE)
+        watcher = _DeathWatch(proc, Path(tmp))
 
         def forward(signum: int, _frame: object) -> None:
             with contextlib.suppress(ProcessLookupError):
@@ -245,19 +252,94 @@ def main(argv: list[str] | None = None) -> int:
 
         previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
+            watcher.forward()
             rc = proc.wait()
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
         reported = _report_failures(Path(tmp))
-    if rc != 0:
-        if reported is None:
+        if rc != 0 and reported is None:
+            who = watcher.describe()
             how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
             if rc == 9:
                 how = "a rank was killed by signal 9 (SIGKILL), e.g. by the out-of-memory killer"
-            print(f"\nmp-launch: the job failed ({how}); all ranks were stopped.", file=sys.stderr)
+            print(f"\nmp-launch: the job failed ({how}){who}; all ranks were stopped.", file=sys.stderr)
+    if rc != 0:
         return rc if rc > 0 else (reported or 1)
     return 0
+
+
+_DEAD = re.compile(rb"PID (\d+) RUNNING AT (\S+)")
+_CODE = re.compile(rb"EXIT CODE: (\d+)")
+
+
+class _DeathWatch:
+    """Names the rank that died first without a report (kill -9, the OOM killer).
+
+    mpiexec tears the job down when a process dies, but its banner (MPICH hydra: ``PID 1234 RUNNING AT
+    host``, ``EXIT CODE: 9``) may name one of the processes it killed afterwards. So a thread watches
+    the ranks of this host (registered by mp._rank_main in the failure folder) through pidfds and notes
+    the first to exit: the others are killed only after mpiexec has heard of that death. The banner's
+    exit code is used when its PID is that rank's. Ranks on other hosts are not watched.
+    """
+
+    def __init__(self, proc: subprocess.Popen[bytes], failure_dir: Path) -> None:
+        self.proc = proc
+        self.failure_dir = failure_dir
+        self.first: tuple[int, int] | None = None  # (rank, pid)
+        self.banner: tuple[int, str, int | None] | None = None  # (pid, host, code)
+        self._thread = threading.Thread(target=self._watch, name="mp-launch-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        poller = select.poll()
+        watched: dict[int, tuple[int, int]] = {}  # fd -> (rank, pid)
+        seen: set[str] = set()
+        host = socket.gethostname()
+        while self.proc.poll() is None and self.first is None:
+            for path in self.failure_dir.glob("pid-*.json"):
+                if path.name in seen:
+                    continue
+                seen.add(path.name)
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    entry = json.loads(path.read_text())
+                    if entry["host"] == host:
+                        fd = os.pidfd_open(int(entry["pid"]))
+                        watched[fd] = (int(entry["rank"]), int(entry["pid"]))
+                        poller.register(fd, select.POLLIN)
+            for fd, _ in poller.poll(20):
+                self.first = watched[fd]
+                break
+        for fd in watched:
+            os.close(fd)
+
+    def forward(self) -> None:
+        """Copy mpiexec's stdout to ours line by line, noting its report of a dead process."""
+        assert self.proc.stdout is not None
+        out = sys.stdout.buffer
+        for line in iter(self.proc.stdout.readline, b""):
+            out.write(line)
+            out.flush()
+            if self.banner is None and (hit := _DEAD.search(line)):
+                self.banner = int(hit.group(1)), hit.group(2).decode(errors="replace"), None
+            elif self.banner is not None and self.banner[2] is None and (hit := _CODE.search(line)):
+                self.banner = (self.banner[0], self.banner[1], int(hit.group(1)))
+
+    def describe(self) -> str:
+        """``: rank R (PID P on host H) died first, killed by signal 9 (SIGKILL)``, or '' if unknown."""
+        self._thread.join(1.0)
+        if self.first is not None:
+            rank, pid = self.first
+            how = ""
+            if self.banner is not None and self.banner[0] == pid and self.banner[2]:
+                with contextlib.suppress(ValueError):
+                    code = self.banner[2]
+                    how = f", killed by signal {code} ({signal.Signals(code).name})"
+            return f": rank {rank} (PID {pid} on host {socket.gethostname()}) died first{how}"
+        if self.banner is not None:
+            pid, host, _ = self.banner
+            return f": mpiexec reports PID {pid} on host {host}"
+        return ""
 
 
 if __name__ == "__main__":
