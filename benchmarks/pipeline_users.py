@@ -1,0 +1,476 @@
+"""mp's pipeline on models as users write them, against torch.distributed.pipelining and one process.
+
+Four unmodified models (benchmarks/_pipeline_users_models.py): (a) a GPT whose ``forward`` loops over its
+8 blocks (hidden 256, seq 128, vocab 1000, batch 16), (b) HF ``GPT2LMHeadModel`` (8 layers, n_embd 256,
+vocab 1000), (c) HF ``T5ForConditionalGeneration`` (4 + 4 layers, d_model 256) and (d) a ResNet-style CNN
+whose ``forward`` loops over its stages (ResNet-18's layout on 32x32 images, BatchNorm, batch 16). The
+same initial weights, batch and AdamW for every system:
+
+* ``mp``: what a user writes: ``smp.init({"pipeline_parallel_degree": 2, "microbatches": m})`` (every
+  other key at its default: auto-partition, smp's default schedule), ``smp.DistributedModel(model)``,
+  ``smp.DistributedOptimizer``, and an ``@smp.step`` function computing the loss as the user's script
+  does (``F.cross_entropy(model(x), y)``, ``model(input_ids=x, labels=y).loss``) then
+  ``model.backward(loss)``;
+* ``torch GPipe`` / ``torch 1F1B``: ``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B`` on the best
+  hand split found: the model as a chain of its own modules (embeddings, each block, head; the CNN's
+  stem, residual blocks, head; T5's encoder and decoder), cut where the two stages' measured forward +
+  backward times are closest;
+* ``single``: one process without pipeline on the full batch with 1 and 2 threads, and the batch as
+  ``m`` accumulated microbatches on 1 thread (``single acc``, the bubble bound's reference).
+
+pp = 2 on 2 ranks (the script starts itself under mpiexec, each rank bound to a core of its own as
+mp-launch binds them; see _launch.py), m in {4, 8, 16}. Before timing, every system's first-step loss is
+compared with the single process's on the same microbatches (a mismatch stops the run), and mp's
+partition is printed. Per (model, m), every runner is built once, then ``--rounds`` rounds each time
+``--steps`` steps of every runner in a rotating order (a step is timed between two barriers that sleep
+while they wait). Reported per system: samples/s (median step), the ratios vs torch 1F1B and vs the
+single process on 1 thread (paired per round, median over rounds), each rank's busy fraction (the share
+of the step it computed: mp's from its pipeline timeline, compute with its waits cut out; torch's from
+its stages' forward and backward calls) and the efficiency against the bubble bound, as in
+pipeline_vs_torch.py: ``T1 / p * (m + p - 1) / m`` over the measured step, ``T1`` the ``single acc`` step
+of the same round.
+
+    python benchmarks/pipeline_users.py [--models gpt cnn] [--microbatches 4 8] [--rounds 5] [--steps 2]
+    python benchmarks/pipeline_users.py --smoke      # tiny sizes, 1 round, results in a temporary folder
+
+Writes benchmarks/results/pipeline_users.json and .md (``--out`` elsewhere; ``--timeline`` adds mp's
+timeline of each (model, m) beside them). A full run takes about 10-15 minutes on a quiet 2-core host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from _launch import on_all_cores, relaunch, rotated, under_mpi
+
+HERE = Path(__file__).resolve().parent
+RANKS = P = 2
+LR = 1e-4
+SEED = 1234
+SYSTEMS = ("mp", "torch 1F1B", "torch GPipe", "single 1 thread", "single 2 threads", "single acc")
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        with on_all_cores() if n > 1 else contextlib.nullcontext():
+            yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class Single:
+    """Plain PyTorch on rank 0 (rank 1 waits): the full batch, or ``m`` accumulated microbatches."""
+
+    def __init__(self, case: Any, base: dict[str, Any], rank: int, *, m: int, threads: int) -> None:
+        import torch
+
+        self.case, self.m, self.threads, self.active = case, m, threads, rank == 0
+        if self.active:
+            self.model = case.build()
+            self.model.load_state_dict(base)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
+
+    def _step(self) -> float:
+        total = 0.0
+        for mb in zip(*(t.chunk(self.m) for t in self.case.batch), strict=True):
+            loss = self.case.user_loss(self.model, mb) / self.m
+            loss.backward()
+            total += float(loss.detach())
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return total
+
+    def first_step(self) -> float | None:
+        return self.step()
+
+    def step(self) -> float | None:
+        if not self.active:
+            return None
+        with _threads(self.threads):
+            return self._step()
+
+    def close(self) -> None:
+        pass
+
+
+class Torch:
+    """torch.distributed.pipelining: this rank's stage of the hand split, GPipe or 1F1B."""
+
+    def __init__(
+        self, case: Any, base: dict[str, Any], rank: int, *, m: int, cut: int, schedule: str
+    ) -> None:
+        import torch
+        from _pipeline_users_models import Chain
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.case, self.rank = case, rank
+        model = case.build()
+        model.load_state_dict(base)
+        pieces = case.pieces(model)
+        self.module = Chain(pieces[:cut] if rank == 0 else pieces[cut:])
+        self.stage = PipelineStage(self.module, rank, P, torch.device("cpu"))
+        self.busy = 0.0
+        for name in ("forward_one_chunk", "backward_one_chunk"):  # compute, without the waits around it
+            setattr(self.stage, name, self._timed(getattr(self.stage, name)))
+        kind = ScheduleGPipe if schedule == "GPipe" else Schedule1F1B
+        self.schedule = kind(self.stage, m, loss_fn=case.loss_fn)
+        self.opt = torch.optim.AdamW(self.module.parameters(), lr=LR)
+
+    def _timed(self, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.busy += time.perf_counter() - t0
+
+        return wrapper
+
+    def step(self) -> float | None:
+        import torch
+
+        loss = None
+        if self.rank == 0:
+            self.schedule.step(*self.case.stage_args(self.case.batch))
+        else:
+            losses: list[torch.Tensor] = []
+            self.schedule.step(target=self.case.target(self.case.batch), losses=losses)
+            loss = float(torch.stack([t.detach() for t in losses]).mean())
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    first_step = step
+
+    def close(self) -> None:
+        pass
+
+
+class Mp:
+    """mp as a user runs it: default config but for pp and microbatches, the model wrapped as is."""
+
+    def __init__(self, case: Any, base: dict[str, Any], rank: int, *, m: int) -> None:
+        import torch
+
+        import mp as smp
+
+        smp.init({"pipeline_parallel_degree": P, "microbatches": m})
+        net = case.build()
+        net.load_state_dict(base)
+        self.model = smp.DistributedModel(net)
+        self.opt = smp.DistributedOptimizer(torch.optim.AdamW(self.model.parameters(), lr=LR))
+        self.batch, self.rank, self.busy = case.batch, rank, 0.0
+
+        @smp.step
+        def train_step(model: Any, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            loss = case.user_loss(model, batch)
+            model.backward(loss)
+            return loss
+
+        self.train_step = train_step
+
+    def step(self) -> float:
+        loss = float(self.train_step(self.model, self.batch).reduce_mean())
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    first_step = step
+
+    def partition(self) -> dict[str, int]:
+        """Where execution crosses ranks: each module whose pp_rank differs from its parent's."""
+        plan = self.model.plan
+        if plan is not None:
+            return dict(plan.split_points())
+        a = self.model._assignment  # ranks without the plan hold only the assignment
+        return {p: r for p, r in a.items() if p and a.get(p.rpartition(".")[0], a.get("", 0)) != r}
+
+    def close(self) -> None:
+        import mp as smp
+
+        smp.reset()
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _round_ratio(rounds: dict[int, dict[str, float]], a: str, b: str, f: Any) -> float | None:
+    return _median([f(r[a], r[b]) for r in rounds.values() if a in r and b in r])
+
+
+def summarize(records: list[dict[str, Any]], batch: dict[str, int]) -> list[dict[str, Any]]:
+    """One row per (model, m, system): medians, paired ratios, busy fractions, bubble efficiency."""
+    rows = []
+    keys = sorted({(r["model"], r["m"]) for r in records}, key=lambda k: (k[0], k[1]))
+    for model, m in keys:
+        mine = [r for r in records if r["model"] == model and r["m"] == m]
+        rounds: dict[int, dict[str, float]] = {}
+        for rnd in sorted({r["round"] for r in mine}):
+            by: dict[str, list[float]] = {}
+            for r in mine:
+                if r["round"] == rnd:
+                    by.setdefault(r["system"], []).append(r["step_s"])
+            rounds[rnd] = {s: statistics.median(v) for s, v in by.items()}
+        for system in SYSTEMS:
+            steps = [r for r in mine if r["system"] == system]
+            if not steps:
+                continue
+            pipelined = system == "mp" or system.startswith("torch")
+
+            def bubble(t: float, acc: float, m: int = m) -> float:
+                return acc / P * (m + P - 1) / m / t
+
+            rows.append(
+                {
+                    "model": model,
+                    "m": m,
+                    "system": system,
+                    "steps_timed": len(steps),
+                    "step_ms": _median([r["step_s"] * 1e3 for r in steps]),
+                    "samples_per_s": _median([batch[model] / r["step_s"] for r in steps]),
+                    "vs_torch_1f1b": _round_ratio(rounds, system, "torch 1F1B", lambda a, b: b / a),
+                    "vs_single_1_thread": _round_ratio(rounds, system, "single 1 thread", lambda a, b: b / a),
+                    "busy": [_median([r["busy"][i] for r in steps]) for i in range(P)] if pipelined else None,
+                    "efficiency_bubble": _round_ratio(rounds, system, "single acc", bubble)
+                    if pipelined
+                    else None,
+                }
+            )
+    return rows
+
+
+def _fmt(v: float | None, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(out: dict[str, Any]) -> str:
+    lines = [
+        "# mp's pipeline on unmodified models (benchmarks/pipeline_users.py)",
+        "",
+        f"pp = 2 on 2 ranks (CPU, 1 thread and 1 core each), {out['args']['rounds']} interleaved rounds of "
+        f"{out['args']['steps']} step(s) per system; commit {out['host']['commit'][:10] or '?'}; host "
+        f"load average (1 min) {out['host']['load_before']:.2f} before, {out['host']['load_after']:.2f} "
+        f"after, {out['host']['cpus']} CPUs; {out['elapsed_s']:.0f} s.",
+        "",
+        "*vs torch 1F1B*, *vs single 1t*: that system's step time over this one's, paired per round "
+        "(> 1: this one is faster). *busy r0/r1*: share of the step each rank computed. *eff. bubble*: "
+        "`T1 / 2 * (m + 1) / m` over the step, `T1` the single process's step on the same m microbatches "
+        "(1.00: a perfect two-stage pipeline). torch's split: the best whole-piece cut, measured.",
+    ]
+    for model, info in out["models"].items():
+        lines += ["", f"## {model}: {info['describe']}", ""]
+        for m, split in info["torch_split"].items():
+            lines.append(f"- m = {m}: torch's hand split {split}; mp's partition: {info['mp_partition'][m]}")
+        lines += [
+            "",
+            "| m | system | samples/s | vs torch 1F1B | vs single 1t | busy r0/r1 | eff. bubble |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in (r for r in out["rows"] if r["model"] == model):
+            busy = "/".join(_fmt(v) for v in r["busy"]) if r["busy"] else "-"
+            cells = [str(r["m"]), r["system"], _fmt(r["samples_per_s"], ".1f"), _fmt(r["vs_torch_1f1b"])]
+            cells += [_fmt(r["vs_single_1_thread"]), busy, _fmt(r["efficiency_bubble"])]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Run:
+    """What one rank carries through the run: its communicator, the records and what rank 0 reports."""
+
+    comm: Any
+    rank: int
+    args: argparse.Namespace
+    records: list[dict[str, Any]] = field(default_factory=list)
+    info: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def say(self, msg: str) -> None:
+        if self.rank == 0:
+            print(msg, flush=True)
+
+
+def _hand_split(run: Run, case: Any, model: Any, m: int) -> tuple[int, str]:
+    """torch's cut for ``m`` microbatches (measured on rank 0, shared) and its description."""
+    from _pipeline_users_models import best_cut, piece_times
+
+    times = run.comm.bcast(piece_times(case, model, m) if run.rank == 0 else None, root=0)
+    cut = best_cut(times)
+    s0, s1 = sum(times[:cut]) * 1e3, sum(times[cut:]) * 1e3
+    return cut, f"pieces 0-{cut - 1} | {cut}-{len(times) - 1} of {len(times)} ({s0:.1f} | {s1:.1f} ms)"
+
+
+def _build(run: Run, case: Any, base: dict[str, Any], m: int, cut: int) -> dict[str, Any]:
+    """Every system's runner for ``m``, each after its first step; the losses checked, mp's partition
+    recorded."""
+    rank = run.rank
+    runners: dict[str, Any] = {
+        "single acc": Single(case, base, rank, m=m, threads=1),
+        "single 1 thread": Single(case, base, rank, m=1, threads=1),
+        "single 2 threads": Single(case, base, rank, m=1, threads=2),
+        "torch GPipe": Torch(case, base, rank, m=m, cut=cut, schedule="GPipe"),
+        "torch 1F1B": Torch(case, base, rank, m=m, cut=cut, schedule="1F1B"),
+        "mp": Mp(case, base, rank, m=m),
+    }
+    first = {s: run.comm.allgather(r.first_step()) for s, r in runners.items()}
+    losses = {s: next((v for v in got if v is not None), None) for s, got in first.items()}
+    ref = losses["single acc"]
+    assert ref is not None
+    for s in ("mp", "torch GPipe", "torch 1F1B"):  # the full batch is another sum (and BatchNorm's stats)
+        loss = losses[s]
+        if loss is None or abs(loss - ref) > 1e-5 * max(1.0, abs(ref)):
+            raise SystemExit(f"{case.name} m={m}: {s}'s first-step loss {loss} != the single process's {ref}")
+    partition = runners["mp"].partition()
+    text = ", ".join(f"{p or '(root)'} -> pp_rank {r}" for p, r in partition.items())
+    info = run.info[case.name]
+    info["mp_partition"][m] = text
+    info["first_step_loss"][m] = losses
+    run.say(f"   m={m}: first-step losses equal the single process's ({ref:.6f}); mp's partition: {text}")
+    return runners
+
+
+def _time(run: Run, case: Any, m: int, group: int, runners: dict[str, Any]) -> None:
+    """``--rounds`` rounds of ``--steps`` timed steps of every runner, in a rotating order."""
+    from _pipeline_common import idle_barrier
+
+    from mp_pipeline.timeline import RECORDER, Timeline
+
+    comm, rank, args = run.comm, run.rank, run.args
+    for rnd in range(args.rounds):
+        for system in rotated(list(runners), rnd + group):
+            runner = runners[system]
+            for i in range(args.steps):
+                idle_barrier(comm)
+                if system == "mp":
+                    RECORDER.start()
+                runner.busy = 0.0
+                t0 = time.perf_counter()
+                runner.step()
+                idle_barrier(comm)
+                elapsed = time.perf_counter() - t0
+                busy = runner.busy
+                if system == "mp":  # the timeline's compute, its waits cut out
+                    trace = RECORDER.stop()
+                    segments = Timeline.merge([trace]).compute_segments(rank)
+                    busy = sum(b - a for _, segs in segments for a, b in segs) / 1e9
+                    if args.timeline and rnd == args.rounds - 1 and i == args.steps - 1:
+                        traces = comm.gather(trace, root=0)
+                        if rank == 0:
+                            prefix = _folder(args) / f"pipeline_users_{case.name}_m{m}"
+                            Timeline.merge(traces).write(prefix, title=f"mp, {case.name}, m = {m}")
+                fractions = comm.gather(busy / elapsed, root=0)
+                if rank == 0:
+                    record = {"model": case.name, "m": m, "system": system, "round": rnd}
+                    run.records.append({**record, "step_s": elapsed, "busy": fractions})
+        this = [r for r in run.records if (r["model"], r["m"], r["round"]) == (case.name, m, rnd)]
+        run.say(
+            f"   m={m} round {rnd}: " + ", ".join(f"{r['system']} {r['step_s'] * 1e3:.0f} ms" for r in this)
+        )
+
+
+def _folder(args: argparse.Namespace) -> Path:
+    if args.out is None:
+        args.out = Path(tempfile.mkdtemp(prefix="pipeline_users_")) if args.smoke else HERE / "results"
+    folder: Path = args.out
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def main() -> None:
+    from _pipeline_users_models import MODELS
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16], help="values of m")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per (model, m)")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps of each system per round")
+    parser.add_argument("--smoke", action="store_true", help="tiny models, m = 4, 1 round of 1 step")
+    parser.add_argument("--timeline", action="store_true", help="also write mp's timeline of each (model, m)")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default: results/)")
+    args = parser.parse_args()
+    if not under_mpi():
+        sys.exit(relaunch(__file__, RANKS))
+    if args.smoke:
+        args.microbatches, args.rounds, args.steps = [4], 1, 1
+    sys.path.insert(0, str(HERE))
+
+    import torch
+    from _pipeline_users_models import make_case
+
+    from mp_comm.world import init_world
+
+    world = init_world()  # owns torch.distributed's default group; smp.init adopts it
+    assert world.mpi_comm is not None, "started by mpiexec: the world has an MPI communicator"
+    comm = world.mpi_comm.Dup()
+    run = Run(comm, comm.Get_rank(), args)
+    torch.set_num_threads(1)
+    load_before = os.getloadavg()[0]
+    started = time.monotonic()
+    batch: dict[str, int] = {}
+    for name in args.models:
+        case = make_case(name, smoke=args.smoke, seed=SEED)
+        torch.manual_seed(SEED)
+        ref = case.build()
+        base = {k: v.clone() for k, v in ref.state_dict().items()}
+        batch[name] = int(case.batch[0].shape[0])
+        info = {"describe": case.describe, "torch_split": {}, "mp_partition": {}, "first_step_loss": {}}
+        run.info[name] = info
+        run.say(f"== {name}: {case.describe}")
+        for group, m in enumerate(args.microbatches):
+            cut, info["torch_split"][m] = _hand_split(run, case, ref, m)
+            run.say(f"   m={m}: torch's hand split: {info['torch_split'][m]}")
+            runners = _build(run, case, base, m, cut)
+            _time(run, case, m, group, runners)
+            for r in runners.values():
+                r.close()
+            del runners
+            gc.collect()
+    load_after = os.getloadavg()[0]
+    if run.rank == 0:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True)
+        out = {
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "models": run.info,
+            "rows": summarize(run.records, batch),
+            "records": run.records,
+            "host": {
+                "commit": commit.stdout.strip(),
+                "cpus": os.cpu_count(),
+                "load_before": load_before,
+                "load_after": load_after,
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+            },
+            "elapsed_s": time.monotonic() - started,
+        }
+        folder = _folder(args)
+        (folder / "pipeline_users.json").write_text(json.dumps(out, indent=1))
+        (folder / "pipeline_users.md").write_text(markdown(out))
+        print(markdown(out))
+        print(f"wrote {folder / 'pipeline_users.json'} and .md")
+    comm.Free()
+
+
+if __name__ == "__main__":
+    main()
