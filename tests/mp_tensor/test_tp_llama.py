@@ -1,7 +1,8 @@
 """Hugging Face Llama (rotary, RMSNorm, SwiGLU, grouped-query attention) built inside
 ``tensor_parallelism()`` at tp=2: whole decoder layers become ``DistributedLlamaLayer``; logits, loss,
-gradients, the full state dict and a training step equal the single-process model; one all-reduce
-pair per block; key/value heads the TP degree does not divide are refused with a reason."""
+gradients, the full state dict and a training step equal the single-process model in both layouts
+(optimize "speed" and "memory"); one all-reduce pair per block in speed mode; key/value heads the TP
+degree does not divide are refused with a reason."""
 
 from __future__ import annotations
 
@@ -69,9 +70,11 @@ def _replace(model: nn.Module, ctx: TPContext) -> tuple[nn.Module, list[str]]:
 
 
 def _llama_case(world: Any, impl: str, prescaled: bool, extra: dict[str, Any]) -> dict[str, Any]:
+    optimize = extra.pop("optimize", "speed")
+
     def run(group: dist.ProcessGroup) -> dict[str, Any]:
         n, rank = dist.get_world_size(group), dist.get_rank(group)
-        ctx = TPContext(group=group, optimize="speed", prescaled_batch=prescaled)
+        ctx = TPContext(group=group, optimize=optimize, prescaled_batch=prescaled)
         torch.manual_seed(0)
         ref = _model(impl=impl, **extra)
         torch.manual_seed(0)
@@ -152,6 +155,9 @@ def _llama_case(world: Any, impl: str, prescaled: bool, extra: dict[str, Any]) -
         ("sdpa", False, {"family": "mistral", "sliding_window": 3}),
         ("eager", False, {"family": "qwen2"}),
         ("sdpa", True, {"family": "qwen3"}),
+        ("sdpa", False, {"optimize": "memory"}),
+        ("eager", True, {"optimize": "memory", "attention_bias": True, "mlp_bias": True}),
+        ("sdpa", False, {"optimize": "memory", "family": "qwen3"}),
     ],
     ids=[
         "llama-gqa-sdpa",
@@ -160,6 +166,9 @@ def _llama_case(world: Any, impl: str, prescaled: bool, extra: dict[str, Any]) -
         "mistral-window",
         "qwen2",
         "qwen3",
+        "memory",
+        "memory-biases-prescaled",
+        "memory-qwen3",
     ],
 )
 def test_llama_blocks_train_like_the_plain_model(
@@ -178,9 +187,9 @@ def test_llama_blocks_train_like_the_plain_model(
         assert res["reloaded"] < TOL
 
 
-def _counts(world: Any, prescaled: bool) -> dict[str, Any]:
+def _counts(world: Any, optimize: str, prescaled: bool) -> dict[str, Any]:
     def run(group: dist.ProcessGroup) -> dict[str, Any]:
-        ctx = TPContext(group=group, optimize="speed", prescaled_batch=prescaled)
+        ctx = TPContext(group=group, optimize=optimize, prescaled_batch=prescaled)  # type: ignore[arg-type]
         phases: dict[int, dict[str, Any]] = {}
         for layers in (1, 2):
             torch.manual_seed(0)
@@ -194,38 +203,49 @@ def _counts(world: Any, prescaled: bool) -> dict[str, Any]:
             with count_collectives() as bwd:
                 logits.sum().backward()
             phases[layers] = {"fwd": tally(fwd), "bwd": tally(bwd)}
-        return {
-            phase: {k: phases[2][phase].get(k, 0) - phases[1][phase].get(k, 0) for k in phases[2][phase]}
-            for phase in ("fwd", "bwd")
-        }
+        per_block = {}
+        for phase in ("fwd", "bwd"):
+            two, one = phases[2][phase], phases[1][phase]
+            per_block[phase] = {k: two.get(k, 0) - one.get(k, 0) for k in set(one) | set(two)}
+            per_block[phase] = {k: v for k, v in per_block[phase].items() if v}
+        return per_block
 
     return with_group(run)  # type: ignore[no-any-return]
 
 
+# Per block, beyond the attention and MLP reductions: with a per-rank batch each block gathers its
+# group's samples on the way in (speed: hidden, mask, cos, sin; memory: an all-to-all of the hidden
+# states and the three gathers) and hands them back on the way out (memory: an all-to-all); with
+# prescaled_batch, memory mode splits the channels on the way in and all-gathers them on the way out.
+EXPECTED = {
+    ("speed", True): ({"all_reduce": 2}, {"all_reduce": 2}),
+    ("speed", False): ({"all_reduce": 2, "all_gather": 4}, {"all_reduce": 2, "all_gather": 1}),
+    ("memory", True): (
+        {"reduce_scatter": 4, "all_reduce": 2, "all_gather": 1},
+        {"all_gather": 5, "all_reduce": 2},
+    ),
+    ("memory", False): (
+        {"reduce_scatter": 4, "all_reduce": 2, "all_gather": 3, "all_to_all": 2},
+        {"all_gather": 4, "all_reduce": 2, "all_to_all": 2},
+    ),
+}
+
+
 @pytest.mark.parametrize("prescaled", [False, True], ids=["per-rank-batch", "prescaled"])
-def test_one_allreduce_pair_per_llama_block(worlds: Any, prescaled: bool) -> None:
-    per_block = worlds.run(2, _counts, prescaled)[0]
-    fwd = {k: v for k, v in per_block["fwd"].items() if v}
-    bwd = {k: v for k, v in per_block["bwd"].items() if v}
-    assert fwd.get("all_reduce") == 2 and bwd.get("all_reduce") == 2, per_block
-    if prescaled:
-        assert fwd == {"all_reduce": 2} and bwd == {"all_reduce": 2}, per_block
-    else:
-        # each block also gathers its group's samples (hidden states, mask, cos, sin) on the way in and
-        # hands back the gradient of its input on the way out
-        assert fwd == {"all_reduce": 2, "all_gather": 4}, per_block
-        assert bwd == {"all_reduce": 2, "all_gather": 1}, per_block
+@pytest.mark.parametrize("optimize", ["speed", "memory"])
+def test_collectives_per_llama_block(worlds: Any, optimize: str, prescaled: bool) -> None:
+    per_block = worlds.run(2, _counts, optimize, prescaled)[0]
+    fwd, bwd = EXPECTED[(optimize, prescaled)]
+    assert per_block == {"fwd": fwd, "bwd": bwd}, per_block
 
 
 def _refusals(world: Any) -> list[str]:
     def run(group: dist.ProcessGroup) -> list[str]:
         logs: list[str] = []
-        for ctx, kv in (
-            (TPContext(group=group, optimize="speed"), 1),
-            (TPContext(group=group, optimize="memory"), 2),
-        ):
+        for optimize, kv, extra in (("speed", 1, {}), ("memory", 2, {"hidden_act": "gelu"})):
+            ctx = TPContext(group=group, optimize=optimize)  # type: ignore[arg-type]
             with tensor_parallelism():
-                model = _model(layers=1, kv_heads=kv)
+                model = _model(layers=1, kv_heads=kv, **extra)
             model, log = _replace(model, ctx)
             assert not any(type(m).__name__ == "DistributedLlamaLayer" for m in model.modules())
             assert any(type(m).__name__ == "DistributedLinear" for m in model.modules())  # Linear-level TP
@@ -235,7 +255,7 @@ def _refusals(world: Any) -> list[str]:
     return with_group(run)  # type: ignore[no-any-return]
 
 
-def test_indivisible_kv_heads_and_memory_mode_are_refused_with_a_reason(worlds: Any) -> None:
+def test_indivisible_kv_heads_and_other_activations_are_refused_with_a_reason(worlds: Any) -> None:
     logs = worlds.run(2, _refusals)[0]
     assert any("num_key_value_heads=1" in m and "tensor-parallel degree 2" in m for m in logs), logs
-    assert any("optimize='memory'" in m for m in logs), logs
+    assert any("hidden_act='gelu'" in m for m in logs), logs

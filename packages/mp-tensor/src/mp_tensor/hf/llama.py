@@ -3,17 +3,21 @@
 parallelism of a whole block (RMSNorm, rotary attention with grouped-query heads, SwiGLU MLP; Qwen3's
 per-head query/key RMSNorm).
 
-Activations are replicated over the TP group (optimize "speed"): query/key/value and gate/up are split
-by output channels (whole heads, whole key/value groups per rank), the output and down projections by
-input channels, so a block costs one all-reduce after attention and one after the MLP, and their two
-mirrors in backward. The distributed layer keeps the Hugging Face parameter names, so its full state
-dict is the block's. Rotary cos/sin come from the model (any ``rope_type``), as for the HF block.
+With optimize "speed", activations are replicated over the TP group: query/key/value and gate/up are
+split by output channels (whole heads, whole key/value groups per rank), the output and down projections
+by input channels, so a block costs one all-reduce after attention and one after the MLP, and their two
+mirrors in backward. With optimize "memory", activations are split by channels (the ``sharded`` layout
+of the transformer modules): every projection is split by its input channels and its output
+reduce-scattered (q/k/v in one, gate/up in one), RMSNorm all-reduces one number per token: 4
+reduce-scatters and 2 scalar all-reduces per block forward, 4 all-gathers and 2 all-reduces backward.
+The distributed layer keeps the Hugging Face parameter names, so its full state dict is the block's.
+Rotary cos/sin come from the model (any ``rope_type``), as for the HF block.
 
 Refused (the block stays Hugging Face's and its Linears are distributed one by one, with a log line
 saying why): ``num_attention_heads``, ``num_key_value_heads`` or ``intermediate_size`` not divisible by
 the TP degree (a key/value head is never split nor copied), ``hidden_act`` other than silu, attention
-dropout, attention scaling other than ``1/sqrt(head_dim)``, and optimize "memory" (its sharded layout is
-not built for this block). Sliding-window attention (Mistral, Qwen) comes in through the model's mask.
+dropout, attention scaling other than ``1/sqrt(head_dim)``, and (memory mode) ``hidden_size`` not
+divisible by the TP degree. Sliding-window attention (Mistral, Qwen) comes in through the model's mask.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from torch import Tensor, nn
 
 from mp_comm import collectives as col
 from mp_tensor.context import TPContext
-from mp_tensor.dist_ops import enter, gather_samples, leave
+from mp_tensor.dist_ops import Layout, enter, gather_samples, leave
 from mp_tensor.errors import DistTransformerConfigError, TPInputError
 from mp_tensor.hf.common import sizes_reason
 from mp_tensor.nn.base import DistributedModule, ParamSpec, set_param_spec
@@ -45,13 +49,17 @@ BLOCKS = (
 
 
 class _RMSNorm(nn.Module):
-    """Hugging Face's ``LlamaRMSNorm`` (statistics in fp32), replicated over the TP group."""
+    """Hugging Face's ``LlamaRMSNorm`` (statistics in fp32): replicated, or with ``tp`` split over the
+    channels (the sum of squares all-reduced over the group, one number per token)."""
 
-    def __init__(self, hidden: int, eps: float, dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, hidden: int, eps: float, dtype: torch.dtype | None, tp: TPContext | None = None
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
-        set_param_spec(self.weight, ParamSpec(None, scaled_batch=True))
-        self.eps = eps
+        self.tp, self.hidden, self.eps = tp, hidden, eps
+        local = hidden // tp.size if tp is not None else hidden
+        self.weight = nn.Parameter(torch.ones(local, dtype=dtype))
+        set_param_spec(self.weight, ParamSpec(None if tp is None else 0, scaled_batch=True))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.normalize(x, self.weight)
@@ -60,7 +68,10 @@ class _RMSNorm(nn.Module):
         """The norm with ``weight`` standing for this module's (a view with its own backward)."""
         dtype = x.dtype
         h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        squares = h.pow(2).sum(-1, keepdim=True)
+        if self.tp is not None and self.tp.group is not None:
+            squares = col.all_reduce(squares, self.tp.group, grad="all_reduce")
+        h = h * torch.rsqrt(squares / self.hidden + self.eps)
         return weight * h.to(dtype)
 
 
@@ -99,86 +110,105 @@ class DistributedLlamaLayer(DistributedModule):
             num_key_value_heads=num_key_value_heads,
             intermediate_size=intermediate_size,
         )
+        self.memory = self.tp.distributed and self.tp.optimize == "memory"
+        if reason is None and self.memory:
+            reason = sizes_reason(n, hidden_size=hidden_size)
         if reason is not None:
             raise DistTransformerConfigError(f"{name}: {reason}; use a multiple of {n}.")
-        if self.tp.distributed and self.tp.optimize == "memory":
-            raise DistTransformerConfigError(
-                f"{name} got optimize='memory'; only the replicated (speed) layout is built for Llama "
-                "blocks. Use optimize='speed' to distribute whole blocks."
-            )
         self.heads, self.kv_heads = num_attention_heads // n, num_key_value_heads // n
         self.head_dim = head_dim
         h, q_out, kv_out = hidden_size, num_attention_heads * head_dim, num_key_value_heads * head_dim
+        # speed: q/k/v, gate/up split by outputs; memory: every projection split by its inputs and its
+        # output reduce-scattered. o/down are split by inputs in both.
+        in_split = 1 if self.memory else 0
+        out_bias_split = 0 if self.memory else None
 
-        def col_split(out: int, inp: int, bias: bool) -> LinearShard:
-            return LinearShard(self.tp, out, inp, weight_split=0, bias=bias, bias_split=0)
+        def project_in(out: int, inp: int, bias: bool) -> LinearShard:
+            return LinearShard(self.tp, out, inp, weight_split=in_split, bias=bias, bias_split=0)
 
-        def row_split(out: int, inp: int, bias: bool) -> LinearShard:
-            return LinearShard(self.tp, out, inp, weight_split=1, bias=bias, bias_split=None)
+        def project_out(out: int, inp: int, bias: bool) -> LinearShard:
+            return LinearShard(self.tp, out, inp, weight_split=1, bias=bias, bias_split=out_bias_split)
 
         self.self_attn = nn.Module()
-        self.self_attn.q_proj = col_split(q_out, h, attention_bias)
-        self.self_attn.k_proj = col_split(kv_out, h, attention_bias)
-        self.self_attn.v_proj = col_split(kv_out, h, attention_bias)
-        self.self_attn.o_proj = row_split(h, q_out, attention_bias if o_proj_bias is None else o_proj_bias)
+        self.self_attn.q_proj = project_in(q_out, h, attention_bias)
+        self.self_attn.k_proj = project_in(kv_out, h, attention_bias)
+        self.self_attn.v_proj = project_in(kv_out, h, attention_bias)
+        self.self_attn.o_proj = project_out(h, q_out, attention_bias if o_proj_bias is None else o_proj_bias)
         self.qk_norm = qk_norm
         if qk_norm:  # replicated, but each rank normalizes only its heads: gradients summed over the group
             self.self_attn.q_norm = _RMSNorm(head_dim, rms_norm_eps, self.tp.dtype)
             self.self_attn.k_norm = _RMSNorm(head_dim, rms_norm_eps, self.tp.dtype)
         self.mlp = nn.Module()
-        self.mlp.gate_proj = col_split(intermediate_size, h, mlp_bias)
-        self.mlp.up_proj = col_split(intermediate_size, h, mlp_bias)
-        self.mlp.down_proj = row_split(h, intermediate_size, mlp_bias)
-        self.input_layernorm = _RMSNorm(h, rms_norm_eps, self.tp.dtype)
-        self.post_attention_layernorm = _RMSNorm(h, rms_norm_eps, self.tp.dtype)
+        self.mlp.gate_proj = project_in(intermediate_size, h, mlp_bias)
+        self.mlp.up_proj = project_in(intermediate_size, h, mlp_bias)
+        self.mlp.down_proj = project_out(h, intermediate_size, mlp_bias)
+        norm_tp = self.tp if self.memory else None
+        self.input_layernorm = _RMSNorm(h, rms_norm_eps, self.tp.dtype, norm_tp)
+        self.post_attention_layernorm = _RMSNorm(h, rms_norm_eps, self.tp.dtype, norm_tp)
+
+    @property
+    def _group(self) -> Any:
+        return self.tp.group if self.tp.distributed else None
 
     def _fan_out(self, x: Tensor) -> Tensor:
         """Megatron's f: identity forward, gradient summed over the TP group backward."""
-        ctx = self.tp
-        return col.all_reduce_backward(x, ctx.group) if ctx.distributed and ctx.group is not None else x
+        return x if self._group is None else col.all_reduce_backward(x, self._group)
 
-    def _fan_in(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        """Megatron's g: the partial outputs summed over the TP group, then the (replicated) bias."""
-        ctx = self.tp
-        if ctx.distributed and ctx.group is not None:
-            x = col.all_reduce(x, ctx.group)
-        return x if bias is None else x + bias
+    def _project(self, x: Tensor, shards: list[LinearShard]) -> list[Tensor]:
+        """``x`` through each of ``shards``: this rank's output channels of each (speed: the
+        split-by-output weights; memory: partial sums over the input slices, reduce-scattered at once)."""
+        group = self._group
+        if not self.memory or group is None:
+            x = self._fan_out(x)
+            return [F.linear(x, p.weight, p.bias) for p in shards]
+        n = self.tp_size
+        parts = [F.linear(x, p.weight) for p in shards]
+        widths = [p.shape[-1] // n for p in parts]
+        # rank-major: rank j's slice of every output side by side, so one reduce-scatter serves them all
+        packed = torch.cat([p.reshape(*p.shape[:-1], n, w) for p, w in zip(parts, widths, strict=True)], -1)
+        out = col.reduce_scatter(packed.flatten(-2), -1, group)
+        starts = [sum(widths[:i]) for i in range(len(widths))]
+        mine = [out.narrow(-1, at, w) for at, w in zip(starts, widths, strict=True)]
+        return [m if p.bias is None else m + p.bias for m, p in zip(mine, shards, strict=True)]
+
+    def _fan_in(self, x: Tensor, proj: LinearShard) -> Tensor:
+        """Megatron's g: the partial outputs of ``proj`` summed over the group (reduce-scattered over the
+        channels in memory mode), then its bias."""
+        y, group = F.linear(x, proj.weight), self._group
+        if group is not None:
+            y = col.reduce_scatter(y, -1, group) if self.memory else col.all_reduce(y, group)
+        return y if proj.bias is None else y + proj.bias
 
     def _attention(self, x: Tensor, mask: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         attn = cast(Any, self.self_attn)
-        n, s = x.shape[0], x.shape[1]
-
-        def heads(proj: LinearShard, count: int, norm: _RMSNorm | None = None) -> Tensor:
-            out = F.linear(x, proj.weight, proj.bias).view(n, s, count, self.head_dim)
-            if norm is not None:
-                out = norm.normalize(out, self._fan_out(norm.weight))
-            return out.transpose(1, 2)
-
-        qn, kn = (attn.q_norm, attn.k_norm) if self.qk_norm else (None, None)
-        q, k = heads(attn.q_proj, self.heads, qn), heads(attn.k_proj, self.kv_heads, kn)
-        v = heads(attn.v_proj, self.kv_heads)
+        n, s, d = x.shape[0], x.shape[1], self.head_dim
+        q, k, v = self._project(x, [attn.q_proj, attn.k_proj, attn.v_proj])
+        q, k, v = q.view(n, s, self.heads, d), k.view(n, s, self.kv_heads, d), v.view(n, s, self.kv_heads, d)
+        if self.qk_norm:
+            q = attn.q_norm.normalize(q, self._fan_out(attn.q_norm.weight))
+            k = attn.k_norm.normalize(k, self._fan_out(attn.k_norm.weight))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         c, sn = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = q * c + _rotate_half(q) * sn, k * c + _rotate_half(k) * sn
         groups = self.heads // self.kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
-        out = out.transpose(1, 2).reshape(n, s, self.heads * self.head_dim)
-        return self._fan_in(F.linear(out, attn.o_proj.weight), attn.o_proj.bias)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5)
+        return self._fan_in(out.transpose(1, 2).reshape(n, s, self.heads * d), attn.o_proj)
 
     def _mlp(self, x: Tensor) -> Tensor:
         mlp = cast(Any, self.mlp)
-        gate = F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
-        up = F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
-        return self._fan_in(F.linear(F.silu(gate) * up, mlp.down_proj.weight), mlp.down_proj.bias)
+        gate, up = self._project(x, [mlp.gate_proj, mlp.up_proj])
+        return self._fan_in(F.silu(gate) * up, mlp.down_proj)
 
     def forward(self, inputs: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
         hidden, mask, cos, sin = inputs
         ctx, batch = self.tp, hidden.shape[0]
-        h = enter(hidden, ctx, "replicated", type(self).__name__)
+        layout: Layout = "sharded" if self.memory else "replicated"
+        h = enter(hidden, ctx, layout, type(self).__name__)
         m, c, s = (gather_samples(t, ctx, batch) for t in (mask, cos, sin))
-        h = h + self._attention(self._fan_out(self.input_layernorm(h)), m, c, s)
-        h = h + self._mlp(self._fan_out(self.post_attention_layernorm(h)))
-        return leave(h, ctx, "replicated")
+        h = h + self._attention(self.input_layernorm(h), m, c, s)
+        h = h + self._mlp(self.post_attention_layernorm(h))
+        return leave(h, ctx, layout)
 
 
 # ------------------------------------------------------------------------------ the HF mapping
