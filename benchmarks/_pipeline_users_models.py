@@ -283,8 +283,9 @@ def _cnn(smoke: bool, seed: int) -> Case:
         stage_args=lambda b: (b[0],),
         target=lambda b: b[1],
         loss_fn=F.cross_entropy,
-        describe=f"ResNet-style CNN, forward loops over {len(widths)} stages of {blocks} residual blocks "
-        f"(widths {list(widths)}, BatchNorm): {size}x{size} images, 10 classes, batch {batch}",
+        describe=f"ResNet-style CNN, forward loops over {len(widths)} stages of {blocks} residual "
+        f"block{'s' * (blocks > 1)} (widths {list(widths)}, BatchNorm): {size}x{size} images, 10 classes, "
+        f"batch {batch}",
     )
 
 

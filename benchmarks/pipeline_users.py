@@ -26,7 +26,7 @@ partition is printed. Per (model, m), every runner is built once, then ``--round
 while they wait). Reported per system: samples/s (median step), the ratios vs torch 1F1B and vs the
 single process on 1 thread (paired per round, median over rounds), each rank's busy fraction (the share
 of the step it computed: mp's from its pipeline timeline, compute with its waits cut out; torch's from
-its stages' forward and backward calls) and the efficiency against the bubble bound, as in
+its stages' forward, loss and backward calls) and the efficiency against the bubble bound, as in
 pipeline_vs_torch.py: ``T1 / p * (m + p - 1) / m`` over the measured step, ``T1`` the ``single acc`` step
 of the same round.
 
@@ -132,7 +132,7 @@ class Torch:
         for name in ("forward_one_chunk", "backward_one_chunk"):  # compute, without the waits around it
             setattr(self.stage, name, self._timed(getattr(self.stage, name)))
         kind = ScheduleGPipe if schedule == "GPipe" else Schedule1F1B
-        self.schedule = kind(self.stage, m, loss_fn=case.loss_fn)
+        self.schedule = kind(self.stage, m, loss_fn=self._timed(case.loss_fn))  # the loss: compute too
         self.opt = torch.optim.AdamW(self.module.parameters(), lr=LR)
 
     def _timed(self, fn: Any) -> Any:
