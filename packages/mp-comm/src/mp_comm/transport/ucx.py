@@ -34,9 +34,9 @@ import collections
 import contextlib
 import logging
 import os
-import pickle
 import select
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -66,6 +66,7 @@ from mp_comm.message import (
     numpy_bytes,
 )
 from mp_comm.teardown import Stage, at_exit
+from mp_comm.transport import auth
 from mp_comm.transport.base import Mailbox, MessageTransport, OrderCounter, Outgoing, TransportConfig
 from mp_comm.transport.bootstrap import Bootstrap, bootstrap_for_world
 from mp_comm.transport.ucx_setup import (
@@ -91,6 +92,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _HEADER, _DATA, _CTRL = 0, 1, 2
+_CTRL_WIRE = struct.Struct("<q")  # a control message: the wire counter, then the decision's letters
 _KIND_MASK: Final = 3 << 62
 MAX_RANKS: Final = 1 << 22
 MAX_TENSORS: Final = (1 << 16) - 1
@@ -204,7 +206,7 @@ class UCXTransport(MessageTransport):
         self._deferred: list[_SendOp] = []
         self._sends: list[_SendOp] = []
         self._awaiting: dict[tuple[int, int], _SendOp] = {}
-        self._headers: dict[int, collections.deque[tuple[Any, Any]]] = {}
+        self._headers: dict[int, collections.deque[tuple[Any, Any, int]]] = {}
         self._recvs: list[_RecvOp] = []
         self._fallback_wait: dict[tuple[int, int], _RecvOp] = {}
         self._fallback_in: collections.deque[tuple[int, int, list[torch.Tensor]]] = collections.deque()
@@ -223,6 +225,9 @@ class UCXTransport(MessageTransport):
         self._closing = False
         self._aborting = False
         self._ready = False  # set once every rank's address is known
+        self._secret = b""  # the job's secret (rank 0's draw), known with the addresses
+        self.rejected = 0
+        """Messages and connections refused because they did not carry the job's MAC (auth.py)."""
         self._peers: list[tuple[str, int]] = []
         self._same_node: list[bool] = []
         self._error: BaseException | None = None
@@ -245,19 +250,22 @@ class UCXTransport(MessageTransport):
             ) from error
         host = self.ucx_config.host or "127.0.0.1"
         key = node_key if node_key is not None else socket.gethostname()
-        peers = bootstrap.allgather((host, self._listen_port, key))
+        secret = auth.new_secret() if self.rank == 0 else None  # the job's: see transport/auth.py
+        peers = bootstrap.allgather((host, self._listen_port, key, secret))
         if any(p is None for p in peers):
             self.abort()
             raise TransportUnavailableError(
                 f"the UCX transport could not start on ranks {[r for r, p in enumerate(peers) if p is None]}"
             )
         keys = [p[2] for p in peers]
+        peers_secret: bytes = peers[0][3]
         if self.ucx_config.host is None and len(set(keys)) > 1:
             # Several nodes: advertise a routable address instead of the loopback one.
             mine = socket.gethostbyname(socket.gethostname())
-            peers = bootstrap.allgather((mine, self._listen_port, key))
+            peers = bootstrap.allgather((mine, self._listen_port, key, None))
         self._peers = [(p[0], int(p[1])) for p in peers]
         self._same_node = [k == key for k in keys]
+        self._secret = peers_secret
         self._ready = True
         self._wake()
         if fallback is not None:
@@ -454,7 +462,7 @@ class UCXTransport(MessageTransport):
 
     def _on_connect(self, conn_request: Any) -> None:
         ep = self._listener.create_endpoint_from_conn_request(conn_request, self.ucx_config.error_handling)
-        buf = np.zeros(1, dtype=np.int64)
+        buf = np.zeros(auth.HELLO_BYTES, dtype=np.uint8)
         entry = _Incoming(ep, None, buf)
         ep.set_close_callback(self._on_incoming_closed, cb_args=(entry,))
         entry.hello = ep.stream_recv(self._array(buf))
@@ -474,19 +482,30 @@ class UCXTransport(MessageTransport):
             host, port = self._peers[rank]
             ep = self._ucx.UCXEndpoint.create(self._worker, host, port, self.ucx_config.error_handling)
             ep.set_close_callback(self._on_outgoing_closed, cb_args=(rank,))
-            hello = np.array([self.rank], dtype=np.int64)
+            hello = np.frombuffer(bytearray(auth.hello(self._secret, self.rank)), dtype=np.uint8)
             self._ep_keep.append((ep.stream_send(self._array(hello)), hello))
             self._eps[rank] = ep
         return ep
 
     def _check_hellos(self) -> bool:
         worked = False
+        if not self._ready:
+            return worked  # the secret that checks them comes with the addresses
         for entry in self._incoming:
             if entry.rank < 0 and entry.hello is not None and entry.hello.completed:
                 entry.hello.check_error()
-                entry.rank = int(entry.hello_buf[0])
+                rank = auth.open_hello(self._secret, entry.hello_buf.tobytes())
                 entry.hello = None
                 worked = True
+                if rank is None or not 0 <= rank < self.size:
+                    self.rejected += 1
+                    log.error(
+                        "rank %d: refused a connection that did not introduce itself with the job's secret "
+                        "(a process outside the job reached this rank's UCX port)",
+                        self.rank,
+                    )
+                    continue
+                entry.rank = rank
         return worked
 
     def _handle_ep_errors(self) -> bool:
@@ -540,11 +559,10 @@ class UCXTransport(MessageTransport):
             ep = self._endpoint(out.dest)
             can_fallback = self._fallback is not None
             header, _ = out.header(extra=(op.modes, can_fallback), inline_limit=self.config.inline_bytes)
-            hbuf = np.frombuffer(bytearray(header), dtype=np.uint8)
+            tag = _tag(_HEADER, self.rank, out.wire)
+            hbuf = np.frombuffer(bytearray(auth.seal(self._secret, tag, bytes(header))), dtype=np.uint8)
             op.keep.append(hbuf)
-            op.reqs.append(
-                ep.tag_send(self._array(hbuf), self._ucx.UCXXTag(_tag(_HEADER, self.rank, out.wire)))
-            )
+            op.reqs.append(ep.tag_send(self._array(hbuf), self._ucx.UCXXTag(tag)))
             for i, mode in enumerate(op.modes):
                 if mode == ord("E"):
                     self._send_payload(op, ep, i, staged=False)
@@ -648,13 +666,17 @@ class UCXTransport(MessageTransport):
             req = self._worker.tag_recv_with_handle(self._array(buf), probe)
             source = _tag_source(tag)
             if kind == _HEADER:
-                self._headers.setdefault(source, collections.deque()).append((req, buf))
+                self._headers.setdefault(source, collections.deque()).append((req, buf, tag))
             else:
                 while not req.completed:  # control messages are a few bytes, already here
                     self._worker.progress()
                 req.check_error()
-                wire, decision = pickle.loads(buf.tobytes())
-                self._on_ctrl(source, int(wire), str(decision))
+                ctrl = auth.unseal(self._secret, tag, buf.tobytes())
+                if ctrl is None or len(ctrl) < _CTRL_WIRE.size:
+                    self._refuse(source, "control message")
+                    continue
+                (wire,) = _CTRL_WIRE.unpack_from(ctrl)
+                self._on_ctrl(source, int(wire), ctrl[_CTRL_WIRE.size :].decode("ascii", "replace"))
         return worked
 
     def _finish_headers(self) -> bool:
@@ -662,11 +684,15 @@ class UCXTransport(MessageTransport):
         for source in list(self._headers):
             queue = self._headers[source]
             while queue and queue[0][0].completed:
-                req, buf = queue.popleft()
+                req, buf, tag = queue.popleft()
                 worked = True
                 try:
                     req.check_error()
-                    self._start_recv(source, decode_header(buf.tobytes(), source=source))
+                    header = auth.unseal(self._secret, tag, buf.tobytes())
+                    if header is None:  # checked before anything is unpickled
+                        self._refuse(source, "message header")
+                        continue
+                    self._start_recv(source, decode_header(header, source=source))
                 except MessageDecodeError as exc:
                     log.error("rank %d: %s", self.rank, exc)
                     self.mailbox.fail_peer(source, exc)
@@ -731,10 +757,22 @@ class UCXTransport(MessageTransport):
         op.reqs.append(self._worker.tag_recv(array, tag))
 
     def _send_ctrl(self, dest: int, wire: int, decision: str) -> None:
-        raw = pickle.dumps((wire, decision))
+        tag = _tag(_CTRL, self.rank, wire)
+        raw = auth.seal(self._secret, tag, _CTRL_WIRE.pack(wire) + decision.encode("ascii"))
         buf = np.frombuffer(bytearray(raw), dtype=np.uint8)
-        req = self._endpoint(dest).tag_send(self._array(buf), self._ucx.UCXXTag(_tag(_CTRL, self.rank, wire)))
+        req = self._endpoint(dest).tag_send(self._array(buf), self._ucx.UCXXTag(tag))
         self._ctrl_reqs.append((req, buf))
+
+    def _refuse(self, claimed: int, what: str) -> None:
+        # Not the job's: dropped unread. The rank it claims to come from is not failed (it may be fine).
+        self.rejected += 1
+        log.error(
+            "rank %d: dropped a %s that claims to come from rank %d but does not carry the job's MAC "
+            "(a process outside the job reached this rank's UCX port)",
+            self.rank,
+            what,
+            claimed,
+        )
 
     def _take_fallbacks(self) -> bool:
         worked = False
