@@ -25,11 +25,12 @@ from mp_pipeline.microbatch import SplitSpec, split_arguments
 from mp_pipeline.remote import Remote, remote_error
 from mp_pipeline.runtime import PipelineRuntime, StepDriver, default_timeout, pipelined_backward
 from mp_pipeline.schedule import Phase, Scheduler, SimResult, Task, fixed_order, simulate
-from mp_pipeline.server import Baton, Server, WorkerPool, WorkerState
+from mp_pipeline.server import Server
 from mp_pipeline.static import FlowRecorder, TemplateStore
 from mp_pipeline.step_output import StepOutput, merge_microbatch_results
 from mp_pipeline.structure import Slot, flatten, map_structure, unflatten
 from mp_pipeline.timeline import RECORDER, Event, EventKind, ProcessTrace, Recorder, Timeline
+from mp_pipeline.workers import Baton, WorkerPool, WorkerState
 
 __version__ = "0.1.0"
 

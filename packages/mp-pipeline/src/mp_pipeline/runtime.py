@@ -28,10 +28,11 @@ from mp_pipeline.fast import FastPlan
 from mp_pipeline.messages import ENTERED_TAG, Entered, StepId, is_pipeline_tag
 from mp_pipeline.remote import Remote
 from mp_pipeline.schedule import Phase, Scheduler, Task
-from mp_pipeline.server import Server, ServerClosed, WorkerPool
+from mp_pipeline.server import Server
 from mp_pipeline.static import FlowRecorder, TemplateStore, default_record_steps
 from mp_pipeline.structure import flatten, map_structure
 from mp_pipeline.timeline import RECORDER, STEP_MODULE, EventKind
+from mp_pipeline.workers import ServerClosed, WorkerPool
 
 __all__ = ["PipelineRuntime", "StepDriver", "default_timeout", "pipelined_backward"]
 

@@ -25,6 +25,7 @@ schedule), and the keys do not depend on the order, so any order replays.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections import Counter
@@ -34,6 +35,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mp_pipeline.errors import FlowChangedError
+from mp_pipeline.messages import Compact, Request, Response
 from mp_pipeline.schedule import Phase
 
 __all__ = [
@@ -44,6 +46,8 @@ __all__ = [
     "Template",
     "TemplateStore",
     "default_record_steps",
+    "expand",
+    "template_of",
     "tensor_metas",
 ]
 
@@ -268,3 +272,41 @@ class TemplateStore:
                 "announced to this rank; the ranks' static-mode records disagree"
             )
         return found
+
+
+def template_of(message: Request | Response) -> Template:
+    """What static mode compares between steps: everything but the step, the ids and tensor values."""
+    metas = tensor_metas(message.tensors)
+    if isinstance(message, Request):
+        flow = (
+            message.phase,
+            message.module,
+            message.position,
+            message.requires_grad,
+            message.state,
+            message.checkpoint,
+            metas,
+            tuple(ref.slot for ref in message.refs),
+            message.handoff,
+            message.handed,
+        )
+        return Template(flow, message.payload)
+    return Template((message.requires_grad, metas), message.payload)
+
+
+def expand(template: Request | Response, m: Compact) -> Request | Response:
+    """A compact message's full form: the template's fields, with what travelled in the compact message
+    (its own announce id dropped)."""
+    if isinstance(template, Request):
+        return dataclasses.replace(
+            template,
+            step=m.step,
+            request_id=m.request_id,
+            tensors=m.tensors,
+            forward_id=m.forward_id,
+            refs=m.refs,
+            template_id=None,
+        )
+    return dataclasses.replace(
+        template, step=m.step, request_id=m.request_id, tensors=m.tensors, template_id=None
+    )
