@@ -67,16 +67,26 @@ def full_state_dict(model: DistributedModel, cast_to_cpu: bool) -> OrderedDict[s
     model._enter_collective("model.state_dict()")
     parts: list[Any] = [None] * model._pp
     dist.all_gather_object(parts, stage, group=state.process_groups[GroupKind.PP])
-    merged: OrderedDict[str, Any] = OrderedDict()
-    for part in sorted(parts, key=lambda p: _first_position(model, p)):
-        merged.update(part)
-    return merged
+    return _in_model_order(model, [item for part in parts for item in part.items()])
 
 
-def _first_position(model: DistributedModel, part: dict[str, Any]) -> int:
-    """Where a stage's first key sits in the model's order (stages hold contiguous runs mostly)."""
+def _in_model_order(model: DistributedModel, items: list[tuple[str, Any]]) -> OrderedDict[str, Any]:
+    """The stages' entries in the order of the model's own ``state_dict()``, as plain PyTorch gives them
+    (stages interleave in that order when a model calls its children out of definition order). A
+    tensor-parallel module's translated keys take its place, in the order it gave them."""
     order = {k: i for i, k in enumerate(model.module.state_dict(keep_vars=True))}
-    return min((order.get(k, len(order)) for k in part), default=len(order))
+    root_at = {
+        p: min((i for k, i in order.items() if k.startswith(p)), default=len(order)) for p, _ in _roots(model)
+    }
+
+    def position(entry: tuple[int, tuple[str, Any]]) -> tuple[int, int]:
+        n, (key, _) = entry
+        if key in order:
+            return order[key], 0
+        root = next((p for p in root_at if key.startswith(p)), None)
+        return (root_at[root] if root is not None else len(order)), n
+
+    return OrderedDict(item for _, item in sorted(enumerate(items), key=position))
 
 
 def load_full_state_dict(model: DistributedModel, sd: dict[str, Any], strict: bool) -> Any:
