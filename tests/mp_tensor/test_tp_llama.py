@@ -1,8 +1,8 @@
-"""Hugging Face Llama (rotary, RMSNorm, SwiGLU, grouped-query attention) built inside
-``tensor_parallelism()`` at tp=2: whole decoder layers become ``DistributedLlamaLayer``; logits, loss,
-gradients, the full state dict and a training step equal the single-process model in both layouts
-(optimize "speed" and "memory"); one all-reduce pair per block in speed mode; key/value heads the TP
-degree does not divide are refused with a reason."""
+"""Hugging Face Llama (rotary, RMSNorm, SwiGLU, grouped-query attention), Mistral, Qwen2/3 and GPT-NeoX
+built inside ``tensor_parallelism()`` at tp=2: whole decoder layers become ``DistributedLlamaLayer`` /
+``DistributedGPTNeoXLayer``; logits, loss, gradients, the full state dict and training steps equal the
+single-process model in both layouts (optimize "speed" and "memory"); collectives per block counted;
+key/value heads the TP degree does not divide are refused with a reason."""
 
 from __future__ import annotations
 
@@ -32,6 +32,15 @@ def _model(
 ) -> nn.Module:
     import transformers as tf
 
+    common = {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers, "num_attention_heads": 4,
+        "vocab_size": V, "max_position_embeddings": 32, "bos_token_id": 0, "eos_token_id": 0,
+        "pad_token_id": 0, "tie_word_embeddings": False,
+    }  # fmt: skip
+    if family == "neox":
+        cfg = tf.GPTNeoXConfig(**common, **extra)
+        cfg._attn_implementation = impl
+        return tf.GPTNeoXForCausalLM(cfg)  # type: ignore[no-any-return]
     config_cls, model_cls = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
@@ -39,13 +48,14 @@ def _model(
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
     }[family]
     extra.setdefault("head_dim", 8)
-    cfg = config_cls(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=kv_heads, vocab_size=V, max_position_embeddings=32, bos_token_id=0,
-        eos_token_id=0, pad_token_id=0, tie_word_embeddings=False, **extra,
-    )  # fmt: skip
+    cfg = config_cls(**common, num_key_value_heads=kv_heads, **extra)
     cfg._attn_implementation = impl
     return model_cls(cfg)  # type: ignore[no-any-return]
+
+
+def _blocks(model: nn.Module) -> Any:
+    inner = getattr(model, "gpt_neox", None) or model.model  # type: ignore[union-attr]
+    return inner.layers
 
 
 class _Records(logging.Handler):
@@ -158,6 +168,9 @@ def _llama_case(world: Any, impl: str, prescaled: bool, extra: dict[str, Any]) -
         ("sdpa", False, {"optimize": "memory"}),
         ("eager", True, {"optimize": "memory", "attention_bias": True, "mlp_bias": True}),
         ("sdpa", False, {"optimize": "memory", "family": "qwen3"}),
+        ("sdpa", False, {"family": "neox"}),
+        ("eager", True, {"family": "neox", "use_parallel_residual": False, "optimize": "memory"}),
+        ("sdpa", False, {"family": "neox", "optimize": "memory", "hidden_act": "gelu_new"}),
     ],
     ids=[
         "llama-gqa-sdpa",
@@ -169,6 +182,9 @@ def _llama_case(world: Any, impl: str, prescaled: bool, extra: dict[str, Any]) -
         "memory",
         "memory-biases-prescaled",
         "memory-qwen3",
+        "neox",
+        "neox-sequential-memory-prescaled",
+        "neox-memory",
     ],
 )
 def test_llama_blocks_train_like_the_plain_model(
@@ -177,7 +193,8 @@ def test_llama_blocks_train_like_the_plain_model(
     kv = extra.pop("num_key_value_heads", 2)
     results = worlds.run(2, _llama_case, impl, prescaled, {"kv_heads": kv, **extra}, timeout=240)
     for rank, res in enumerate(results):
-        assert "DistributedLlamaLayer" in res["replaced"], res["replaced"]
+        want = "DistributedGPTNeoXLayer" if extra.get("family") == "neox" else "DistributedLlamaLayer"
+        assert want in res["replaced"], res["replaced"]
         for step in (0, 1):
             assert res[f"logits{step}"] < TOL, (rank, step, res[f"logits{step}"])
             assert res[f"loss{step}"] < 1e-5, (rank, step, res[f"loss{step}"])
@@ -194,7 +211,7 @@ def _counts(world: Any, optimize: str, prescaled: bool) -> dict[str, Any]:
         for layers in (1, 2):
             torch.manual_seed(0)
             model = _model(layers=layers)
-            for block in model.model.layers:  # only the blocks (the difference cancels the rest anyway)
+            for block in _blocks(model):  # only the blocks (the difference cancels the rest anyway)
                 set_tensor_parallelism(block, True)
             model, _ = _replace(model, ctx)
             ids = torch.randint(1, V, (B, S))

@@ -1,6 +1,6 @@
-"""A Hugging Face Llama built under ``smp.tensor_parallelism()`` through ``smp.DistributedModel``: its
-decoder layers become ``DistributedLlamaLayer`` and it trains like single-process PyTorch at tp=2 and at
-tp=2 x pp=2 (losses, and at pp=1 the full state dict after the steps)."""
+"""A Hugging Face Llama and GPT-NeoX built under ``smp.tensor_parallelism()`` through
+``smp.DistributedModel``: their decoder layers become distributed blocks and they train like
+single-process PyTorch at tp=2 and at tp=2 x pp=2 (losses; at pp=1 also the full state dict)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,17 @@ transformers = pytest.importorskip("transformers")
 STEPS, PER_RANK, SEQ, VOCAB = 3, 4, 12, 64
 
 
-def _model() -> Any:
-    cfg = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=SEQ,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False, use_cache=False,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(cfg)
+def _model(family: str) -> Any:
+    common = {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "vocab_size": VOCAB, "max_position_embeddings": SEQ, "bos_token_id": 0, "eos_token_id": 0,
+        "pad_token_id": 0, "tie_word_embeddings": False, "use_cache": False,
+    }  # fmt: skip
+    if family == "neox":
+        return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**common))
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**common, num_key_value_heads=2, head_dim=8)
+    )
 
 
 def _data(dp_size: int) -> torch.Tensor:
@@ -31,9 +35,9 @@ def _data(dp_size: int) -> torch.Tensor:
     return torch.randint(1, VOCAB, (STEPS, dp_size * PER_RANK, SEQ), generator=g)
 
 
-def _reference(dp_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(dp_size: int, family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    model = _model()
+    model = _model(family)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for ids in _data(dp_size):
@@ -45,11 +49,11 @@ def _reference(dp_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train(world: Any, pp: int) -> dict[str, Any]:
+def _train(world: Any, pp: int, family: str) -> dict[str, Any]:
     smp.init({"tensor_parallel_degree": 2, "pipeline_parallel_degree": pp, "microbatches": 2, "ddp": True})
     torch.manual_seed(0)
     with smp.tensor_parallelism():
-        model = _model()
+        model = _model(family)
     model = smp.DistributedModel(model)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
 
@@ -75,13 +79,20 @@ def _train(world: Any, pp: int) -> dict[str, Any]:
     return result
 
 
-@pytest.mark.parametrize(("n", "pp"), [(2, 1), (4, 2)], ids=["tp2", "tp2xpp2"])
-def test_tensor_parallel_llama_trains_like_single_process(worlds: Any, n: int, pp: int) -> None:
-    results = worlds.run(n, _train, pp, timeout=300)
-    ref_losses, ref_state = _reference(results[0]["dp"])
+@pytest.mark.parametrize(
+    ("family", "n", "pp"),
+    [("llama", 2, 1), ("llama", 4, 2), ("neox", 4, 2)],
+    ids=["llama-tp2", "llama-tp2xpp2", "neox-tp2xpp2"],
+)
+def test_tensor_parallel_rotary_model_trains_like_single_process(
+    worlds: Any, family: str, n: int, pp: int
+) -> None:
+    results = worlds.run(n, _train, pp, family, timeout=300)
+    ref_losses, ref_state = _reference(results[0]["dp"], family)
+    block = "DistributedGPTNeoXLayer" if family == "neox" else "DistributedLlamaLayer"
     for r, res in enumerate(results):
         assert_losses(res["losses"], ref_losses, r)
-        assert "DistributedLlamaLayer" in res["kinds"], res["kinds"]  # optimize "memory", smp's default
+        assert block in res["kinds"], res["kinds"]  # under optimize "memory", smp's default
         if "state" in res:
             assert set(res["state"]) == set(ref_state)
             for key, value in ref_state.items():

@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from mp_tensor.context import TPContext
-from mp_tensor.hf import bert, gpt2, llama
+from mp_tensor.hf import bert, gpt2, llama, neox
 from mp_tensor.nn.base import DistributedModule
 from mp_tensor.nn.embedding import DistributedEmbedding
 from mp_tensor.nn.linear import DistributedLinear
@@ -69,7 +69,7 @@ def register_builtins(registry: Registry) -> None:
     registry.add(
         Registration(nn.Embedding, DistributedEmbedding, builder=_embedding_build, check=_embedding_check)
     )
-    for reg in (*gpt2.registrations(), *bert.registrations(), *llama.registrations()):
+    for reg in (*gpt2.registrations(), *bert.registrations(), *llama.registrations(), *neox.registrations()):
         registry.add(reg)
 
 
