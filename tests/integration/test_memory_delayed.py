@@ -10,6 +10,7 @@ first optimizer step.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -107,3 +108,54 @@ def test_each_rank_materializes_its_partition_and_trains_like_torch(worlds: Any,
         assert all(r["local"] < r["total"] for r in results), results
     else:  # pp=1, dp=2: each replica initialized with its own seed; the first step aligned them
         assert results[0]["initial_sum"] == results[1]["initial_sum"], results
+
+
+def _session(
+    saved: dict[str, Any] | None, full: bool, delay: bool = True
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    smp.init(
+        {
+            "pipeline_parallel_degree": 2,
+            "microbatches": MICROBATCHES,
+            "auto_partition": False,
+            "default_partition": 0,
+        }
+    )
+    torch.manual_seed(0 if saved is None else 1)
+    with smp.delay_param_initialization(enabled=delay):
+        net = build("gpt2", layers=4)
+    for block in net.transformer.h[2:]:
+        smp.set_partition(block, 1)
+    smp.set_partition(net.transformer.ln_f, 1)
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(make_optimizer("gpt2", model.parameters()))
+    if saved is not None:  # before the first step: kept until this rank's parameters exist
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+    out: dict[str, Any] = {}
+    for s in range(0 if saved is None else 2, 3):
+        if s == 2 and saved is None:
+            out = copy.deepcopy(
+                {
+                    "model": model.state_dict() if full else model.local_state_dict(),
+                    "opt": opt.state_dict() if full else opt.local_state_dict(),
+                }
+            )
+        opt.zero_grad()
+        _step(model, *batch("gpt2", s, 0))
+        opt.step()
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    smp.reset()
+    return out, params
+
+
+def _resume(world: Any, full: bool, delay: bool = True) -> str | None:
+    saved, first = _session(None, full, delay)
+    _, again = _session(saved, full, delay)
+    return first_difference(dict(sorted(again.items())), dict(sorted(first.items())), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_a_state_loaded_before_the_first_step_is_not_lost(worlds: Any, full: bool) -> None:
+    for difference in worlds.run(2, _resume, full, timeout=300):
+        assert difference is None, difference

@@ -22,7 +22,7 @@ import torch
 from mp.errors import DelayedParamDeviceError
 from mp_memory.delayed_init import has_meta_parameters, materialize, parameters_on_meta
 
-__all__ = ["check", "delay_param_initialization", "delayed", "prepare"]
+__all__ = ["check", "defer_optimizer_loads", "delay_param_initialization", "delayed", "prepare"]
 
 log = logging.getLogger(__name__)
 
@@ -62,3 +62,43 @@ def prepare(model: Any) -> None:
         log.info("delayed initialization: %d parameter elements materialized on %s", n, device)
 
     model.register_post_partition_hook(hook)
+    _defer_loads(model)
+
+
+def _defer_loads(model: Any) -> None:
+    """A state loaded before partitioning would be copied into meta parameters (nothing: copy_ into
+    meta is a no-op) and then overwritten by the initialization. Until the model is partitioned, loads
+    are kept and replayed right after this rank's parameters are materialized (the partition a partial
+    state was saved with is still pinned at once, so that it is the one used)."""
+    original = model.load_state_dict
+
+    def load_state_dict(state_dict: Any, strict: bool = True, *args: Any, **kwargs: Any) -> Any:
+        if model.partitioned or not delayed(model.module):
+            return original(state_dict, strict, *args, **kwargs)
+        saved_partition = state_dict.get("_smp_partition") if isinstance(state_dict, dict) else None
+        same_partition = kwargs.get("same_partition_load", args[1] if len(args) > 1 else True)
+        if saved_partition is not None and same_partition and model._pp > 1:
+            model._pin_partition(saved_partition)
+        model.register_post_partition_hook(lambda m, _opt: original(state_dict, strict, *args, **kwargs))
+        log.info("delayed initialization: the loaded state is applied after partitioning")
+        return None
+
+    model.load_state_dict = load_state_dict
+
+
+def defer_optimizer_loads(optimizer: Any) -> None:
+    """The optimizer's ``load_state_dict`` before a delayed model is partitioned would move the loaded
+    state onto the meta parameters' device (torch casts state to its parameter's device): replay it right
+    after this rank's parameters are materialized instead."""
+    from mp.state import state
+
+    original = optimizer.load_state_dict
+
+    def load_state_dict(state_dict: Any) -> Any:
+        model = state.model
+        if model is None or model.partitioned or not delayed(model.module):
+            return original(state_dict)
+        model.register_post_partition_hook(lambda _m, _opt: original(state_dict))
+        return None
+
+    optimizer.load_state_dict = load_state_dict

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mp.delayed_init import defer_optimizer_loads
 from mp.errors import IncompatibleCheckpointFoundError, SMPValidationError
 from mp.optimizer_state import has_tp_roots, load_named_state, named_state
 from mp.state import state
@@ -336,6 +337,7 @@ def DistributedOptimizer(
     ):
         setattr(optimizer, name, types.MethodType(fn, optimizer))
     registered: Any = optimizer
+    defer_optimizer_loads(optimizer)  # a delayed model's parameters are on meta until partitioning
     if cfg.shard_optimizer_state:  # ZeRO-1 over the RDP group (fp32 only: smp.init refuses the rest)
         from mp.zero import shard_optimizer_state
 
