@@ -37,6 +37,15 @@ def _model(
         "vocab_size": V, "max_position_embeddings": 32, "bos_token_id": 0, "eos_token_id": 0,
         "pad_token_id": 0, "tie_word_embeddings": False,
     }  # fmt: skip
+    if family == "gptneo":
+        cfg = tf.GPTNeoConfig(
+            hidden_size=32, num_layers=layers, num_heads=4, intermediate_size=64, vocab_size=V,
+            max_position_embeddings=32, attention_types=[[["global", "local"], max(layers // 2, 1)]],
+            window_size=3, embed_dropout=0.0, attention_dropout=0.0, resid_dropout=0.0, bos_token_id=0,
+            eos_token_id=0, pad_token_id=0, tie_word_embeddings=False, **extra,
+        )  # fmt: skip
+        cfg._attn_implementation = "eager"
+        return tf.GPTNeoForCausalLM(cfg)  # type: ignore[no-any-return]
     if family == "neox":
         cfg = tf.GPTNeoXConfig(**common, **extra)
         cfg._attn_implementation = impl
@@ -54,8 +63,9 @@ def _model(
 
 
 def _blocks(model: nn.Module) -> Any:
-    inner = getattr(model, "gpt_neox", None) or model.model  # type: ignore[union-attr]
-    return inner.layers
+    if hasattr(model, "gpt_neox"):
+        return model.gpt_neox.layers
+    return model.transformer.h if hasattr(model, "transformer") else model.model.layers  # type: ignore[union-attr]
 
 
 class _Records(logging.Handler):
@@ -171,6 +181,8 @@ def _llama_case(world: Any, impl: str, prescaled: bool, extra: dict[str, Any]) -
         ("sdpa", False, {"family": "neox"}),
         ("eager", True, {"family": "neox", "use_parallel_residual": False, "optimize": "memory"}),
         ("sdpa", False, {"family": "neox", "optimize": "memory", "hidden_act": "gelu_new"}),
+        ("eager", False, {"family": "gptneo"}),
+        ("eager", True, {"family": "gptneo", "optimize": "memory"}),
     ],
     ids=[
         "llama-gqa-sdpa",
@@ -185,6 +197,8 @@ def _llama_case(world: Any, impl: str, prescaled: bool, extra: dict[str, Any]) -
         "neox",
         "neox-sequential-memory-prescaled",
         "neox-memory",
+        "gptneo",
+        "gptneo-memory-prescaled",
     ],
 )
 def test_llama_blocks_train_like_the_plain_model(
@@ -193,7 +207,9 @@ def test_llama_blocks_train_like_the_plain_model(
     kv = extra.pop("num_key_value_heads", 2)
     results = worlds.run(2, _llama_case, impl, prescaled, {"kv_heads": kv, **extra}, timeout=240)
     for rank, res in enumerate(results):
-        want = "DistributedGPTNeoXLayer" if extra.get("family") == "neox" else "DistributedLlamaLayer"
+        want = {"neox": "DistributedGPTNeoXLayer", "gptneo": "DistributedGPTNeoLayer"}.get(
+            extra.get("family", ""), "DistributedLlamaLayer"
+        )
         assert want in res["replaced"], res["replaced"]
         for step in (0, 1):
             assert res[f"logits{step}"] < TOL, (rank, step, res[f"logits{step}"])

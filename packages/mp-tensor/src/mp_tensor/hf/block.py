@@ -147,8 +147,11 @@ class MegatronBlock(DistributedModule):
             y = col.reduce_scatter(y, -1, group) if self.memory else col.all_reduce(y, group)
         return y if proj.bias is None else y + proj.bias
 
-    def run(self, inputs: tuple[Tensor, Tensor, Tensor, Tensor], body: Callable[..., Tensor]) -> Tensor:
-        """``body(h, mask, cos, sin)`` on the working layout, from and back to this rank's samples."""
+    def run(
+        self, inputs: tuple[Tensor, Tensor, Tensor | None, Tensor | None], body: Callable[..., Tensor]
+    ) -> Tensor:
+        """``body(h, mask, cos, sin)`` on the working layout, from and back to this rank's samples
+        (``cos``/``sin`` None for blocks without rotary embeddings)."""
         hidden, mask, cos, sin = inputs
         ctx, batch = self.tp, hidden.shape[0]
         layout: Layout = "sharded" if self.memory else "replicated"

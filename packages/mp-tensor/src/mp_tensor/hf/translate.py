@@ -8,8 +8,8 @@ functions convert between that layout and Hugging Face's (both unsharded), exact
   head is tied to the word embedding, as in smp). :func:`gpt2_lm_head_kwargs` builds the matching module.
 - BERT / RoBERTa (any model holding an ``encoder``) <-> the same keys with ``encoder.layer.<i>`` as a
   :class:`DistributedTransformer` (``encoder.seq_layers.<i>.*``); every other key is unchanged.
-- GPT-J and GPT-Neo have no transformer-level layout in mp yet: their functions raise
-  :class:`HFTranslationError`.
+- GPT-J and GPT-Neo: mp keeps Hugging Face's keys for them (smp's layout is not built); their
+  functions raise :class:`HFTranslationError` saying so.
 
 ``max_seq_len`` (to Hugging Face) adds the buffers that transformers < 4.31 saved in its state dicts
 (GPT-2's causal ``attn.bias``/``attn.masked_bias``, BERT's ``embeddings.position_ids``); current
@@ -243,9 +243,10 @@ def unsupported(family: str) -> Callable[..., dict[str, Tensor]]:
     def translate(state_dict: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> dict[str, Tensor]:
         raise _fail(
             family,
-            f"mp has no distributed-transformer layout for {family} (its blocks are distributed Linear by "
-            "Linear, keeping Hugging Face's keys), so there is nothing to translate: save and load the "
-            "model's state_dict() as it is.",
+            f"mp does not build smp's distributed-transformer layout for {family}: its {family} blocks keep "
+            "Hugging Face's parameter names (distributed whole, or Linear by Linear), so a state dict from "
+            "mp needs no translation; save and load the model's state_dict() as it is. A checkpoint "
+            "written by smp itself in that layout cannot be read.",
         )
 
     return translate

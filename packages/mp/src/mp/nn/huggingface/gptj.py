@@ -1,5 +1,5 @@
-"""``smp.nn.huggingface.gptj``: smp's GPT-J translations. mp has no transformer-level GPT-J layout (its
-blocks are distributed Linear by Linear and keep HF's keys), so both functions raise
+"""``smp.nn.huggingface.gptj``: smp's GPT-J translations. mp keeps Hugging Face's parameter names for
+GPT-J blocks (smp's distributed-transformer layout is not built), so both functions raise
 :class:`mp_tensor.errors.HFTranslationError` saying so."""
 
 from mp_tensor.hf.translate import unsupported

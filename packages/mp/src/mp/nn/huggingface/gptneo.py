@@ -1,5 +1,5 @@
-"""``smp.nn.huggingface.gptneo``: smp's GPT-Neo translations. mp has no transformer-level GPT-Neo layout
-(its blocks are distributed Linear by Linear and keep HF's keys), so both functions raise
+"""``smp.nn.huggingface.gptneo``: smp's GPT-Neo translations. mp keeps Hugging Face's parameter names for
+GPT-Neo blocks (smp's distributed-transformer layout is not built), so both functions raise
 :class:`mp_tensor.errors.HFTranslationError` saying so."""
 
 from mp_tensor.hf.translate import unsupported
