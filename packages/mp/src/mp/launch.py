@@ -30,12 +30,18 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
 FAILURE_DIR_ENV = "MP_LAUNCH_FAILURE_DIR"
 RANK_MAIN = Path(__file__).with_name("_rank_main.py")
 BIND_CHOICES = ("auto", "none")
+STOPPED_TIMEOUT_ENV = "MP_LAUNCH_STOPPED_TIMEOUT"
+DEFAULT_STOPPED_TIMEOUT = 30.0
+"""Seconds a rank may stay stopped (SIGSTOP, a frozen container) before mp-launch ends the job. A slow
+rank keeps running (state R or S) and is never ended by this; a stopped one makes no progress at all,
+and its peers would otherwise wait for it until MP_PIPELINE_TIMEOUT (300 s) without naming it."""
 
 
 class LaunchError(SystemExit):
@@ -179,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (default): on one host with a core or more per rank, bind each rank to cores//n cores "
         "of its own (and run that many torch threads); none: leave placement to the OS",
     )
+    parser.add_argument(
+        "--stopped-timeout",
+        type=float,
+        default=float(os.environ.get(STOPPED_TIMEOUT_ENV, DEFAULT_STOPPED_TIMEOUT)),
+        help="end the job when a rank on this host stays stopped (SIGSTOP, state T) this many seconds "
+        f"(default {DEFAULT_STOPPED_TIMEOUT:g}, or ${STOPPED_TIMEOUT_ENV}; 0 turns it off)",
+    )
     parser.add_argument("--tag-output", action="store_true", help="prefix every output line with its rank")
     parser.add_argument("-m", dest="module", help="run a module (like python -m) instead of a script")
     parser.add_argument("script_and_args", nargs=argparse.REMAINDER, help="script path and its arguments")
@@ -244,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         # mpiexec's own output passes through us so that its report of a dead process (PID and host
         # only) can be turned into the rank's name; the ranks' output is forwarded line by line.
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE)
-        watcher = _DeathWatch(proc, Path(tmp))
+        watcher = _DeathWatch(proc, Path(tmp), args.stopped_timeout)
 
         def forward(signum: int, _frame: object) -> None:
             with contextlib.suppress(ProcessLookupError):
@@ -261,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         if rc != 0 and reported is None:
             who = watcher.describe()
             how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
-            if rc == 9:
+            if watcher.stopped is not None:
+                how = "a rank stopped running"
+            elif rc == 9:
                 how = "a rank was killed by signal 9 (SIGKILL), e.g. by the out-of-memory killer"
             print(f"\nmp-launch: the job failed ({how}){who}; all ranks were stopped.", file=sys.stderr)
     if rc != 0:
@@ -283,9 +298,13 @@ class _DeathWatch:
     exit code is used when its PID is that rank's. Ranks on other hosts are not watched.
     """
 
-    def __init__(self, proc: subprocess.Popen[bytes], failure_dir: Path) -> None:
+    def __init__(
+        self, proc: subprocess.Popen[bytes], failure_dir: Path, stopped_timeout: float = 0.0
+    ) -> None:
         self.proc = proc
         self.failure_dir = failure_dir
+        self.stopped_timeout = stopped_timeout
+        self.stopped: tuple[int, int, float] | None = None  # (rank, pid, seconds) of a rank ended for it
         self.first: tuple[int, int] | None = None  # (rank, pid)
         self.banner: tuple[int, str, int | None] | None = None  # (pid, host, code)
         self._thread = threading.Thread(target=self._watch, name="mp-launch-watch", daemon=True)
@@ -296,6 +315,8 @@ class _DeathWatch:
         watched: dict[int, tuple[int, int]] = {}  # fd -> (rank, pid)
         seen: set[str] = set()
         host = socket.gethostname()
+        since: dict[int, float] = {}  # pid -> when it was first seen stopped
+        next_look = 0.0
         while self.proc.poll() is None and self.first is None:
             for path in self.failure_dir.glob("pid-*.json"):
                 if path.name in seen:
@@ -304,14 +325,42 @@ class _DeathWatch:
                 with contextlib.suppress(OSError, ValueError, KeyError):
                     entry = json.loads(path.read_text())
                     if entry["host"] == host:
-                        fd = os.pidfd_open(int(entry["pid"]))
-                        watched[fd] = (int(entry["rank"]), int(entry["pid"]))
+                        rank, pid = int(entry["rank"]), int(entry["pid"])
+                        try:
+                            fd = os.pidfd_open(pid)
+                        except ProcessLookupError:  # gone before it could be watched: it died first
+                            self.first = self.first or (rank, pid)
+                            continue
+                        watched[fd] = (rank, pid)
                         poller.register(fd, select.POLLIN)
             for fd, _ in poller.poll(20):
                 self.first = watched[fd]
                 break
+            if self.stopped_timeout > 0 and self.first is None and time.monotonic() >= next_look:
+                next_look = time.monotonic() + 0.5
+                self._look_for_stopped(watched.values(), since)
         for fd in watched:
             os.close(fd)
+
+    def _look_for_stopped(self, ranks: Iterable[tuple[int, int]], since: dict[int, float]) -> None:
+        """The liveness probe: a rank in state T (stopped) for `stopped_timeout` seconds ends the job."""
+        now = time.monotonic()
+        for rank, pid in ranks:
+            if _state(pid) != "T":
+                since.pop(pid, None)
+                continue
+            first = since.setdefault(pid, now)
+            if now - first >= self.stopped_timeout:
+                self.stopped = (rank, pid, now - first)
+                print(
+                    f"\nmp-launch: rank {rank} (PID {pid} on host {socket.gethostname()}) has been stopped "
+                    f"(SIGSTOP) for {now - first:.0f} s; ending the job ({STOPPED_TIMEOUT_ENV}).",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)  # mpiexec then tears the rest of the job down
+                return
 
     def forward(self) -> None:
         """Copy mpiexec's stdout to ours line by line, noting its report of a dead process."""
@@ -328,6 +377,12 @@ class _DeathWatch:
     def describe(self) -> str:
         """``: rank R (PID P on host H) died first, killed by signal 9 (SIGKILL)``, or '' if unknown."""
         self._thread.join(1.0)
+        if self.stopped is not None:
+            rank, pid, took = self.stopped
+            return (
+                f": rank {rank} (PID {pid} on host {socket.gethostname()}) was stopped (SIGSTOP) for "
+                f"{took:.0f} s and was ended by mp-launch"
+            )
         if self.first is not None:
             rank, pid = self.first
             how = ""
@@ -339,6 +394,15 @@ class _DeathWatch:
         if self.banner is not None:
             pid, host, _ = self.banner
             return f": mpiexec reports PID {pid} on host {host}"
+        return ""
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (R running, S sleeping, T stopped, ...); '' if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
         return ""
 
 

@@ -1,0 +1,100 @@
+"""Faults injected into real multi-process jobs end them fast, name the rank, and leave nothing behind.
+
+Each case runs tests/faults/_fault_job.py (3 training steps) on 2 ranks under mp-launch with one fault
+(docs/faults.md has the matrix and the bounds): SIGKILL, SIGSTOP or an exception, on one rank, at
+init, forward, backward or the optimizer step, in a pp=2 pipeline, a tp=2 job and a dp=2 job. A job
+must exit non-zero within `BOUND` seconds of the fault (`STOPPED + BOUND` for SIGSTOP, which
+mp-launch's liveness probe ends after MP_LAUNCH_STOPPED_TIMEOUT), mp-launch must name the rank (and,
+for an exception, the rank's traceback shows the phase), and no process of the job may remain.
+
+Cost: about 10 s a case on the 2-core CI machine (most of it starting torch on 2 ranks), 7 cases.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+JOB = Path(__file__).with_name("_fault_job.py")
+BOUND = 15.0  # seconds from the fault to the job's end (kill, exception)
+STOPPED = 5.0  # MP_LAUNCH_STOPPED_TIMEOUT in these tests (default 30 s)
+
+CASES = [
+    # (pp, tp, rank, phase, kind)
+    (2, 1, 1, "forward", "raise"),
+    (2, 1, 1, "backward", "kill"),
+    (2, 1, 0, "step", "stop"),
+    (2, 1, 0, "init", "kill"),
+    (1, 2, 1, "forward", "kill"),
+    (1, 1, 0, "backward", "raise"),
+    (1, 1, 1, "step", "stop"),
+]
+
+
+def _leftovers(marker: str) -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmdline:
+                found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "pp{}-tp{}-rank{}-{}-{}".format(*c))
+def test_a_fault_ends_the_job_fast_and_names_the_rank(
+    tmp_path: Path, case: tuple[int, int, int, str, str]
+) -> None:
+    pp, tp, rank, phase, kind = case
+    job = tmp_path / f"fault_job_{pp}_{tp}_{rank}_{phase}_{kind}.py"  # a name no other process has
+    shutil.copy(JOB, job)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "MP_FAULT": f"{rank}:{phase}:{kind}",
+        "MP_TEST_PP": str(pp),
+        "MP_TEST_TP": str(tp),
+        "MP_LAUNCH_STOPPED_TIMEOUT": str(STOPPED),
+        "MP_PIPELINE_TIMEOUT": "120",  # longer than the bounds: the probe, not this timeout, must end it
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "mp.launch", "-n", "2", "--bind", "none", str(job)],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=env,
+    )
+    ended = time.time()
+    output = proc.stdout + proc.stderr
+    injected = re.search(rf"rank {rank}: injecting {kind} at {phase} t=([0-9.]+)", output)
+    assert injected, output
+    assert proc.returncode != 0, output
+    assert "finished" not in output, output
+    took = ended - float(injected.group(1))
+    bound = BOUND + (STOPPED if kind == "stop" else 0.0)
+    assert took < bound, f"the job ended {took:.1f} s after the fault (bound {bound:g} s)\n{output}"
+    if kind == "raise":
+        # the rank that raised, or (pipeline) the rank that got its error as a RemoteExecutionError,
+        # fails first; either way its traceback names the rank and shows the phase
+        assert re.search(r"mp-launch: rank \d failed first", proc.stderr), output
+        assert f"injected failure on rank {rank} at {phase}" in proc.stderr, output
+    elif kind == "kill":
+        assert re.search(rf"rank {rank} \(PID \d+ on host \S+\) died first", proc.stderr), output
+    else:
+        # printed when the probe ends the job (a peer's error report may then come first)
+        assert re.search(rf"rank {rank} \(PID \d+ on host \S+\) has been stopped \(SIGSTOP\)", output), output
+    time.sleep(1.0)  # mpiexec's last kills
+    assert not _leftovers(job.name), _leftovers(job.name)
