@@ -207,3 +207,77 @@ def _round_trip(world: Any, precision: str, full: bool) -> dict[str, Any]:
 def test_the_half_optimizer_state_round_trips(worlds: Any, full: bool) -> None:
     for r in worlds.run(2, _round_trip, "fp16", full, timeout=240):
         assert r["n"] > 0 and r["differ"] == [] and r["scales"][0] == r["scales"][1], r
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 32)
+        self.fc2 = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _mlp_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+
+
+TP_SCALING = {"init_scale": 2.0**8, "scale_window": 2}  # far from fp16's range: the steps are taken
+
+
+def _tp_fp16(world: Any) -> dict[str, Any]:
+    smp.init({"tensor_parallel_degree": 2, "microbatches": 1, "fp16": True})
+    torch.manual_seed(0)
+    with smp.tensor_parallelism():
+        net = _MLP()
+    reference = copy.deepcopy(net).half()
+    model = smp.DistributedModel(net)
+    assert type(net.fc1).__name__ == "DistributedLinear", type(net.fc1)
+    opt = smp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True, dynamic_loss_args=TP_SCALING
+    )
+
+    @smp.step
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    # the same recipe in one process, on the unsplit model
+    masters = [p.detach().float().clone().requires_grad_() for p in reference.parameters()]
+    ref_opt = torch.optim.SGD(masters, lr=0.1)
+    scaler = DynamicLossScaler(**TP_SCALING)
+    skipped, ref_skipped = [], []
+    for s in range(4):
+        x, y = _mlp_data(s)
+        opt.zero_grad()
+        train_step(x, y)
+        opt.step()
+        skipped.append(opt.overflow)
+        reference.zero_grad()
+        scale = scaler.loss_scale
+        (torch.nn.functional.mse_loss(reference(x.half()).float(), y) * scale).backward()
+        overflow = any(not torch.isfinite(p.grad).all() for p in reference.parameters())  # type: ignore[arg-type]
+        if not overflow:
+            for p, m in zip(reference.parameters(), masters, strict=True):
+                m.grad = p.grad.float() / scale  # type: ignore[union-attr]
+            ref_opt.step()
+            with torch.no_grad():
+                for p, m in zip(reference.parameters(), masters, strict=True):
+                    p.copy_(m)
+        scaler.update(overflow)
+        ref_skipped.append(overflow)
+    got = model.state_dict()  # the TP shards gathered
+    want = dict(zip([n for n, _ in reference.named_parameters()], masters, strict=True))
+    far = {n: (got[n].float() - want[n]).abs().max().item() for n in want}
+    return {"skipped": skipped, "ref_skipped": ref_skipped, "far": far, "dtype": str(got["fc1.weight"].dtype)}
+
+
+def test_fp16_with_tensor_parallelism_trains_like_one_process(worlds: Any) -> None:
+    for r in worlds.run(2, _tp_fp16, timeout=240):
+        assert r["dtype"] == "torch.float16" and r["skipped"] == r["ref_skipped"], r
+        assert not any(r["skipped"]), r
+        # fp16 parameters against fp32 masters of the same recipe: within two fp16 ulps of O(1) values
+        assert max(r["far"].values()) < 2e-3, r
