@@ -46,6 +46,13 @@ def _model(
         )  # fmt: skip
         cfg._attn_implementation = "eager"
         return tf.GPTNeoForCausalLM(cfg)  # type: ignore[no-any-return]
+    if family == "gptj":
+        cfg = tf.GPTJConfig(
+            n_embd=32, n_layer=layers, n_head=4, n_inner=64, rotary_dim=4, vocab_size=V, n_positions=32,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False, **extra,
+        )  # fmt: skip
+        cfg._attn_implementation = impl
+        return tf.GPTJForCausalLM(cfg)  # type: ignore[no-any-return]
     if family == "neox":
         cfg = tf.GPTNeoXConfig(**common, **extra)
         cfg._attn_implementation = impl
@@ -183,6 +190,8 @@ def _llama_case(world: Any, impl: str, prescaled: bool, extra: dict[str, Any]) -
         ("sdpa", False, {"family": "neox", "optimize": "memory", "hidden_act": "gelu_new"}),
         ("eager", False, {"family": "gptneo"}),
         ("eager", True, {"family": "gptneo", "optimize": "memory"}),
+        ("sdpa", False, {"family": "gptj"}),
+        ("eager", False, {"family": "gptj", "optimize": "memory"}),
     ],
     ids=[
         "llama-gqa-sdpa",
@@ -199,6 +208,8 @@ def _llama_case(world: Any, impl: str, prescaled: bool, extra: dict[str, Any]) -
         "neox-memory",
         "gptneo",
         "gptneo-memory-prescaled",
+        "gptj",
+        "gptj-memory",
     ],
 )
 def test_llama_blocks_train_like_the_plain_model(
@@ -207,9 +218,11 @@ def test_llama_blocks_train_like_the_plain_model(
     kv = extra.pop("num_key_value_heads", 2)
     results = worlds.run(2, _llama_case, impl, prescaled, {"kv_heads": kv, **extra}, timeout=240)
     for rank, res in enumerate(results):
-        want = {"neox": "DistributedGPTNeoXLayer", "gptneo": "DistributedGPTNeoLayer"}.get(
-            extra.get("family", ""), "DistributedLlamaLayer"
-        )
+        want = {
+            "neox": "DistributedGPTNeoXLayer",
+            "gptneo": "DistributedGPTNeoLayer",
+            "gptj": "DistributedGPTJLayer",
+        }.get(extra.get("family", ""), "DistributedLlamaLayer")
         assert want in res["replaced"], res["replaced"]
         for step in (0, 1):
             assert res[f"logits{step}"] < TOL, (rank, step, res[f"logits{step}"])
@@ -220,13 +233,13 @@ def test_llama_blocks_train_like_the_plain_model(
         assert res["reloaded"] < TOL
 
 
-def _counts(world: Any, optimize: str, prescaled: bool) -> dict[str, Any]:
+def _counts(world: Any, optimize: str, prescaled: bool, family: str = "llama") -> dict[str, Any]:
     def run(group: dist.ProcessGroup) -> dict[str, Any]:
         ctx = TPContext(group=group, optimize=optimize, prescaled_batch=prescaled)  # type: ignore[arg-type]
         phases: dict[int, dict[str, Any]] = {}
         for layers in (1, 2):
             torch.manual_seed(0)
-            model = _model(layers=layers)
+            model = _model(layers=layers, family=family)
             for block in _blocks(model):  # only the blocks (the difference cancels the rest anyway)
                 set_tensor_parallelism(block, True)
             model, _ = _replace(model, ctx)
@@ -270,6 +283,22 @@ def test_collectives_per_llama_block(worlds: Any, optimize: str, prescaled: bool
     per_block = worlds.run(2, _counts, optimize, prescaled)[0]
     fwd, bwd = EXPECTED[(optimize, prescaled)]
     assert per_block == {"fwd": fwd, "bwd": bwd}, per_block
+
+
+@pytest.mark.parametrize(
+    ("optimize", "fwd", "bwd"),
+    [
+        ("speed", {"all_reduce": 1}, {"all_reduce": 1}),
+        (
+            "memory",
+            {"reduce_scatter": 2, "all_reduce": 1, "all_gather": 1},
+            {"all_gather": 3, "all_reduce": 1},
+        ),
+    ],
+)
+def test_gptj_parallel_block_reduces_once(worlds: Any, optimize: str, fwd: Any, bwd: Any) -> None:
+    # attention and MLP share the input exchange and the output reduction
+    assert worlds.run(2, _counts, optimize, True, "gptj")[0] == {"fwd": fwd, "bwd": bwd}
 
 
 def _refusals(world: Any) -> list[str]:

@@ -147,6 +147,16 @@ class MegatronBlock(DistributedModule):
             y = col.reduce_scatter(y, -1, group) if self.memory else col.all_reduce(y, group)
         return y if proj.bias is None else y + proj.bias
 
+    def fan_in_sum(self, pairs: list[tuple[Tensor, LinearShard]]) -> Tensor:
+        """:meth:`fan_in` of several projections whose outputs are added (a parallel attention + MLP
+        block): the partial sums are added first, so the block reduces once."""
+        y = sum((F.linear(x, p.weight) for x, p in pairs[1:]), F.linear(pairs[0][0], pairs[0][1].weight))
+        if self.group is not None:
+            y = col.reduce_scatter(y, -1, self.group) if self.memory else col.all_reduce(y, self.group)
+        for _, p in pairs:
+            y = y if p.bias is None else y + p.bias
+        return y
+
     def run(
         self, inputs: tuple[Tensor, Tensor, Tensor | None, Tensor | None], body: Callable[..., Tensor]
     ) -> Tensor:
