@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 import mp as smp
+from mp_memory.checkpoint.zipcheck import directory_record
 from tests.integration.test_checkpoint_faults import _build, _train
 
 
@@ -102,8 +102,8 @@ def test_a_planted_pickle_payload_does_not_run(worlds: Any, saved: Path, tmp_pat
     # The attacker rewrites the manifest too, so the checksums pass: weights_only must still refuse.
     manifest_path = folder / "step1_partial" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    data = part.read_bytes()
-    manifest["parts"]["model_1_0_0.pt"] = {"size": len(data), "crc32": zlib.crc32(data)}
+    record = directory_record(str(part))
+    manifest["parts"]["model_1_0_0.pt"] = {"size": record.size, "crc32": record.crc32}
     manifest_path.write_text(json.dumps(manifest))
     results = worlds.run(2, _try_resume, str(folder), timeout=120)
     assert not marker.exists(), "the payload ran"

@@ -226,3 +226,7 @@ def test_full_checkpoint_under_tp_loads_into_the_unwrapped_hf_model(worlds: Any,
         opt.step()
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(hf.state_dict()[key], value, rtol=1e-5, atol=1e-6)
+    hf.save_pretrained(tmp_path / "hf")  # and on to from_pretrained, offline from the folder
+    again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    for key, value in hf.state_dict().items():
+        assert torch.equal(again.state_dict()[key], value), key

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from mp_memory.checkpoint.errors import (
     CheckpointMissingError,
     UntrustedCheckpointError,
 )
+from mp_memory.checkpoint.zipcheck import directory_record
 
 STATE = {"w": torch.arange(1000, dtype=torch.float32), "step": 3, "names": ["a", "b"]}
 
@@ -44,8 +44,9 @@ def test_full_round_trip_writes_a_manifest_and_no_temporary_file(tmp_path: Path)
     save_full(STATE, path, 0)
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.mp-manifest.json"]
     manifest = json.loads((tmp_path / "ckpt.mp-manifest.json").read_text())
-    data = (tmp_path / "ckpt").read_bytes()
-    assert manifest["parts"]["ckpt"] == {"size": len(data), "crc32": zlib.crc32(data)}
+    record = directory_record(str(tmp_path / "ckpt"))
+    assert manifest["parts"]["ckpt"] == {"size": record.size, "crc32": record.crc32}
+    assert record.size == (tmp_path / "ckpt").stat().st_size
     assert _equal(load_full(path, trusted=False), STATE)
 
 
@@ -53,8 +54,8 @@ def _damage(path: Path, how: str) -> None:
     data = path.read_bytes()
     if how == "truncate":
         path.write_bytes(data[:-100])
-    elif how == "flip":
-        i = len(data) // 2
+    elif how.startswith("flip"):  # 4 bytes: in tensor data, in the zip directory, in its end record
+        i = {"flip": len(data) // 2, "flip-directory": len(data) - 200, "flip-end": len(data) - 12}[how]
         path.write_bytes(data[:i] + bytes(b ^ 0x5A for b in data[i : i + 4]) + data[i + 4 :])
     elif how == "empty":
         path.write_bytes(b"")
@@ -67,6 +68,8 @@ def _damage(path: Path, how: str) -> None:
     [
         ("truncate", CheckpointCorruptError, "(truncated)"),
         ("flip", CheckpointCorruptError, "is corrupted: its CRC-32"),
+        ("flip-directory", CheckpointCorruptError, "is corrupted"),
+        ("flip-end", CheckpointCorruptError, "is corrupted"),
         ("empty", CheckpointCorruptError, "is empty"),
         ("delete", CheckpointMissingError, "does not exist"),
     ],

@@ -23,13 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mp.checkpoint_layout import (
-    full_model_from_parts,
-    full_optimizer_from_parts,
-    load_merged_model,
-    merge_model_parts,
-    merge_optimizer_parts,
-)
+from mp.checkpoint_layout import load_merged_model, original_names
 from mp.errors import (
     IncompatibleCheckpointFoundError,
     IncompatibleCheckpointRankFoundError,
@@ -45,6 +39,12 @@ from mp_memory.checkpoint.errors import (
     CheckpointLayoutError,
     CheckpointMissingError,
     UntrustedCheckpointError,
+)
+from mp_memory.checkpoint.reshard import (
+    full_model_from_parts,
+    full_optimizer_from_parts,
+    merge_model_parts,
+    merge_optimizer_parts,
 )
 
 __all__ = [
@@ -353,11 +353,15 @@ def _read(
                 opt_sd = merge_optimizer_parts([ckpt.load(f"optimizer_{p}_{c.tp_rank}_0.pt") for p in stages])
             return sd, opt_sd, user, True
         model_parts = {(p, t): ckpt.load(f"model_{p}_{t}_0.pt") for p in stages for t in tps}
-        sd = full_model_from_parts(state.model, model_parts, len(tps))
+
+        def translate(full: dict[str, Any]) -> dict[str, Any]:
+            return original_names(state.model, full)
+
+        sd = full_model_from_parts(model_parts, len(tps), translate)
         opt_sd = None
         if load_optimizer:
             opt_parts = {(p, t): ckpt.load(f"optimizer_{p}_{t}_0.pt") for p in stages for t in tps}
-            opt_sd = full_optimizer_from_parts(state.model, opt_parts, model_parts, len(tps))
+            opt_sd = full_optimizer_from_parts(opt_parts, model_parts, len(tps), translate)
         return sd, opt_sd, user, False
     if partial:
         model_name, opt_name = _partial_names(c)

@@ -9,15 +9,14 @@ read without running code, and only the fields below are accepted.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from mp_memory.checkpoint.errors import CheckpointCorruptError, CheckpointMissingError
 from mp_memory.checkpoint.publish import PartRecord, write_text
+from mp_memory.checkpoint.zipcheck import check_records
 
 __all__ = ["FORMAT", "Manifest", "check_present", "read_manifest", "verify_file", "write_manifest"]
 
@@ -132,18 +131,7 @@ def _check_size(path: str, record: PartRecord) -> int:
 
 
 def verify_file(path: str, record: PartRecord) -> None:
-    """Check the size and CRC-32 of the part at ``path`` against ``record`` (reading it through a
-    memory map: no copy of its bytes)."""
+    """Check the part at ``path`` against ``record``: its size, then its checksums
+    (:mod:`mp_memory.checkpoint.zipcheck`)."""
     _check_size(path, record)
-    with open(path, "rb") as fh:
-        if record.size == 0:
-            crc = 0
-        else:
-            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as view:
-                crc = zlib.crc32(view)
-    if crc != record.crc32:
-        raise CheckpointCorruptError(
-            f"checkpoint part {path!r} is corrupted: its CRC-32 is {crc:#010x}, the manifest says "
-            f"{record.crc32:#010x} (bytes changed after the save: disk, copy or edit). Restore it, or load "
-            "an older checkpoint"
-        )
+    check_records(path, record)

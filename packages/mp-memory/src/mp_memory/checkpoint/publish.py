@@ -7,18 +7,15 @@ what it leaves under a temporary name (``*.tmp-*``) is removed by :func:`remove_
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import shutil
 import uuid
-import zlib
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
 import torch
 
 from mp_memory.checkpoint.faults import fault_point
+from mp_memory.checkpoint.zipcheck import PartRecord, directory_record
 
 __all__ = [
     "TMP_MARK",
@@ -36,40 +33,6 @@ TMP_MARK = ".tmp-"
 """Every temporary name holds this mark (and nothing mp publishes does)."""
 
 
-@dataclass(frozen=True)
-class PartRecord:
-    """What a published part must be: its size in bytes and the CRC-32 of its bytes."""
-
-    size: int
-    crc32: int
-
-
-class _CrcWriter(io.RawIOBase):
-    """A write-only stream that checksums and counts what passes through it to ``fh``."""
-
-    def __init__(self, fh: IO[bytes], on_half: Callable[[], None] | None = None) -> None:
-        super().__init__()
-        self.fh, self.crc, self.size = fh, 0, 0
-        self._on_half = on_half
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        if self._on_half is not None and self.size > 0:
-            # The fault hook: die with part of the file written (the test's "kill -9 mid-write").
-            self.fh.write(view[: len(view) // 2])
-            self.fh.flush()
-            self._on_half()
-        self.crc = zlib.crc32(view, self.crc)
-        self.size += len(view)
-        return self.fh.write(view)
-
-    def flush(self) -> None:
-        self.fh.flush()
-
-
 def tmp_name(target: str, rank: int) -> str:
     """A temporary name next to ``target``, private to this writer (global ``rank``)."""
     return f"{target}{TMP_MARK}r{rank}-{uuid.uuid4().hex[:8]}"
@@ -85,32 +48,30 @@ def fsync_dir(folder: str) -> None:
 
 
 def write_part(obj: Any, path: str, rank: int, **torch_save_args: Any) -> PartRecord:
-    """``torch.save(obj)`` to ``path`` (a temporary or staging name) durably; return its size and
-    checksum, computed on the bytes as they are written (one pass). Removes ``path`` on failure."""
+    """``torch.save(obj)`` to ``path`` (a temporary or staging name) durably; return its record (size
+    and the CRC-32 of the zip directory, whose per-record CRC-32s torch's writer computed). Removes
+    ``path`` on failure."""
     try:
-        with open(path, "wb") as fh:
-            writer = _CrcWriter(fh, _half_fault(rank))
-            torch.save(obj, writer, **torch_save_args)  # type: ignore[arg-type]
-            fh.flush()
+        torch.save(obj, path, **torch_save_args)
+        if os.environ.get("MP_CHECKPOINT_FAULT") == f"part-half:{rank}":
+            # The fault hook: die with half of the file written (the test's "kill -9 mid-write").
+            os.truncate(path, os.path.getsize(path) // 2)
+            fault_point("part-half", rank)
+        with open(path, "rb") as fh:
             os.fsync(fh.fileno())
+        record = directory_record(path)
     except BaseException:
         if os.path.exists(path):
             os.remove(path)
         raise
     fault_point("part-written", rank)
-    return PartRecord(writer.size, writer.crc)
+    return record
 
 
 def publish_file(path: str, target: str) -> None:
     """Rename a durable temporary file to its final name, durably."""
     os.replace(path, target)
     fsync_dir(os.path.dirname(target))
-
-
-def _half_fault(rank: int) -> Callable[[], None] | None:
-    if os.environ.get("MP_CHECKPOINT_FAULT") != f"part-half:{rank}":
-        return None
-    return lambda: fault_point("part-half", rank)
 
 
 def write_text(target: str, text: str, rank: int) -> None:
