@@ -301,6 +301,12 @@ def test_gptj_parallel_block_reduces_once(worlds: Any, optimize: str, fwd: Any, 
     assert worlds.run(2, _counts, optimize, True, "gptj")[0] == {"fwd": fwd, "bwd": bwd}
 
 
+def test_neox_parallel_residual_reduces_once_forward(worlds: Any) -> None:
+    # two layer norms feed attention and MLP (two input exchanges backward), one output reduction
+    counts = worlds.run(2, _counts, "speed", True, "neox")[0]
+    assert counts == {"fwd": {"all_reduce": 1}, "bwd": {"all_reduce": 2}}, counts
+
+
 def _refusals(world: Any) -> list[str]:
     def run(group: dist.ProcessGroup) -> list[str]:
         logs: list[str] = []

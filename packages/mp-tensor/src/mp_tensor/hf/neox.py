@@ -1,6 +1,7 @@
 """Hugging Face ``GPTNeoXLayer`` -> :class:`DistributedGPTNeoXLayer`: the whole block distributed in either
 layout of :mod:`mp_tensor.hf.block` (LayerNorm, fused query/key/value, partial rotary, parallel or
-sequential residual, GeLU MLP).
+sequential residual, GeLU MLP). With the parallel residual, attention and MLP outputs share one
+reduction (one all-reduce forward per block in speed mode, two backward).
 
 ``query_key_value`` holds each head's query, key and value side by side, so a rank's heads are one
 contiguous block of its rows: it is split like any output-split projection, and the distributed layer
@@ -68,26 +69,28 @@ class DistributedGPTNeoXLayer(MegatronBlock):
         self.input_layernorm = self.norm(h, layer_norm_eps, rms=False)
         self.post_attention_layernorm = self.norm(h, layer_norm_eps, rms=False)
 
-    def _attention(self, x: Tensor, mask: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def _context(self, x: Tensor, mask: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Attention up to (not including) the dense projection: this rank's heads."""
         attn = cast(Any, self.attention)
         n, s, d = x.shape[0], x.shape[1], self.head_dim
         (qkv,) = self.project(x, [attn.query_key_value])
         q, k, v = qkv.view(n, s, self.heads, 3 * d).transpose(1, 2).chunk(3, dim=-1)
         out = attend(rotate(q, cos, sin), rotate(k, cos, sin), v, mask, d**-0.5)
-        return self.fan_in(out.transpose(1, 2).reshape(n, s, self.heads * d), attn.dense)
+        return out.transpose(1, 2).reshape(n, s, self.heads * d)
 
-    def _mlp(self, x: Tensor) -> Tensor:
-        mlp = cast(Any, self.mlp)
-        (y,) = self.project(x, [mlp.dense_h_to_4h])
-        y = F.relu(y) if self.act == "relu" else F.gelu(y, approximate=self.act)
-        return self.fan_in(y, mlp.dense_4h_to_h)
+    def _inner(self, x: Tensor) -> Tensor:
+        """The MLP up to (not including) its output projection: this rank's channels."""
+        (y,) = self.project(x, [cast(Any, self.mlp).dense_h_to_4h])
+        return F.relu(y) if self.act == "relu" else F.gelu(y, approximate=self.act)
 
     def _body(self, h: Tensor, mask: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        attn = self._attention(self.input_layernorm(h), mask, cos, sin)
-        if self.parallel:
-            return h + attn + self._mlp(self.post_attention_layernorm(h))
-        h = h + attn
-        return h + self._mlp(self.post_attention_layernorm(h))
+        attn, mlp = cast(Any, self.attention), cast(Any, self.mlp)
+        context = self._context(self.input_layernorm(h), mask, cos, sin)
+        if self.parallel:  # both outputs are added: one reduction for the two
+            inner = self._inner(self.post_attention_layernorm(h))
+            return h + self.fan_in_sum([(context, attn.dense), (inner, mlp.dense_4h_to_h)])
+        h = h + self.fan_in(context, attn.dense)
+        return h + self.fan_in(self._inner(self.post_attention_layernorm(h)), mlp.dense_4h_to_h)
 
     def forward(self, inputs: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
         return self.run(inputs, self._body)
