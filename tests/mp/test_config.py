@@ -252,8 +252,8 @@ def test_smp_init_refuses_every_unbuilt_key_set_to_a_non_default(key: str) -> No
     name = SPECS[key][0]
     default = ModelParallelConfig.__dataclass_fields__[name].default
     refused = 0
-    for value, extra in VALID[key]:
-        extra = {**extra, **UNBUILT_WITH.get(key, {})}
+    for value, needs in VALID[key]:
+        extra = {**needs, **UNBUILT_WITH.get(key, {})}
         cfg = build(**{key: value, **extra})
         if getattr(cfg, name) == default:
             mp.config_rules.refuse_not_built(cfg)
