@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import mp as smp
 from mp_memory.loss_scaler import DynamicLossScaler
@@ -281,3 +282,33 @@ def test_fp16_with_tensor_parallelism_trains_like_one_process(worlds: Any) -> No
         assert not any(r["skipped"]), r
         # fp16 parameters against fp32 masters of the same recipe: within two fp16 ulps of O(1) values
         assert max(r["far"].values()) < 2e-3, r
+
+
+REFUSED: list[dict[str, Any]] = [
+    {"dynamic_loss_scale": True},
+    {"static_loss_scale": 128.0},
+    {"static_loss_scale": None, "dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": 2.0**16}},
+    {"scale_window": 500},
+]
+
+
+def _loss_scaling(world: Any) -> list[str]:
+    smp.init({})
+    model = smp.DistributedModel(nn.Linear(2, 2))
+    messages = []
+    for kwargs in REFUSED:
+        with pytest.raises(smp.SMPValidationError) as info:
+            smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+        messages.append(str(info.value))
+    # the defaults (and static_loss_scale=None, smp's "no static scale") still work
+    smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=None)
+    return messages
+
+
+def test_loss_scaling_arguments_are_refused_without_fp16(worlds: Any) -> None:
+    for messages in worlds.run(2, _loss_scaling, timeout=120):
+        for kwargs, message in zip(REFUSED, messages, strict=True):
+            assert "fp16 loss scaling" in message and "'fp16': true" in message, message
+            for key in kwargs:
+                if key != "dynamic_loss_args":
+                    assert key in message, (key, message)

@@ -1,16 +1,13 @@
-"""mp_memory's loss scalers and fp32-master optimizer in one process, and smp's loss-scaling arguments
-refused when the run is fp32."""
+"""mp_memory's loss scalers and fp32-master optimizer in one process (with mp-memory alone installed;
+smp's loss-scaling arguments refused under fp32 are tested in tests/integration/test_memory_precision.py)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import mp as smp
 from mp_memory.errors import PrecisionError
 from mp_memory.loss_scaler import DynamicLossScaler, LossScaler, make_loss_scaler
 from mp_memory.precision import Bit16Optimizer, cast_floats, has_overflow
@@ -149,34 +146,3 @@ def test_cast_floats_keeps_structure_and_non_floats() -> None:
     assert out["x"][0].dtype == torch.float16 and out["x"][1] is ids and out["n"] is None
     assert out["k"][0].dtype == torch.float16
     assert has_overflow([torch.ones(2), torch.tensor([float("nan")])]) and not has_overflow([torch.ones(2)])
-
-
-# ------------------------------------------------------------------- smp arguments under fp32
-REFUSED: list[dict[str, Any]] = [
-    {"dynamic_loss_scale": True},
-    {"static_loss_scale": 128.0},
-    {"static_loss_scale": None, "dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": 2.0**16}},
-    {"scale_window": 500},
-]
-
-
-def _loss_scaling(world: Any) -> list[str]:
-    smp.init({})
-    model = smp.DistributedModel(nn.Linear(2, 2))
-    messages = []
-    for kwargs in REFUSED:
-        with pytest.raises(smp.SMPValidationError) as info:
-            smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
-        messages.append(str(info.value))
-    # the defaults (and static_loss_scale=None, smp's "no static scale") still work
-    smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=None)
-    return messages
-
-
-def test_loss_scaling_arguments_are_refused_without_fp16(worlds: Any) -> None:
-    for messages in worlds.run(2, _loss_scaling, timeout=120):
-        for kwargs, message in zip(REFUSED, messages, strict=True):
-            assert "fp16 loss scaling" in message and "'fp16': true" in message, message
-            for key in kwargs:
-                if key != "dynamic_loss_args":
-                    assert key in message, (key, message)
