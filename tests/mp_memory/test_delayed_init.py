@@ -51,7 +51,8 @@ def test_only_kept_parameters_get_memory() -> None:
 
 
 def test_hf_models_use_their_init_weights() -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    transformers = pytest.importorskip("transformers")  # not a dependency of mp-memory alone
+    GPT2Config, GPT2LMHeadModel = transformers.GPT2Config, transformers.GPT2LMHeadModel
 
     config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=16)
     with parameters_on_meta():
