@@ -6,6 +6,7 @@ Each import runs in a fresh interpreter (the alias changes sys.meta_path and sys
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -247,3 +248,21 @@ def test_an_smp_script_runs_unchanged_under_mpiexec(tmp_path: Path) -> None:
     output, code, _ = run_script(script, 2, env={"MP_SMDISTRIBUTED_ALIAS": ""})
     assert code == 0, output
     assert "rank 0: smp script OK" in output and "rank 1: smp script OK" in output, output
+
+
+def test_another_copy_of_mps_own_alias_is_not_a_real_install(tmp_path: Path) -> None:
+    """An editable install gets the wheel's copy too (site-packages/mp_smdistributed): not a conflict."""
+    copy = tmp_path / "mp_smdistributed" / "smdistributed"
+    shutil.copytree(SHIM_SRC / "smdistributed", copy)
+    proc = _python(
+        f"""
+        import sys
+        sys.path.append({str(copy.parent)!r})
+        import smdistributed.modelparallel.torch as smp
+        import mp
+        assert smp is mp
+        print("ONE MP")
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0 and "ONE MP" in proc.stdout, proc.stdout + proc.stderr

@@ -45,6 +45,7 @@ RENAMES = {"state_mod": "state", "exceptions": "errors", "optimizers.optimizer":
 """smp's internal module names that scripts import, and mp's module holding the same names."""
 
 _REAL_DISTRIBUTION = "smdistributed-modelparallel"
+_MARK = "mp.smp_alias"  # what every copy of mp's shim imports, and no real smdistributed does
 
 
 def target_of(fullname: str) -> str | None:
@@ -110,10 +111,14 @@ def _real_installs(shim_dir: Path) -> list[str]:
     for entry in sys.path:
         candidate = Path(entry or os.getcwd()) / "smdistributed" / "modelparallel"
         try:
-            if candidate.resolve() != here and (candidate / "__init__.py").is_file():
-                found.append(str(candidate))
+            init = candidate / "__init__.py"
+            if candidate.resolve() == here or not init.is_file():
+                continue
+            if _MARK in init.read_text(errors="replace"):
+                continue  # another copy of mp's own shim (an installed mp beside a source tree)
         except OSError:
             continue
+        found.append(str(candidate))
     try:
         dist = importlib.metadata.distribution(_REAL_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
