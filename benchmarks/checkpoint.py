@@ -3,9 +3,9 @@
 A ``--layers`` x Linear(``--hidden``, ``--hidden``) float32 model (16 x 4096: about 1 GB) on 2 ranks,
 pp=2 (half of the layers on each rank), each rank writing and reading its own half:
 
-- mp: ``smp.save_checkpoint(partial=True)`` (temporary names, CRC-32 computed while writing, fsync,
-  agreement, atomic publication, manifest, ``newest``) and ``smp.resume_from_checkpoint`` (size and CRC
-  checks, ``torch.load(weights_only=True)``, agreement, ``load_state_dict``);
+- mp: ``smp.save_checkpoint(partial=True)`` (temporary names, fsync, agreement, atomic publication,
+  manifest, ``newest``) and ``smp.resume_from_checkpoint`` (size and CRC-32 checks,
+  ``torch.load(weights_only=True, mmap=True)``, agreement, ``load_state_dict``);
 - torch: ``torch.save(model.local_state_dict(), part)`` per rank (no fsync, no checks) and
   ``torch.load(part, weights_only=True)`` + ``load_state_dict``;
 - torch+fsync: the same, with an fsync of the file (durable, as mp and DCP are);
@@ -197,9 +197,10 @@ def main() -> None:
             "",
             "mp and DCP fsync what they write, plain torch.save does not: its bytes may still be in the page "
             "cache when it returns (`torch+fsync` adds the fsync). After each save, untimed, `os.sync()` "
-            "writes back what it left dirty so that it is not charged to the next engine. mp also computes "
-            "a CRC-32 of every part while writing and checks it (through a memory map) when loading; its "
-            "load maps the file (`torch.load(mmap=True)`) where torch.load reads it.",
+            "writes back what it left dirty so that it is not charged to the next engine. mp's save is "
+            "torch.save plus its protocol (agreement, atomic publication, manifest, `newest`); its checksums "
+            "are the CRC-32s torch's zip writer computes. Its load checks every record's CRC-32 and maps the "
+            "file (`torch.load(mmap=True)`) where torch.load reads it.",
         ]
         if not args.quick:
             RESULTS.mkdir(exist_ok=True)
