@@ -3,14 +3,15 @@
 A script that ends without shutting mp down (as smp scripts do) used to die now and then at interpreter
 exit: a gloo worker thread still releasing a finished collective's tensors took the GIL while Python
 finalized, and CPython's forced unwind of that thread ended in ``terminate called without an active
-exception`` (SIGABRT). Before the fix, 3 of 20 8-rank jobs and 1 of 12 2-rank jobs of this file's
-script failed on this host; mp_comm.teardown now destroys the groups (joining those threads) from
-atexit, after the transports and before MPI finalizes.
+exception`` (SIGABRT). Before the fix, 3 of 20 8-rank jobs (one allreduce, then exit) and 1 of 12
+2-rank jobs of this file's script failed on this host; mp_comm.teardown now destroys the groups
+(joining those threads) from atexit, after the transports and before MPI finalizes.
 
-Cost: each job imports torch on every rank (about 2 s of CPU a rank). On the 2-core CI machine a
-2-rank job takes ~3 s and an 8-rank job ~9 s, so the runs below (`RUNS_2`, `RUNS_8`) are 50 at 2 ranks
-(~2.5 min) and 5 at 8 ranks (~45 s) rather than the 20 at 8 ranks first asked for (~3 min more);
-MP_CLEAN_EXIT_RUNS="2:200,8:50" runs more (benchmarks-style soak, not CI).
+Cost: each job imports torch on every rank (about 2 s of CPU a rank). Measured on this 2-core host
+while other jobs shared it (load 3-10): the 50 2-rank jobs took 271 s (5.4 s each) and the 5 8-rank
+jobs 52 s (10 s each), 5.5 min for the file (less on a quiet machine). 20 jobs at 8 ranks, as first
+asked for, would add ~2.5 min more, so the default (MP_CLEAN_EXIT_RUNS="2:50,8:5") runs 5 at 8
+ranks; MP_CLEAN_EXIT_RUNS="2:200,8:50" runs more (a soak, not for CI).
 """
 
 from __future__ import annotations

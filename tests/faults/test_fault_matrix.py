@@ -96,5 +96,6 @@ def test_a_fault_ends_the_job_fast_and_names_the_rank(
     else:
         # printed when the probe ends the job (a peer's error report may then come first)
         assert re.search(rf"rank {rank} \(PID \d+ on host \S+\) has been stopped \(SIGSTOP\)", output), output
+        assert f"--- rank {1 - rank} was doing ---" in output, output  # the other rank's threads
     time.sleep(1.0)  # mpiexec's last kills
     assert not _leftovers(job.name), _leftovers(job.name)

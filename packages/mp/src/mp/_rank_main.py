@@ -8,15 +8,18 @@ waiting for it in a collective.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import importlib
 import importlib.util
 import json
 import os
 import runpy
+import signal
 import socket
 import sys
 import traceback
 from pathlib import Path
+from typing import IO
 
 
 def _rank() -> int:
@@ -60,6 +63,15 @@ def _register(rank: int) -> None:
         entry = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()}
         with contextlib.suppress(OSError):
             (Path(failure_dir) / f"pid-{os.getpid()}-{entry['host']}.json").write_text(json.dumps(entry))
+        # On SIGUSR1 (mp-launch sends it when a peer stops answering) every thread's stack goes to a
+        # file of this rank's: what it was doing. faulthandler writes from the signal handler itself,
+        # so a rank blocked in a C call (a collective, an MPI wait) answers too.
+        with contextlib.suppress(OSError, ValueError, AttributeError, RuntimeError):
+            _STACKS.append(open(Path(failure_dir) / f"stacks-{rank}.txt", "w"))  # noqa: SIM115
+            faulthandler.register(signal.SIGUSR1, file=_STACKS[-1], all_threads=True)
+
+
+_STACKS: list[IO[str]] = []  # kept open for the life of the rank (faulthandler holds its descriptor)
 
 
 def main() -> None:

@@ -358,9 +358,23 @@ class _DeathWatch:
                     file=sys.stderr,
                     flush=True,
                 )
+                self._dump_others(ranks, pid)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)  # mpiexec then tears the rest of the job down
                 return
+
+    def _dump_others(self, ranks: Iterable[tuple[int, int]], stopped: int) -> None:
+        """Ask the other ranks what they were doing (SIGUSR1: mp._rank_main dumps every thread's stack)
+        and print the innermost frames of each rank's threads."""
+        others = sorted((r, p) for r, p in ranks if p != stopped)
+        for _, pid in others:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        for rank, _ in others:
+            path = self.failure_dir / f"stacks-{rank}.txt"
+            with contextlib.suppress(OSError):
+                print(f"--- rank {rank} was doing ---\n{_summary(path.read_text())}", file=sys.stderr)
 
     def forward(self) -> None:
         """Copy mpiexec's stdout to ours line by line, noting its report of a dead process."""
@@ -395,6 +409,20 @@ class _DeathWatch:
             pid, host, _ = self.banner
             return f": mpiexec reports PID {pid} on host {host}"
         return ""
+
+
+def _summary(stacks: str, frames: int = 4) -> str:
+    """faulthandler's dump cut to the innermost `frames` frames of each thread."""
+    out: list[str] = []
+    kept = 0
+    for line in stacks.splitlines():
+        if line.startswith(("Thread ", "Current thread ")):
+            out.append(line)
+            kept = 0
+        elif line.startswith("  File ") and kept < frames:
+            out.append(line)
+            kept += 1
+    return "\n".join(out)
 
 
 def _state(pid: int) -> str:
