@@ -26,6 +26,7 @@ Importing this module needs ``transformers`` (and ``accelerate``, which the Trai
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from typing import Any
 
@@ -58,7 +59,9 @@ class SMPTrainer(Trainer):
         if is_sagemaker_mp_enabled() and isinstance(self.model_wrapped, DistributedModel):
             return self.model_wrapped
         wrapped: nn.Module = super()._wrap_model(model, training, dataloader)
-        if training and is_sagemaker_mp_enabled() and self.optimizer is None:
+        # 5.x (create_optimizer(model)) never creates it on this path; 4.x creates it after wrapping
+        takes_model = "model" in inspect.signature(self.create_optimizer).parameters
+        if training and is_sagemaker_mp_enabled() and self.optimizer is None and takes_model:
             self.create_optimizer(wrapped)
         return wrapped
 
@@ -82,9 +85,9 @@ class SMPTrainer(Trainer):
             return
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
-    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
-        sampler = super()._get_train_sampler(train_dataset)
-        dataset: Any = self.train_dataset if train_dataset is None else train_dataset
+    def _get_train_sampler(self, *args: Any) -> Any:  # 5.x passes the dataset, 4.x nothing
+        sampler = super()._get_train_sampler(*args)
+        dataset: Any = args[0] if args and args[0] is not None else self.train_dataset
         if not is_sagemaker_mp_enabled() or self.args.world_size == 1 or sampler is None:
             return sampler
         shuffle = not isinstance(sampler, torch.utils.data.SequentialSampler)
