@@ -29,7 +29,7 @@ PACKAGES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
         ("transformers>=4.40",),
     ),
 }
-ALL_TEST_EXTRAS = ("transformers>=4.40", "matplotlib>=3.7", "tqdm>=4.66")
+ALL_TEST_EXTRAS = ("transformers>=4.40", "accelerate>=1.0", "matplotlib>=3.7", "tqdm>=4.66")
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = os.environ.get("CI") is None
