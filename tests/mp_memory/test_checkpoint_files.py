@@ -185,3 +185,22 @@ def test_full_folder_carries_its_manifest(tmp_path: Path) -> None:
     _damage(tmp_path / "optimizer_t", "truncate")
     with pytest.raises(CheckpointCorruptError, match="optimizer_t"):
         ckpt.check()
+
+
+def test_a_failed_folder_save_leaves_nothing(tmp_path: Path) -> None:
+    class Unpicklable:
+        def __reduce__(self) -> Any:
+            raise TypeError("no")
+
+    with pytest.raises(TypeError):
+        save_folder(
+            str(tmp_path), "t", Layout(), None, {"model_0_0_0.pt": Unpicklable()}, partial=True, keep=1
+        )
+    assert os.listdir(tmp_path) == []
+
+
+def test_smp_load_of_a_full_folder_checkpoint_uses_its_manifest(tmp_path: Path) -> None:
+    save_folder(str(tmp_path), "t", Layout(), None, {"t": STATE}, partial=False, keep=None)
+    _damage(tmp_path / "t", "flip")
+    with pytest.raises(CheckpointCorruptError, match="is corrupted"):
+        load_full(str(tmp_path / "t"), trusted=False)

@@ -87,6 +87,9 @@ def save_full(obj: Any, path: str, rank: int, **save_args: Any) -> None:
 def load_full(path: str, *, trusted: bool, **load_args: Any) -> Any:
     """Load a full checkpoint, checked against its manifest when it has one."""
     manifest = read_manifest(manifest_path(path))
+    if manifest is None:  # a full save_checkpoint's model file: its folder's manifest_{tag}.json
+        folder, name = os.path.split(path)
+        manifest = read_manifest(os.path.join(folder, f"manifest_{name}.json"))
     record = None if manifest is None else manifest.parts.get(os.path.basename(path))
     if not os.path.exists(path):
         hint = " (partial files of it exist: pass partial=True)" if find_parts(path) else ""

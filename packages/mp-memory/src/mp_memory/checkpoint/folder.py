@@ -71,7 +71,15 @@ def save_folder(
                 records[name] = write_part(obj, written[name], layout.rank)
     except Exception as exc:
         error = exc
-    gathered = agree(error, records, group, what, layout.rank)
+    try:
+        gathered = agree(error, records, group, what, layout.rank)
+    except BaseException:  # a rank failed (full disk, unpicklable object): leave nothing behind
+        for tmp in written.values():
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        if partial and layout.rank == 0:
+            shutil.rmtree(_staging(path, tag, token), ignore_errors=True)
+        raise
     fault_point("agreed", layout.rank)
     error = None
     try:
