@@ -409,3 +409,21 @@ def test_activation_checkpointing_argument_errors(worlds: Any) -> None:
     assert out[0] == "not wrapped"
     assert "nn.Sequential only" in out[1] and "Linear" in out[1]
     assert "'pairs'" in out[2] and "group_<k>" in out[2]
+
+
+def _v3_round_trip(world: Any, folder: str) -> Any:
+    smp.init({"microbatches": 1, "ddp": True})  # pp=1, tp=1: rdp_size 2
+    path = os.path.join(folder, "opt")
+    smp.save(
+        {"replica": smp.rdp_rank(), "t": torch.full((3,), float(smp.rank()))}, path, partial=True, v3=True
+    )
+    smp.barrier()
+    loaded = smp.load(path, partial=True)
+    smp.reset()
+    return loaded["replica"], float(loaded["t"][0])
+
+
+def test_v3_parts_are_per_replica(worlds: Any, tmp_path: Any) -> None:
+    """v3 (state that differs between replicas): one part per rdp_rank, each replica loads its own."""
+    assert worlds.run(2, _v3_round_trip, str(tmp_path), timeout=60) == [(0, 0.0), (1, 1.0)]
+    assert sorted(os.listdir(tmp_path)) == ["opt.mp-manifest.json", "opt_0_0_0", "opt_0_0_1"]
