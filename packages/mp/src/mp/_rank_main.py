@@ -62,7 +62,9 @@ def _register(rank: int) -> None:
     if failure_dir and os.path.isdir(failure_dir):
         entry = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()}
         with contextlib.suppress(OSError):
-            (Path(failure_dir) / f"pid-{os.getpid()}-{entry['host']}.json").write_text(json.dumps(entry))
+            tmp = Path(failure_dir) / f".pid-{os.getpid()}.tmp"  # renamed: mp-launch never reads half
+            tmp.write_text(json.dumps(entry))
+            tmp.replace(Path(failure_dir) / f"pid-{os.getpid()}-{entry['host']}.json")
         # On SIGUSR1 (mp-launch sends it when a peer stops answering) every thread's stack goes to a
         # file of this rank's: what it was doing. faulthandler writes from the signal handler itself,
         # so a rank blocked in a C call (a collective, an MPI wait) answers too.

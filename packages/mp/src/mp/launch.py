@@ -305,7 +305,7 @@ class _DeathWatch:
         self.failure_dir = failure_dir
         self.stopped_timeout = stopped_timeout
         self.stopped: tuple[int, int, float] | None = None  # (rank, pid, seconds) of a rank ended for it
-        self.first: tuple[int, int] | None = None  # (rank, pid)
+        self.first: list[tuple[int, int]] = []  # (rank, pid) of the ranks seen dead at the first look
         self.banner: tuple[int, str, int | None] | None = None  # (pid, host, code)
         self._thread = threading.Thread(target=self._watch, name="mp-launch-watch", daemon=True)
         self._thread.start()
@@ -317,26 +317,27 @@ class _DeathWatch:
         host = socket.gethostname()
         since: dict[int, float] = {}  # pid -> when it was first seen stopped
         next_look = 0.0
-        while self.proc.poll() is None and self.first is None:
+        while self.proc.poll() is None and not self.first:
             for path in self.failure_dir.glob("pid-*.json"):
                 if path.name in seen:
                     continue
-                seen.add(path.name)
                 with contextlib.suppress(OSError, ValueError, KeyError):
                     entry = json.loads(path.read_text())
+                    seen.add(path.name)
                     if entry["host"] == host:
                         rank, pid = int(entry["rank"]), int(entry["pid"])
                         try:
                             fd = os.pidfd_open(pid)
                         except ProcessLookupError:  # gone before it could be watched: it died first
-                            self.first = self.first or (rank, pid)
+                            self.first.append((rank, pid))
                             continue
                         watched[fd] = (rank, pid)
                         poller.register(fd, select.POLLIN)
-            for fd, _ in poller.poll(20):
-                self.first = watched[fd]
-                break
-            if self.stopped_timeout > 0 and self.first is None and time.monotonic() >= next_look:
+            # Several found dead at one look cannot be told apart (mpiexec kills the rest at once, and a
+            # rank may register only after it was killed): all of them are named.
+            ready = [watched[fd] for fd, _ in poller.poll(0 if self.first else 20)]
+            self.first = sorted({*self.first, *ready})
+            if self.stopped_timeout > 0 and not self.first and time.monotonic() >= next_look:
                 next_look = time.monotonic() + 0.5
                 self._look_for_stopped(watched.values(), since)
         for fd in watched:
@@ -397,14 +398,18 @@ class _DeathWatch:
                 f": rank {rank} (PID {pid} on host {socket.gethostname()}) was stopped (SIGSTOP) for "
                 f"{took:.0f} s and was ended by mp-launch"
             )
-        if self.first is not None:
-            rank, pid = self.first
+        host = socket.gethostname()
+        if len(self.first) == 1:
+            rank, pid = self.first[0]
             how = ""
             if self.banner is not None and self.banner[0] == pid and self.banner[2]:
                 with contextlib.suppress(ValueError):
                     code = self.banner[2]
                     how = f", killed by signal {code} ({signal.Signals(code).name})"
-            return f": rank {rank} (PID {pid} on host {socket.gethostname()}) died first{how}"
+            return f": rank {rank} (PID {pid} on host {host}) died first{how}"
+        if self.first:
+            named = ", ".join(f"rank {rank} (PID {pid})" for rank, pid in self.first)
+            return f": {named} on host {host} were found dead together, one of them first"
         if self.banner is not None:
             pid, host, _ = self.banner
             return f": mpiexec reports PID {pid} on host {host}"
