@@ -240,8 +240,9 @@ class Remote:
         """Fast mode: which outputs of this rank's remote calls go straight to the next module."""
         self._calls: dict[tuple[tuple[str, ...], int], int] = {}
         """Remote calls made in this step by position and microbatch (for their CallKey)."""
-        self._taken: set[int] = set()
-        """Placeholders of handed-off outputs already passed on in this step (by id)."""
+        self._taken: dict[int, weakref.ReferenceType[torch.Tensor]] = {}
+        """Placeholders of handed-off outputs already passed on in this step (by id, with a reference
+        that tells a placeholder still alive from a later tensor that reuses its freed id)."""
         self.backward_requests = 0
         """Backward requests this rank has executed (for the data-parallel reduction decision)."""
 
@@ -387,7 +388,8 @@ class Remote:
             link = made.link()
             usable = r and link is not None and not link.backward_sent and t._version == made.version
             if made.handed_to is not None:
-                if not usable or made.handed_to != dest or id(t) in self._taken:
+                taken = self._taken.get(id(t))
+                if not usable or made.handed_to != dest or (taken is not None and taken() is t):
                     producer = repr(link.module) if link is not None else "a module"
                     raise FlowChangedError(
                         f"rank {self.rank}: under fast mode, output {made.kept_index} of {producer} was to "
@@ -397,7 +399,7 @@ class Remote:
                         "same in every step."
                     )
                 assert link is not None
-                self._taken.add(id(t))  # handed over once: a second consumer would wait for it forever
+                self._taken[id(t)] = weakref.ref(t)  # handed over once: a second consumer would wait forever
                 refs.append(Ref(j, link.dest, link.request_id, made.kept_index, True))
             elif usable and link is not None and link.dest == dest:
                 refs.append(Ref(j, dest, link.request_id, made.kept_index, False))

@@ -1,28 +1,28 @@
 """The module server of one rank (seed 001 §4.2): input queue, main thread, worker threads.
 
-The transport's mailbox is the input queue: requests from other ranks and responses to this rank's
-requests arrive there. The server's main thread (the thread that called the step) takes one message
-at a time. A request goes to an IDLE worker thread (a new one if all are PENDING), which executes the
-module; a response goes back to the thread that is PENDING on it. Control passes between threads by
-a :class:`~mp_pipeline.workers.Baton`: exactly one thread of the rank (the main thread or one worker) holds it and runs;
-a worker that sends a request of its own hands it back to the main thread and waits for its
-response, so that other microbatches can use the rank meanwhile. Threads only switch at those points,
-which keeps execution deterministic given the message order.
+The transport's mailbox is the input queue: requests from other ranks and responses to this rank's requests
+arrive there. The server's main thread (the thread that called the step) takes one message at a time. A
+request goes to an IDLE worker thread (a new one if all are PENDING), which executes the module; a response
+goes back to the thread that is PENDING on it. Control passes between threads by a
+:class:`~mp_pipeline.workers.Baton`: exactly one thread of the rank (the main thread or one worker) holds it
+and runs; a worker that sends a request of its own hands it back to the main thread and waits for its
+response, so that other microbatches can use the rank meanwhile. Threads only switch at those points, which
+keeps execution deterministic given the message order.
 
-When the main thread would do nothing but wait for the next message (no tensor-parallel order to
-follow, no step task that may start), the thread holding the rank waits for it itself: a worker that
-sent a request takes its own response, and one that has answered a request takes the next request,
-without the two thread switches through the main thread each would cost (~25-30 µs each here). Any
-other message goes to the main thread, which dispatches it as if it had received it.
+When the main thread would do nothing but wait for the next message (no tensor-parallel order to follow, no
+step task that may start), the thread holding the rank waits for it itself: a worker that sent a request
+takes its own response, and one that has answered a request takes the next request, without the two thread
+switches through the main thread each would cost (~25-30 µs each here). Any other message goes to the main
+thread, which dispatches it as if it had received it.
 
 pp_rank 0's main thread, whenever it has the rank, first starts a backward the schedule would start
 (:meth:`Server._backward_first`), then handles the messages that wait, except that the simple schedule's
 next forward goes before responses to this rank's own requests (:meth:`Server._defer`), then starts the
 schedule's next task.
 
-The worker threads belong to a :class:`~mp_pipeline.workers.WorkerPool` that outlives the step (the runtime owns it): a
-fresh thread faults its memory in again (tens of thousands of minor page faults for a GPT block's
-forward and backward), so idle workers wait for the next step's requests instead of exiting.
+The worker threads belong to a :class:`~mp_pipeline.workers.WorkerPool` that outlives the step (the runtime
+owns it): a fresh thread faults its memory in again (tens of thousands of minor page faults for a GPT
+block's forward and backward), so idle workers wait for the next step's requests instead of exiting.
 """
 
 from __future__ import annotations
