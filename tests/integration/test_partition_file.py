@@ -89,9 +89,16 @@ def test_a_partition_file_fixes_the_partition_across_runs(worlds: Any, tmp_path:
         assert r["read"] == r["written"], (r["read"], r["written"])
     assert r0["read"]["owned"] == ["module.a.bias", "module.a.weight"]
     assert r1["read"]["owned"] == ["module.b.bias", "module.b.weight", "module.c.bias", "module.c.weight"]
-    # Errors: on rank 0 the file's own error, on rank 1 the same text carried by SMPRuntimeError.
-    for key, words in (("missing", "does not exist"), ("unfit", "modules ['d'] are not in this model")):
-        assert r0[key].startswith("PartitionFileError: "), r0[key]
-        assert r1[key].startswith("SMPRuntimeError: partitioning the model failed on rank 0"), r1[key]
-        for r in (r0, r1):
-            assert words in r[key] and "partition_file" in r[key], r[key]
+    # A missing file is refused by smp.init before any work: on rank 0 (which reads it) by its own
+    # check, on rank 1 by rank 0's refusal, which it carries.
+    assert r0["missing"].startswith("ConfigError: config key 'partition_file'"), r0["missing"]
+    assert r1["missing"].startswith("WorldError: rank 0 of 2 refused to start"), r1["missing"]
+    for r in (r0, r1):
+        assert "missing.json" in r["missing"] and "no readable file there" in r["missing"], r["missing"]
+    # A file that does not fit the model: on rank 0 the file's own error at the first step, on rank 1
+    # the same text carried by SMPRuntimeError.
+    key, words = "unfit", "modules ['d'] are not in this model"
+    assert r0[key].startswith("PartitionFileError: "), r0[key]
+    assert r1[key].startswith("SMPRuntimeError: partitioning the model failed on rank 0"), r1[key]
+    for r in (r0, r1):
+        assert words in r[key] and "partition_file" in r[key], r[key]
