@@ -211,6 +211,13 @@ def test_a_failed_save_on_one_rank_raises_on_every_rank(worlds: Any, tmp_path: A
     assert not [n for n in os.listdir(tmp_path) if ".tmp" in n]  # no torn temporary file left
 
 
+def test_translate_if_full_false_is_refused_before_anything_is_written(tmp_path: Any) -> None:
+    """smp's False kept its own distributed key names, which mp's modules do not have: refused by name."""
+    with pytest.raises(SMPCheckpointError, match=r"translate_if_full=False"):
+        smp.save_checkpoint(str(tmp_path), "full", partial=False, model=None, translate_if_full=False)
+    assert os.listdir(tmp_path) == []
+
+
 def _checkpoint_round_trip(world: Any, folder: str) -> str | None:
     model, opt, sched = _build(PP2, seed=0)
     for i in range(2):

@@ -246,9 +246,15 @@ def save_checkpoint(  # noqa: PLR0917 - smp's positional signature
     and ``path/manifest_{tag}.json``. ``path/newest`` names the tag once every part is on disk.
     ``num_kept_partial_checkpoints`` removes the oldest complete partial checkpoints beyond that many.
     ``translate_if_full``: the full state already has the original (e.g. Hugging Face) key names, so
-    there is nothing left to translate.
+    there is nothing left to translate; ``False`` (smp's own distributed names) is refused.
     """
     tag = _check_tag(tag)
+    if not partial and translate_if_full is not True:
+        raise SMPCheckpointError(
+            f"save_checkpoint(translate_if_full={translate_if_full!r}): mp writes a full checkpoint with the "
+            "original module's key names only (smp's False kept its own distributed names, which mp's "
+            "modules do not use); leave translate_if_full at True"
+        )
     if num_kept_partial_checkpoints is not None and (
         not isinstance(num_kept_partial_checkpoints, int) or num_kept_partial_checkpoints < 1
     ):
