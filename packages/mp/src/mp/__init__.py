@@ -29,6 +29,7 @@ from mp.errors import (  # smp's exception names, so scripts can catch them as s
     CheckpointingConfigError,
     CommGroupConfigError,
     ConfigError,
+    CorruptCheckpointError,
     DDPNotEnabledError,
     DelayedParamDeviceError,
     DistEmbeddingConfigError,
@@ -57,6 +58,7 @@ from mp.errors import (  # smp's exception names, so scripts can catch them as s
     TensorSplitError,
     TPModuleRegisterError,
     UnsupportedTPModuleError,
+    UntrustedCheckpointFileError,
     WorkerSizeError,
 )
 from mp.init import init, is_initialized, reset, shutdown
@@ -130,6 +132,7 @@ __all__ = [
     "CommGroup",
     "CommGroupConfigError",
     "ConfigError",
+    "CorruptCheckpointError",
     "DDPNotEnabledError",
     "DelayedParamDeviceError",
     "DistEmbeddingConfigError",
@@ -166,6 +169,7 @@ __all__ = [
     "TPModuleRegisterError",
     "TensorSplitError",
     "UnsupportedTPModuleError",
+    "UntrustedCheckpointFileError",
     "WorkerSizeError",
     "allgather",
     "amp",

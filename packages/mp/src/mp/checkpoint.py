@@ -25,10 +25,12 @@ import torch.distributed as dist
 
 from mp.checkpoint_layout import load_merged_model, original_names
 from mp.errors import (
+    CorruptCheckpointError,
     IncompatibleCheckpointFoundError,
     IncompatibleCheckpointRankFoundError,
     MissingCheckpointFilesError,
     SMPCheckpointError,
+    UntrustedCheckpointFileError,
 )
 from mp.state import state
 from mp_comm import GroupKind
@@ -58,16 +60,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-# smp has no names for these two; they are smp's SMPCheckpointError and mp-memory's error at once.
-class CorruptCheckpointError(SMPCheckpointError, CheckpointCorruptError):
-    """A checkpoint file is missing bytes, empty or altered (its size or CRC-32 differs from the
-    manifest's), or cannot be unpickled."""
-
-
-class UntrustedCheckpointFileError(SMPCheckpointError, UntrustedCheckpointError):
-    """A checkpoint file holds objects that only a trusted load (which can run code) rebuilds."""
 
 
 def _smp_error(exc: CheckpointError) -> SMPCheckpointError:

@@ -14,6 +14,8 @@ either smp class, or for plain ``ValueError``, catches it.
 
 from __future__ import annotations
 
+from mp_memory.checkpoint.errors import CheckpointCorruptError, UntrustedCheckpointError
+
 # Raised by the packages below the facade, which cannot import mp; re-exported under smp's names so
 # `except smp.InvalidPartitionIDError` works. They subclass ValueError / RuntimeError as smp's do.
 from mp_partition.errors import InvalidPartitionIDError
@@ -30,6 +32,7 @@ __all__ = [
     "CheckpointingConfigError",
     "CommGroupConfigError",
     "ConfigError",
+    "CorruptCheckpointError",
     "DDPNotEnabledError",
     "DelayedParamDeviceError",
     "DistEmbeddingConfigError",
@@ -58,6 +61,7 @@ __all__ = [
     "TPModuleRegisterError",
     "TensorSplitError",
     "UnsupportedTPModuleError",
+    "UntrustedCheckpointFileError",
     "WorkerSizeError",
 ]
 
@@ -174,6 +178,16 @@ class IncompatibleCheckpointRankFoundError(SMPCheckpointError):
 
 class IncompatibleCheckpointFoundError(SMPCheckpointError):
     """A checkpoint was written for a layout or format that cannot be loaded here."""
+
+
+# smp has no names for these two; each is smp's SMPCheckpointError and mp-memory's error at once.
+class CorruptCheckpointError(SMPCheckpointError, CheckpointCorruptError):
+    """A checkpoint file is missing bytes, empty or altered (its size or CRC-32 differs from the
+    manifest's), or cannot be unpickled (mp)."""
+
+
+class UntrustedCheckpointFileError(SMPCheckpointError, UntrustedCheckpointError):
+    """A checkpoint file holds objects that only a trusted load (which can run code) rebuilds (mp)."""
 
 
 class PartitionFileError(SMPValidationError):
