@@ -7,10 +7,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ACTIVATION_MAP", "additive", "first", "sizes_reason"]
+__all__ = ["ACTIVATION_MAP", "GELU_APPROXIMATION", "additive", "first", "sizes_reason"]
 
 #: Hugging Face activation names -> the transformer layer's ``activation``.
 ACTIVATION_MAP = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "relu": "relu"}
+GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "relu": "relu"}
+"""A Hugging Face ``activation_function`` -> the ``approximate`` of torch's GeLU ("relu": ReLU)."""
 
 
 def additive(mask: Tensor | None, hidden: Tensor, keys: int | None = None) -> Tensor:

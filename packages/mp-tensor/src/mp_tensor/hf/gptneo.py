@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from mp_tensor.context import TPContext
 from mp_tensor.errors import TPInputError
 from mp_tensor.hf.block import MegatronBlock, attend
-from mp_tensor.hf.common import sizes_reason
+from mp_tensor.hf.common import GELU_APPROXIMATION, sizes_reason
 from mp_tensor.nn.base import DistributedModule
 from mp_tensor.registry import Registration
 
@@ -29,7 +29,7 @@ __all__ = ["BLOCK", "DistributedGPTNeoLayer", "registrations"]
 
 BLOCK = "transformers.models.gpt_neo.modeling_gpt_neo.GPTNeoBlock"
 
-_ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "relu": "relu"}
+_ACTIVATIONS = GELU_APPROXIMATION
 
 
 class DistributedGPTNeoLayer(MegatronBlock):

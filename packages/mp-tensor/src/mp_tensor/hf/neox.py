@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from mp_tensor.context import TPContext
 from mp_tensor.hf.block import MegatronBlock, attend, forward_hook, rotate
-from mp_tensor.hf.common import sizes_reason
+from mp_tensor.hf.common import GELU_APPROXIMATION, sizes_reason
 from mp_tensor.nn.base import DistributedModule
 from mp_tensor.registry import Registration
 
@@ -30,7 +30,7 @@ __all__ = ["BLOCK", "DistributedGPTNeoXLayer", "registrations"]
 
 BLOCK = "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXLayer"
 
-_ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "relu": "relu"}
+_ACTIVATIONS = GELU_APPROXIMATION
 
 
 class DistributedGPTNeoXLayer(MegatronBlock):
