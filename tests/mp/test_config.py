@@ -269,9 +269,11 @@ def test_smp_init_refuses_every_unbuilt_key_set_to_a_non_default(key: str) -> No
 
 def test_the_refusal_names_the_other_unbuilt_keys_too() -> None:
     with pytest.raises(ConfigError) as info:
-        mp.config_rules.refuse_not_built(build(offload_activations=True, shard_offloaded_activations=True))
+        mp.config_rules.refuse_not_built(
+            build(task_level_activation_loading_horizon=2, shard_offloaded_activations=True)
+        )
     assert info.value.key == "_shard_offloaded_activations"
-    assert "also set and not built: offload_activations" in str(info.value)
+    assert "also set and not built: task_level_activation_loading_horizon" in str(info.value)
 
 
 def test_derived_properties() -> None:

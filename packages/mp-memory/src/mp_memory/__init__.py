@@ -5,7 +5,8 @@ initialization, mixed precision, and checkpoint save/load with resharding. Built
 ``activation`` (activation checkpointing on torch.utils.checkpoint), ``precision`` and ``loss_scaler``
 (fp16/bf16 with fp32 master weights and smp's loss scaling), ``zero`` (optimizer-state sharding on
 torch's ZeroRedundancyOptimizer), ``delayed_init`` (parameters on the meta device, materialized per
-rank), ``checkpoint`` (checkpoint files). Offloading and parameter sharding are not built yet.
+rank), ``checkpoint`` (checkpoint files), ``offload`` (checkpointed activations to host memory, loaded
+back ahead of their backward). Parameter sharding is not built yet.
 """
 
 __version__ = "0.1.0"

@@ -25,6 +25,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from mp_memory.errors import CheckpointArgumentError
+from mp_memory.offload import offloading
 
 __all__ = [
     "Mark",
@@ -50,9 +51,10 @@ def checkpoint(
     same masks. Without grad mode it is a plain call."""
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
-    return torch.utils.checkpoint.checkpoint(
-        function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs
-    )
+    with offloading():  # with offload_activations: the inputs the checkpoint keeps go to host memory
+        return torch.utils.checkpoint.checkpoint(
+            function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs
+        )
 
 
 def group_size(strategy: str) -> int | None:

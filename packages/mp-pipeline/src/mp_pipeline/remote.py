@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 _ORIGINAL = "_mp_pipeline_original_forward"
 
 
+def _checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
 def remote_error(failure: Failure) -> RemoteExecutionError:
     """The exception a requester raises for a failed request."""
     return RemoteExecutionError(
@@ -231,6 +235,9 @@ class Remote:
         self.saved: dict[tuple[int, int], _Saved] = {}
         self.checkpointed: set[str] = set()
         """Module paths whose forward runs under activation checkpointing on their owner."""
+        self.checkpoint_call: Callable[..., Any] = _checkpoint
+        """How an owner runs such a module: ``checkpoint_call(forward, *args, **kwargs)`` (the umbrella
+        sets mp_memory's, which also offloads the inputs with ``offload_activations``)."""
         self._installed: list[nn.Module] = []
         self.shortcut = False
         """Fast mode: send references instead of tensors their owner already holds (module docstring)."""
@@ -450,7 +457,7 @@ class Remote:
             self.plan.watching(),
         ):
             if request.checkpoint and request.state.grad_enabled:
-                out = torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
+                out = self.checkpoint_call(original, *args, **kwargs)
             else:
                 out = original(*args, **kwargs)
         if held:

@@ -222,20 +222,10 @@ _NOT_BUILT: tuple[tuple[str, Callable[[ModelParallelConfig], object], str], ...]
         "shards offloaded activations over tensor-parallel ranks",
     ),
     (
-        "activation_loading_horizon",
-        lambda c: c.activation_loading_horizon != 4,
-        "sets how many tasks ahead offloaded activations are loaded back",
-    ),
-    (
         "delayed_parameter_initialization",
         lambda c: c.delayed_parameter_initialization and c.tensor_parallel_degree > 1,
         "creates parameters on the meta device and materializes only this rank's partition; mp builds "
         "that without tensor parallelism, not with tensor_parallel_degree > 1",
-    ),
-    (
-        "offload_activations",
-        lambda c: c.offload_activations,
-        "moves checkpointed activations to host memory until their backward",
     ),
     (
         "sdp_gradient_clipping",

@@ -40,6 +40,7 @@ from mp.errors import (
     SMPValidationError,
 )
 from mp.model_extras import JoinState, check_constructor_args, join, reduce_with_hook, register_comm_hook
+from mp.offload import install_offloading
 from mp.optimizer import keep_local_parameters
 from mp.partition_file import check_assignment, read_partition, write_partition
 from mp.precision import half_dtype
@@ -229,6 +230,7 @@ class DistributedModel(nn.Module):
                 tp_group=tuple(topo.group(GroupKind.TP, world.rank)) if cfg.tp > 1 else (),
             )
         state.model = self
+        self._offloader = install_offloading(self)  # offload_activations (mp.offload)
         prepare_delayed_init(self)  # a model built on the meta device: materialized after partitioning
 
     # ------------------------------------------------------------------------------ the nn.Module side
