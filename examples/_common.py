@@ -23,6 +23,12 @@ def log_loss(rank0: bool, step: int, loss: float, **extra: float) -> None:
         tqdm.write(f"step {step} loss {loss:.6f}{more}", file=sys.stdout)
 
 
+def say(rank0: bool, text: str) -> None:
+    """A line on rank 0, above the progress bar."""
+    if rank0:
+        tqdm.write(text, file=sys.stdout)
+
+
 def summary(rank0: bool, losses: list[float]) -> None:
     if rank0 and losses:
         print(f"loss: {losses[0]:.4f} (step 1) -> {losses[-1]:.4f} (step {len(losses)})", flush=True)
