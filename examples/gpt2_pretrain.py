@@ -130,7 +130,7 @@ def main() -> int:
         bar.update()
         log_loss(rank0, step, losses[-1])
         if args.save_every and step % args.save_every == 0:
-            # collective: every rank writes its own part; user_content: plain data (tensors, numbers, strings, containers)
+            # collective: every rank writes its own part; user_content holds plain data
             smp.save_checkpoint(
                 args.ckpt, tag=f"step_{step}", partial=True, model=model, optimizer=optimizer,
                 user_content={"step": step},
