@@ -294,7 +294,7 @@ def render_markdown() -> str:
     ]
     for group in dict.fromkeys(r.group for r in rows):
         title = "Configuration keys" if group == CONFIG_GROUP else group
-        lines += ["", f"### {title}", "", "| name | status | note |", "|---|---|---|"]
+        lines += ["", f"## {title}", "", "| name | status | note |", "|---|---|---|"]
         for r in (r for r in rows if r.group == group):
             shown = f"`{r.name}`" if group == CONFIG_GROUP else f"`smp.{r.name}`"
             lines.append(f"| {shown} | {r.status or 'NO STATUS'} | {_cell(r.note)} |")
