@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from mp_tensor.context import TPContext
-from mp_tensor.hf import bert, gpt2, gptj, gptneo, llama, neox
+from mp_tensor.hf import bert, gpt2, gptj, gptneo, llama, neox, t5, vit
 from mp_tensor.nn.base import DistributedModule
 from mp_tensor.nn.embedding import DistributedEmbedding
 from mp_tensor.nn.linear import DistributedLinear
@@ -69,7 +69,7 @@ def register_builtins(registry: Registry) -> None:
     registry.add(
         Registration(nn.Embedding, DistributedEmbedding, builder=_embedding_build, check=_embedding_check)
     )
-    families = (gpt2, bert, llama, neox, gptneo, gptj)
+    families = (gpt2, bert, llama, neox, gptneo, gptj, t5, vit)
     for reg in [r for family in families for r in family.registrations()]:
         registry.add(reg)
 
