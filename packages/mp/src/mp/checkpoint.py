@@ -32,6 +32,7 @@ from mp.errors import (
     SMPCheckpointError,
     UntrustedCheckpointFileError,
 )
+from mp.sharded import partial_file_names
 from mp.state import state
 from mp_comm import GroupKind
 from mp_memory import checkpoint as engine
@@ -256,9 +257,13 @@ def save_checkpoint(  # noqa: PLR0917 - smp's positional signature
     c = _layout()
     model = model if model is not None else state.model
     files: dict[str, Any] = {}
+    sharded = partial_file_names(model)  # sharded data parallelism: one part per shard index
     if partial:
         model_name, opt_name = _partial_names(c)
-        if c.rdp_rank == 0:
+        writes = c.rdp_rank == 0
+        if sharded is not None:
+            model_name, opt_name, writes = sharded
+        if writes:
             if model is not None:
                 files[model_name] = model.local_state_dict()
             if optimizer is not None:
@@ -363,7 +368,16 @@ def _read(
         return sd, opt_sd, user, False
     if partial:
         model_name, opt_name = _partial_names(c)
-        if not ckpt.has(model_name):  # mp before manifests: model_{pp}_{tp}.pt
+        sharded = partial_file_names(state.model)
+        if sharded is not None:
+            model_name, opt_name, _ = sharded
+            if not ckpt.has(model_name):
+                raise CheckpointLayoutError(
+                    f"partial checkpoint {ckpt.folder!r} has no {model_name!r}: it was not saved with this "
+                    "sharded_data_parallel_degree. Load it with the degree it was saved with, or save a "
+                    "full checkpoint (partial=False), which loads under any degree"
+                )
+        elif not ckpt.has(model_name):  # mp before manifests: model_{pp}_{tp}.pt
             model_name, opt_name = model_name.replace("_0.pt", ".pt"), opt_name.replace("_0.pt", ".pt")
         sd = ckpt.load(model_name)
         opt_sd = ckpt.load(opt_name) if load_optimizer and ckpt.has(opt_name) else None

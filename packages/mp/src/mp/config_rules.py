@@ -162,7 +162,7 @@ def check_rules(c: ModelParallelConfig) -> None:
                 sdp,
                 f" together with '{other}': {degree}",
                 "sharded_data_parallel_degree > 1 only with pipeline_parallel_degree 1 and "
-                "tensor_parallel_degree 1",
+                "tensor_parallel_degree 1 (smp >= 1.15 combined it with tensor parallelism; mp does not yet)",
                 f"set '{other}' to 1 to use sharded data parallelism, or set "
                 "'sharded_data_parallel_degree' to 1",
             )
@@ -228,29 +228,10 @@ _NOT_BUILT: tuple[tuple[str, Callable[[ModelParallelConfig], object], str], ...]
         "that without tensor parallelism, not with tensor_parallel_degree > 1",
     ),
     (
-        "sdp_gradient_clipping",
-        lambda c: c.sdp_gradient_clipping != 1.0,
-        "clips gradients under sharded data parallelism",
-    ),
-    (
-        "sdp_hierarchical_allgather",
-        lambda c: not c.sdp_hierarchical_allgather,
-        "all-gathers sharded parameters within each node first",
-    ),
-    (
-        "sdp_max_live_parameters",
-        lambda c: c.sdp_max_live_parameters != 1_000_000_000,
-        "caps the parameters all-gathered at once under sharded data parallelism",
-    ),
-    (
-        "sdp_param_persistence_threshold",
-        lambda c: c.sdp_param_persistence_threshold != 1_000_000,
-        "leaves parameters smaller than this unsharded under sharded data parallelism",
-    ),
-    (
         "sdp_reduce_bucket_size",
         lambda c: c.sdp_reduce_bucket_size != 500_000_000,
-        "sets the gradient bucket size under sharded data parallelism",
+        "sets the gradient bucket size under sharded data parallelism; mp's sharding (FSDP2) reduce-scatters "
+        "the gradients of each transformer block as one bucket and has no bucket-size setting",
     ),
     (
         "shard_optimizer_state",
@@ -260,8 +241,13 @@ _NOT_BUILT: tuple[tuple[str, Callable[[ModelParallelConfig], object], str], ...]
     ),
     (
         "sharded_data_parallel_degree",
-        lambda c: c.sharded_data_parallel_degree > 1,
-        "shards parameters, gradients and optimizer state over that many ranks",
+        lambda c: (
+            c.sharded_data_parallel_degree > 1
+            and (c.precision != "fp32" or c.delayed_parameter_initialization)
+        ),
+        "shards parameters, gradients and optimizer state over that many ranks; mp builds that for fp32 "
+        "training of a model built eagerly, not together with 'fp16'/'bf16' or "
+        "'delayed_parameter_initialization'",
     ),
     (
         "task_level_activation_loading_horizon",

@@ -40,17 +40,30 @@ from mp.errors import (
     SMPValidationError,
 )
 from mp.model_extras import JoinState, check_constructor_args, join, reduce_with_hook, register_comm_hook
+from mp.memory_report import install_memory_trace
 from mp.offload import install_offloading
 from mp.optimizer import keep_local_parameters
 from mp.partition_file import check_assignment, read_partition, write_partition
 from mp.precision import half_dtype
+from mp.sharded import load_local_state_dict as load_sharded_local_state_dict
+from mp.sharded import local_state_dict as sharded_local_state_dict
+from mp.sharded import shard_model
 from mp.state import state
 from mp.state_dicts import full_state_dict, layout_of, load_full_state_dict, local_layout_check
 from mp.tensor_api import replace_tp_modules
 from mp_comm import GroupKind, LoopbackTransport, Router, Transport, TransportConfig, World
 from mp_comm.world import mpi_comm_of
 from mp_memory.precision import cast_floats
-from mp_partition import PartitionPlan, Tracer, auto_partition, manual_partition
+from mp_partition import (
+    ModuleTimes,
+    PartitionPlan,
+    StepTimer,
+    Tracer,
+    auto_partition,
+    device_memory_bytes,
+    manual_partition,
+    time_step,
+)
 from mp_pipeline import (
     FlowChangedError,
     PipelineRuntime,
@@ -69,7 +82,7 @@ from mp_pipeline import (
 )
 from mp_pipeline.dp import OverlappedReduction
 from mp_pipeline.structure import flatten
-from mp_pipeline.timeline import RECORDER, EventKind
+from mp_pipeline.timeline import RECORDER, EventKind, Timeline
 from mp_tensor import is_distributed_parameter, is_scaled_batch_parameter
 from mp_tensor.nn.base import DistributedModule
 
@@ -174,7 +187,7 @@ class DistributedModel(nn.Module):
         # Tensor parallelism: marked modules become their distributed versions now, at wrap time
         # (smp's order), copying the original weights into this rank's shards.
         check_delayed_init(module, cfg.tp)
-        self.module = replace_tp_modules(module) if cfg.tp > 1 else module
+        self.module = replace_tp_modules(module)  # at tp=1: whole models only (smp's GPT-2 LM head)
         # fp16/bf16 (smp's FP16_Module): the parameters in half precision; inputs cast in forward
         self._half = half_dtype(cfg.precision)
         if self._half is not None:
@@ -197,6 +210,7 @@ class DistributedModel(nn.Module):
         """The partition a partial checkpoint was saved with (loaded before the first step): used
         instead of computing one, so that the checkpoint's parts land where they were saved."""
         self._tracing = False
+        self._timer: StepTimer | None = None  # the timed step before auto-partitioning (mp_partition)
         self._in_step = False
         self._grad_scale = 1.0
         self._backward_calls = 0
@@ -214,6 +228,10 @@ class DistributedModel(nn.Module):
         self._overlap: OverlappedReduction | None = None
         self._microbatches = 1
         self._fast_mode = cfg.fast_mode
+        # sharded_data_parallel_degree > 1: FSDP2 shards the model now and reduces its gradients itself
+        self._sharded = shard_model(self.module)
+        if self._sharded is not None:
+            self._overlap_enabled = False
         if self._pp > 1:
             transport = _pipeline_transport(world)
             # static_mode: record the first steps' messages, then send them compact (mp_pipeline.static);
@@ -231,6 +249,7 @@ class DistributedModel(nn.Module):
             )
         state.model = self
         self._offloader = install_offloading(self)  # offload_activations (mp.offload)
+        self._memory_trace = install_memory_trace(self, trace_memory_usage)  # mp.memory_report
         prepare_delayed_init(self)  # a model built on the meta device: materialized after partitioning
 
     # ------------------------------------------------------------------------------ the nn.Module side
@@ -252,6 +271,8 @@ class DistributedModel(nn.Module):
     ) -> None:
         """Use instead of ``loss.backward()`` inside the step function."""
         if self._tracing:
+            if self._timer is not None:  # the timed step runs a real backward
+                self._timer.backward(tensors, grad_tensors)
             return
         if not self._in_step or current() is None:
             raise BwdExecutionNotInStepFnError(
@@ -472,6 +493,9 @@ class DistributedModel(nn.Module):
 
     def _reduce_gradients(self, params: list[nn.Parameter], dp_group: dist.ProcessGroup) -> None:
         cfg = state.require()[0]
+        if self._sharded is not None:  # FSDP2 reduce-scattered the shards' gradients in backward
+            self._sharded.reduce_persistent_grads()
+            return
         if self._comm_hook is not None:  # model.register_comm_hook (tp == 1 only)
             hook, hook_state = self._comm_hook
             reduce_with_hook(hook, hook_state, params, dp_group, self._bucket_bytes)
@@ -494,7 +518,7 @@ class DistributedModel(nn.Module):
         if self._dp_size == 1 or group is None:
             return
         tensors: list[torch.Tensor] = []
-        if first:
+        if first and self._sharded is None:  # sharded: rank 0's parameters were broadcast at wrap time
             local = list(self._local_params())
             # Shards differ between TP ranks by design: only replicas of the same shard (RDP) agree.
             shards = [p.data for p in local if is_distributed_parameter(p)]
@@ -590,7 +614,48 @@ class DistributedModel(nn.Module):
                     body(0)
             finally:
                 self._tracing = False
-        return auto_partition(self.module, self._pp, memory_weight=alpha, trace=tracer.result())
+        # Time balances the stages unless memory_weight is set (None: time, or memory where it binds).
+        return auto_partition(
+            self.module,
+            self._pp,
+            memory_weight=cfg.memory_weight,
+            trace=tracer.result(),
+            times=self._time_step(body),
+            memory_limit_bytes=device_memory_bytes(self.module, state.require()[1].info.local_size),
+            microbatches_in_flight=cfg.resolved_active_microbatches,
+        )
+
+    def _time_step(self, body: Callable[[int], Any]) -> ModuleTimes | None:
+        """Forward and backward time of every module on the first microbatch (mp_partition.timing), or
+        None if the timed step fails (the plan then balances the trace's costs)."""
+
+        def step(timer: StepTimer) -> None:
+            self._tracing, self._timer = True, timer
+            try:
+                with task_context(TaskContext(0, ("<step>",))):
+                    body(0)
+            finally:
+                self._tracing, self._timer = False, None
+
+        try:
+            return time_step(self.module, step)
+        except Exception:
+            log.warning("timing the step for auto-partitioning failed; balancing traced costs", exc_info=True)
+            return None
+
+    def note_timeline(self, timeline: Timeline) -> None:
+        """Adds each stage's measured seconds per microbatch (from a merged pipeline timeline) to the
+        plan, beside the predicted ones (smp.timeline.stop calls it on the rank holding the plan)."""
+        if self.plan is None or self.plan.num_partitions != self._pp:
+            return
+        topo = state.require()[2]
+        per_stage: list[list[float]] = [[] for _ in range(self._pp)]
+        for rank in timeline.ranks:
+            seconds = timeline.stage_time_s(rank)
+            if seconds is not None:
+                per_stage[topo.coords(rank).pp_rank].append(seconds)
+        measured = [sum(v) / len(v) if v else None for v in per_stage]
+        self.plan = self.plan.with_measured_times(measured)
 
     def _apply_assignment(self) -> None:
         for name, p in self.module.named_parameters():
@@ -713,6 +778,8 @@ class DistributedModel(nn.Module):
     def local_state_dict(self, *args: Any, cast_to_cpu: bool = True, **kwargs: Any) -> dict[str, Any]:
         """This rank's part of the model's state (its stage, its TP shards), with ``_smp_is_partial``,
         the partition (``_smp_partition``, pp > 1) and, with TP shards, the layout (``_smp_layout``)."""
+        if self._sharded is not None:  # this rank's shards (mp.sharded)
+            return sharded_local_state_dict(self._sharded)
         out: dict[str, Any] = OrderedDict()
         for key, value in self.module.state_dict(keep_vars=False).items():
             if self._owner(key) != self._pp_rank:
@@ -745,7 +812,9 @@ class DistributedModel(nn.Module):
         gathers = any(True for _ in self.distributed_modules()) or (self._partitioned and self._pp > 1)
         if keep_vars and not gathers:
             return OrderedDict((prefix + k, v) for k, v in self.module.state_dict(keep_vars=True).items())
-        merged = full_state_dict(self, cast_to_cpu)
+        merged = (
+            full_state_dict(self, cast_to_cpu) if self._sharded is None else self._sharded.full_state_dict()
+        )
         out: dict[str, Any] = destination if destination is not None else OrderedDict()
         out.update((prefix + k, v) for k, v in merged.items())
         return out
@@ -775,6 +844,11 @@ class DistributedModel(nn.Module):
         saved_layout = sd.pop("_smp_layout", None)
         if sd and all(k.startswith("module.") for k in sd):
             sd = {k[len("module.") :]: v for k, v in sd.items()}
+        if self._sharded is not None:
+            if partial:
+                sd["_smp_sdp_layout"] = sd.get("_smp_sdp_layout", state_dict.get("_smp_sdp_layout"))
+                return load_sharded_local_state_dict(self._sharded, sd)
+            return self._sharded.load_full_state_dict(sd, strict)
         if not partial:
             return load_full_state_dict(self, sd, strict)
         if isinstance(saved_layout, dict):

@@ -342,6 +342,11 @@ def DistributedOptimizer(
         from mp.zero import shard_optimizer_state
 
         shard_optimizer_state(optimizer)
+    sharding = getattr(state.model, "_sharded", None)
+    if sharding is not None:  # sharded data parallelism: clip in step(), DCP state dicts (mp.sharded)
+        from mp.sharded import shard_optimizer
+
+        shard_optimizer(optimizer, sharding)
     if cfg.precision != "fp32":
         from mp.precision import bit16_optimizer
 

@@ -1,0 +1,187 @@
+"""``sharded_data_parallel_degree`` > 1: smp's sharded data parallelism, wired from ``mp_memory.sharded``
+(FSDP2's ``fully_shard``).
+
+``smp.DistributedModel`` shards the model at wrap time (``shard_model``); the optimizer must be made
+afterwards on ``model.parameters()`` (smp's order). ``smp.DistributedOptimizer`` then clips gradients by
+``sdp_gradient_clipping`` inside ``optimizer.step()`` (smp's behaviour under sharding), and its state
+dicts go through torch.distributed.checkpoint: ``state_dict()`` is the full state keyed by parameter
+names, ``local_state_dict()`` this rank's shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from mp.errors import IncompatibleCheckpointFoundError, SMPValidationError
+from mp.state import state
+from mp_comm import GroupKind
+from mp_memory.sharded import (
+    ShardedDataParallel,
+    ShardingConfig,
+    ShardingError,
+    clip_grad_norm,
+    load_local_optimizer_state,
+    local_optimizer_state,
+)
+
+__all__ = ["partial_file_names", "shard_model", "shard_optimizer", "sharding_of"]
+
+_LAYOUT_KEY = "_smp_sdp_layout"
+
+
+def sharding_of(model: Any) -> ShardedDataParallel | None:
+    """The sharding of a DistributedModel under sharded data parallelism (else None)."""
+    found: ShardedDataParallel | None = getattr(model, "_sharded", None)
+    return found
+
+
+def shard_model(module: nn.Module) -> ShardedDataParallel | None:
+    """Shard ``module`` in place if the config asks for it (collective over the world)."""
+    cfg, world, topo = state.require()
+    degree = cfg.sharded_data_parallel_degree
+    if degree == 1:
+        return None
+    dp = topo.size(GroupKind.DP)
+    info = world.info
+    if info.num_nodes > 1 and degree > info.local_size:
+        # FSDP2 all-gathers flat over the shard group; smp all-gathered within each node first.
+        raise SMPValidationError(
+            f"sharded_data_parallel_degree={degree} spans nodes of {info.local_size} ranks: mp's all-gather "
+            "(FSDP2's) runs flat over the shard group, not node-local first as 'sdp_hierarchical_allgather' "
+            f"asks. Expected a degree <= {info.local_size} (ranks per node), so that each shard group's "
+            "all-gather stays within a node and only replicas talk across nodes. Fix: set "
+            f"'sharded_data_parallel_degree' to {info.local_size} or a divisor of it"
+        )
+    devices = {p.device.type for p in module.parameters()}
+    config = ShardingConfig(
+        degree=degree,
+        replicas=dp // degree,
+        persistence_threshold=cfg.sdp_param_persistence_threshold,
+        max_live_parameters=None
+        if cfg.sdp_max_live_parameters == 1_000_000_000
+        else cfg.sdp_max_live_parameters,
+        device_type="cuda" if "cuda" in devices else "cpu",
+    )
+    try:
+        return ShardedDataParallel(module, config, state.process_groups[GroupKind.DP])
+    except ShardingError as exc:
+        raise SMPValidationError(str(exc)) from None
+
+
+def partial_file_names(model: Any) -> tuple[str, str, bool] | None:
+    """(model file, optimizer file, whether this rank writes them) of a partial checkpoint under
+    sharding: one pair per shard index, written by the first replica's ranks. None without sharding."""
+    sharding = sharding_of(model)
+    if sharding is None:
+        return None
+    degree = sharding.config.degree
+    dp_rank = state.require()[2].rank_in_group(GroupKind.DP, state.require()[1].rank)
+    shard = dp_rank % degree
+    name = f"sdp{shard}of{degree}"
+    return f"model_{name}.pt", f"optimizer_{name}.pt", dp_rank < degree
+
+
+def local_state_dict(sharding: ShardedDataParallel) -> dict[str, Any]:
+    out: dict[str, Any] = dict(sharding.local_state_dict())
+    out["_smp_is_partial"] = True
+    out[_LAYOUT_KEY] = _layout(sharding)
+    return out
+
+
+def load_local_state_dict(sharding: ShardedDataParallel, sd: dict[str, Any]) -> None:
+    _check_layout(sharding, sd.pop(_LAYOUT_KEY, None), "model")
+    try:
+        sharding.load_local_state_dict(sd)
+    except ShardingError as exc:
+        raise IncompatibleCheckpointFoundError(str(exc)) from None
+
+
+def _layout(sharding: ShardedDataParallel) -> dict[str, int]:
+    _, world, topo = state.require()
+    degree = sharding.config.degree
+    return {"degree": degree, "shard": topo.rank_in_group(GroupKind.DP, world.rank) % degree}
+
+
+def _check_layout(sharding: ShardedDataParallel, saved: Any, what: str) -> None:
+    here = _layout(sharding)
+    if saved != here:
+        raise IncompatibleCheckpointFoundError(
+            f"the partial {what} state holds the shards of {saved!r} (sharded_data_parallel_degree and shard "
+            f"index); this rank holds {here}. Fix: load it with the degree it was saved with, or save and "
+            "load the full state (model.state_dict(), optimizer.state_dict(), or partial=False)"
+        )
+
+
+@contextlib.contextmanager
+def _torch_methods(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """torch.distributed.checkpoint calls the optimizer's own ``state_dict``/``load_state_dict``/``step``:
+    hide mp's per-object versions from it meanwhile."""
+    saved = {k: optimizer.__dict__.pop(k) for k in _PATCHED if k in optimizer.__dict__}
+    try:
+        yield
+    finally:
+        optimizer.__dict__.update(saved)
+
+
+_PATCHED = ("state_dict", "load_state_dict", "step")
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer, sharding: ShardedDataParallel) -> None:
+    """Clip in ``step()`` and save/load through torch.distributed.checkpoint (module docstring)."""
+    cfg = state.require()[0]
+    live = {id(p) for p in sharding.module.parameters()}
+    stale = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in live]
+    if stale:
+        raise SMPValidationError(
+            f"smp.DistributedOptimizer got an optimizer over {len(stale)} tensors that are not the sharded "
+            "model's parameters (made before smp.DistributedModel, which replaces them by their shards "
+            "under sharded_data_parallel_degree > 1). Fix: build the optimizer after wrapping, on "
+            "model.parameters()"
+        )
+    step = optimizer.step
+    max_norm = float(cfg.sdp_gradient_clipping)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+
+    def sharded_step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
+        if max_norm > 0:  # smp: under sharded data parallelism the library clips, inside step()
+            clip_grad_norm(params, max_norm)
+        return step(closure)
+
+    def clip_master_grads(self: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> Any:
+        if norm_type != 2.0:
+            raise SMPValidationError(
+                f"clip_master_grads(norm_type={norm_type!r}) under sharded data parallelism: expected 2.0"
+            )
+        return clip_grad_norm(params, max_norm).float()
+
+    def state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
+        with _torch_methods(self):
+            return sharding.full_optimizer_state_dict(self)
+
+    def local_state_dict(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        sd = local_optimizer_state(self)
+        sd["_smp_is_partial"] = True
+        sd[_LAYOUT_KEY] = _layout(sharding)
+        return sd
+
+    def load_state_dict(self: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+        sd = dict(sd)
+        if sd.pop("_smp_is_partial", False):
+            _check_layout(sharding, sd.pop(_LAYOUT_KEY, None), "optimizer")
+            load_local_optimizer_state(self, sd)
+            return
+        with _torch_methods(self):
+            sharding.load_full_optimizer_state_dict(self, sd)
+
+    optimizer.step = types.MethodType(sharded_step, optimizer)  # type: ignore[method-assign]
+    optimizer.clip_master_grads = types.MethodType(clip_master_grads, optimizer)  # type: ignore[attr-defined]
+    optimizer.state_dict = types.MethodType(state_dict, optimizer)  # type: ignore[method-assign]
+    optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
+    for name in ("local_state_dict", "local_optimizer_state_dict"):
+        setattr(optimizer, name, types.MethodType(local_state_dict, optimizer))
