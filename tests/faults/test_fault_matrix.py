@@ -1,13 +1,17 @@
 """Faults injected into real multi-process jobs end them fast, name the rank, and leave nothing behind.
 
 Each case runs tests/faults/_fault_job.py (3 training steps) on 2 ranks under mp-launch with one fault
-(docs/faults.md has the matrix and the bounds): SIGKILL, SIGSTOP or an exception, on one rank, at
-init, forward, backward or the optimizer step, in a pp=2 pipeline, a tp=2 job and a dp=2 job. A job
-must exit non-zero within `BOUND` seconds of the fault (`STOPPED + BOUND` for SIGSTOP, which
-mp-launch's liveness probe ends after MP_LAUNCH_STOPPED_TIMEOUT), mp-launch must name the rank (and,
-for an exception, the rank's traceback shows the phase), and no process of the job may remain.
+(docs/faults.md has the matrix and the bounds): SIGKILL, SIGSTOP, an exception or a slow rank, on one
+rank, before smp.init, at init, forward, backward or the optimizer step, in a pp=2 pipeline, a tp=2
+job and a dp=2 job. A failing job must exit non-zero within `BOUND` seconds of the fault; a stopped
+rank is found by the ranks' heartbeat (MP_HEARTBEAT_TIMEOUT, `HEARTBEAT` here), which names it with
+its pp/tp/rdp ranks, host and PID and says what the other rank was waiting for, within `HEARTBEAT +
+BOUND`; a rank stopped before smp.init (no heartbeat yet) by mp-launch's probe `STOPPED_MARGIN`
+later. mp-launch must name the rank (and, for an exception, the rank's traceback shows the phase),
+and no process of the job may remain. A rank that sleeps twice the heartbeat timeout while alive
+must not be taken for a stopped one: that job finishes and exits 0.
 
-Cost: about 10 s a case on the 2-core CI machine (most of it starting torch on 2 ranks), 7 cases.
+Cost: about 10-15 s a case on the 2-core CI machine (most of it starting torch on 2 ranks).
 """
 
 from __future__ import annotations
@@ -22,19 +26,34 @@ from pathlib import Path
 
 import pytest
 
+from mp.launch import STOPPED_MARGIN
+
 JOB = Path(__file__).with_name("_fault_job.py")
-BOUND = 15.0  # seconds from the fault to the job's end (kill, exception)
-STOPPED = 5.0  # MP_LAUNCH_STOPPED_TIMEOUT in these tests (default 30 s)
+BOUND = 15.0  # seconds from the fault to the job's end (kill, exception), and beyond a timeout (stop)
+HEARTBEAT = 5.0  # MP_HEARTBEAT_TIMEOUT in these tests (default 30 s)
 
 CASES = [
     # (pp, tp, rank, phase, kind)
     (2, 1, 1, "forward", "raise"),
     (2, 1, 1, "backward", "kill"),
-    (2, 1, 0, "step", "stop"),
     (2, 1, 0, "init", "kill"),
     (1, 2, 1, "forward", "kill"),
     (1, 1, 0, "backward", "raise"),
+    # SIGSTOP, found by the heartbeat: every phase of a step, in each kind of parallelism
+    (2, 1, 1, "forward", "stop"),
+    (2, 1, 1, "backward", "stop"),
+    (2, 1, 0, "step", "stop"),
+    (1, 2, 1, "forward", "stop"),
+    (1, 2, 0, "backward", "stop"),
+    (1, 2, 1, "step", "stop"),
+    (1, 1, 0, "forward", "stop"),
+    (1, 1, 1, "backward", "stop"),
     (1, 1, 1, "step", "stop"),
+    # SIGSTOP before smp.init (no heartbeat yet): mp-launch's probe
+    (2, 1, 0, "preinit", "stop"),
+    # alive but slow: never ended
+    (2, 1, 1, "forward", "slow"),
+    (1, 1, 0, "backward", "slow"),
 ]
 
 
@@ -66,7 +85,8 @@ def test_a_fault_ends_the_job_fast_and_names_the_rank(
         "MP_FAULT": f"{rank}:{phase}:{kind}",
         "MP_TEST_PP": str(pp),
         "MP_TEST_TP": str(tp),
-        "MP_LAUNCH_STOPPED_TIMEOUT": str(STOPPED),
+        "MP_HEARTBEAT_TIMEOUT": str(HEARTBEAT),
+        "MP_TEST_SLOW": str(2 * HEARTBEAT),
         "MP_PIPELINE_TIMEOUT": "120",  # longer than the bounds: the probe, not this timeout, must end it
         "OMP_NUM_THREADS": "1",
     }
@@ -81,10 +101,18 @@ def test_a_fault_ends_the_job_fast_and_names_the_rank(
     output = proc.stdout + proc.stderr
     injected = re.search(rf"rank {rank}: injecting {kind} at {phase} t=([0-9.]+)", output)
     assert injected, output
+    took = ended - float(injected.group(1))
+    if kind == "slow":
+        assert proc.returncode == 0, output
+        assert "rank 0 finished" in output and "rank 1 finished" in output, output
+        assert "stopped answering" not in output, output
+        assert not _leftovers(job.name), _leftovers(job.name)
+        return
     assert proc.returncode != 0, output
     assert "finished" not in output, output
-    took = ended - float(injected.group(1))
-    bound = BOUND + (STOPPED if kind == "stop" else 0.0)
+    bound = BOUND
+    if kind == "stop":
+        bound += HEARTBEAT + (STOPPED_MARGIN if phase == "preinit" else 0.0)
     assert took < bound, f"the job ended {took:.1f} s after the fault (bound {bound:g} s)\n{output}"
     if kind == "raise":
         # the rank that raised, or (pipeline) the rank that got its error as a RemoteExecutionError,
@@ -95,9 +123,20 @@ def test_a_fault_ends_the_job_fast_and_names_the_rank(
         # the first rank seen dead on this host, with its PID and host: usually the one killed, but under
         # load possibly one that mpiexec killed right after it (docs/faults.md)
         assert re.search(r"rank \d \(PID \d+", proc.stderr), output
-    else:
+    elif phase == "preinit":
         # printed when the probe ends the job (a peer's error report may then come first)
         assert re.search(rf"rank {rank} \(PID \d+ on host \S+\) has been stopped \(SIGSTOP\)", output), output
         assert f"--- rank {1 - rank} was doing ---" in output, output  # the other rank's threads
+    else:
+        # the heartbeat: the silent rank with its coordinates, host and PID, and what the other was doing
+        named = rf"rank {rank} \(pp_rank \d, tp_rank \d, rdp_rank \d; host \S+, PID \d+\)"
+        assert re.search(rf"mp-launch: {named} stopped answering", proc.stderr), output
+        other = re.search(rf"\n  rank {1 - rank} \(pp_rank .*\), now: (.*)", proc.stderr)
+        assert other, output
+        assert other.group(1).startswith(("waiting for", "no wait registered")), output
+        assert "main thread at" in other.group(1), output
+        if pp == 2 and rank == 1 and phase != "step":
+            # pp_rank 0 waits for the stopped stage's response, and says so
+            assert "response of module" in other.group(1) and "from rank 1" in other.group(1), output
     time.sleep(1.0)  # mpiexec's last kills
     assert not _leftovers(job.name), _leftovers(job.name)

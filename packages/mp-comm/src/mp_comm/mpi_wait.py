@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from mp_comm import waits
+
 __all__ = ["ENV", "WaitPolicy", "complete"]
 
 ENV: Final = "MP_COMM_WAIT"
@@ -55,17 +57,21 @@ POLICY: Final = WaitPolicy.from_env()
 
 def complete(request: Any, nbytes: int, policy: WaitPolicy = POLICY) -> None:
     """Wait until the MPI ``request`` (a collective moving about ``nbytes`` per rank) completes."""
-    if policy.mode == "spin":
-        request.Wait()
-        return
     if request.Test():
         return
-    deadline = time.perf_counter() + SPIN_BASE_S + nbytes / SPIN_BYTES_PER_S
-    while time.perf_counter() < deadline:
-        os.sched_yield()
-        if request.Test():
+    token = waits.enter(f"an MPI collective of {nbytes} bytes")  # for the heartbeat's report
+    try:
+        if policy.mode == "spin":
+            request.Wait()
             return
-    nap = SLEEP_MIN
-    while not request.Test():
-        time.sleep(nap)
-        nap = min(nap * 2, SLEEP_MAX)
+        deadline = time.perf_counter() + SPIN_BASE_S + nbytes / SPIN_BYTES_PER_S
+        while time.perf_counter() < deadline:
+            os.sched_yield()
+            if request.Test():
+                return
+        nap = SLEEP_MIN
+        while not request.Test():
+            time.sleep(nap)
+            nap = min(nap * 2, SLEEP_MAX)
+    finally:
+        waits.leave(token)

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
+from mp_comm import waits
 from mp_comm.errors import PeerTimeoutError
 from mp_comm.transport.base import ANY_SOURCE, ANY_TAG, SendHandle, Transport
 from mp_pipeline.errors import PipelineAbortedError, PipelineError, PipelineTimeoutError, collective_mismatch
@@ -188,8 +189,15 @@ class Server:
         worker = current_worker()
         if worker is not None:
             worker.state = WorkerState.PENDING
-        if not self._response_in_place(slot):
-            self.baton.switch(MAIN, slot)
+        # for the heartbeat's report of a silent rank: what this thread waits for, and from whom
+        phase = request.phase.name.lower() if isinstance(request.phase, Phase) else request.phase
+        what = f"the {phase} response of module {request.module!r} (microbatch {request.microbatch})"
+        token = waits.enter(what, dest)
+        try:
+            if not self._response_in_place(slot):
+                self.baton.switch(MAIN, slot)
+        finally:
+            waits.leave(token)
         if RECORDER.enabled:
             self._record_wait(request, dest, sent)
         if worker is not None:

@@ -14,7 +14,7 @@ from mp.config import ConfigSource, check_paths, load_config, validate_world
 from mp.config_rules import refuse_not_built
 from mp.dp_backend import check_engines, world_backend, world_port
 from mp.state import State, state
-from mp_comm import GroupKind, WorldInfo, build_topology, init_world
+from mp_comm import GroupKind, WorldInfo, build_topology, heartbeat, init_world
 from mp_comm.teardown import EXIT_TIMEOUT, Stage, at_exit
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,8 @@ def init(config: ConfigSource = None) -> None:
     state.cfg, state.world, state.topology = cfg, world, topology
     state.process_groups, state.created_groups = groups, created
     state.atp_mesh = setup_atp_mesh(cfg, world, topology)
+    me = topology.coords(world.rank)
+    heartbeat.start(world, f"pp_rank {me.pp_rank}, tp_rank {me.tp_rank}, rdp_rank {me.rdp_rank}")
     log.info("mp initialized: %s", topology.describe(with_groups=False).splitlines()[0])
 
 
@@ -103,6 +105,7 @@ def _release(transport_timeout: float | None = None) -> None:
         atp.destroy_mesh()
     for pg in state.created_groups:
         dist.destroy_process_group(pg)
+    heartbeat.stop()  # before the world: its peers stop watching a rank that ends normally
     if world is not None:
         world.shutdown()
     fresh = State()

@@ -33,15 +33,31 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 FAILURE_DIR_ENV = "MP_LAUNCH_FAILURE_DIR"
 RANK_MAIN = Path(__file__).with_name("_rank_main.py")
 BIND_CHOICES = ("auto", "none")
-STOPPED_TIMEOUT_ENV = "MP_LAUNCH_STOPPED_TIMEOUT"
-DEFAULT_STOPPED_TIMEOUT = 30.0
-"""Seconds a rank may stay stopped (SIGSTOP, a frozen container) before mp-launch ends the job. A slow
-rank keeps running (state R or S) and is never ended by this; a stopped one makes no progress at all,
-and its peers would otherwise wait for it until MP_PIPELINE_TIMEOUT (300 s) without naming it."""
+HEARTBEAT_ENV = "MP_HEARTBEAT_TIMEOUT"
+DEFAULT_HEARTBEAT_TIMEOUT = 30.0
+STOPPED_MARGIN = 5.0
+"""mp-launch's own probe ends a rank stopped (SIGSTOP, state T) on its host this long after the ranks'
+heartbeat (mp_comm.heartbeat, MP_HEARTBEAT_TIMEOUT) would have: it is the backstop for a rank stopped
+before smp.init started the heartbeat, while the heartbeat's report, which names every rank's wait,
+comes first. A slow rank keeps running (state R or S) and is never ended by either."""
+
+
+def default_stopped_timeout(environ: dict[str, str] | None = None) -> float:
+    """MP_HEARTBEAT_TIMEOUT (default 30 s) plus the margin; 0 (off) when the heartbeat is off."""
+    raw = (os.environ if environ is None else environ).get(HEARTBEAT_ENV, "").strip()
+    try:
+        heartbeat = float(raw) if raw else DEFAULT_HEARTBEAT_TIMEOUT
+    except ValueError:
+        raise LaunchError(
+            f"{HEARTBEAT_ENV}={raw!r} is not a number of seconds; expected a number >= 0 "
+            f"(default {DEFAULT_HEARTBEAT_TIMEOUT:g}, 0 turns hang detection off)."
+        ) from None
+    return heartbeat + STOPPED_MARGIN if heartbeat > 0 else 0.0
 
 
 class LaunchError(SystemExit):
@@ -188,9 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--stopped-timeout",
         type=float,
-        default=float(os.environ.get(STOPPED_TIMEOUT_ENV, DEFAULT_STOPPED_TIMEOUT)),
+        default=None,
         help="end the job when a rank on this host stays stopped (SIGSTOP, state T) this many seconds "
-        f"(default {DEFAULT_STOPPED_TIMEOUT:g}, or ${STOPPED_TIMEOUT_ENV}; 0 turns it off)",
+        f"(default: ${HEARTBEAT_ENV}, {DEFAULT_HEARTBEAT_TIMEOUT:g} unless set, plus {STOPPED_MARGIN:g}; "
+        "0 turns it off)",
     )
     parser.add_argument("--tag-output", action="store_true", help="prefix every output line with its rank")
     parser.add_argument("-m", dest="module", help="run a module (like python -m) instead of a script")
@@ -228,9 +245,14 @@ def build_command(
 
 
 def _report_failures(failure_dir: Path) -> int | None:
-    reports = sorted(failure_dir.glob("rank-*.json"), key=lambda p: p.stat().st_mtime)
+    reports = sorted(
+        [*failure_dir.glob("rank-*.json"), *failure_dir.glob("hang-*.json")], key=lambda p: p.stat().st_mtime
+    )
     if not reports:
         return None
+    if reports[0].name.startswith("hang-"):
+        return _report_hang(json.loads(reports[0].read_text()))
+    reports = [p for p in reports if p.name.startswith("rank-")]
     first = json.loads(reports[0].read_text())
     others = [json.loads(p.read_text())["rank"] for p in reports[1:]]
     print(
@@ -242,8 +264,21 @@ def _report_failures(failure_dir: Path) -> int | None:
     return int(first["code"]) or 1
 
 
+def _report_hang(entry: dict[str, Any]) -> int:
+    """A rank's heartbeat found peers silent (mp_comm.heartbeat): name them, then its full report."""
+    names = ", ".join(entry["names"])
+    print(
+        f"\nmp-launch: {names} stopped answering (no heartbeat; noticed by rank {entry['rank']}); all ranks "
+        f"were stopped.\n{entry['report']}",
+        file=sys.stderr,
+    )
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.stopped_timeout is None:
+        args.stopped_timeout = default_stopped_timeout()
     mpiexec = find_mpiexec(args.mpiexec)
     cpu_sets = placement(args.bind, args.nprocs, mpiexec, hosts=args.hosts)
     cmd = build_command(args, mpiexec, cpu_sets)
@@ -355,7 +390,8 @@ class _DeathWatch:
                 self.stopped = (rank, pid, now - first)
                 print(
                     f"\nmp-launch: rank {rank} (PID {pid} on host {socket.gethostname()}) has been stopped "
-                    f"(SIGSTOP) for {now - first:.0f} s; ending the job ({STOPPED_TIMEOUT_ENV}).",
+                    f"(SIGSTOP) for {now - first:.0f} s; ending the job ({HEARTBEAT_ENV} + "
+                    f"{STOPPED_MARGIN:g} s).",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Final
 
 import torch
 
+from mp_comm import waits
 from mp_comm.errors import PeerTimeoutError
 from mp_comm.message import Tag
 
@@ -148,6 +149,9 @@ class Mailbox:
             if found is not None:  # already here: no waiting, no polling
                 return found
             self.waiters += 1
+        # for the heartbeat's report (mp_comm.waits): what this thread waits for, and from whom
+        what = "a message" if tag is ANY_TAG else f"a message with tag {tag!r}"
+        token = waits.enter(what, None if source == ANY_SOURCE else source)
         spin = config.spin_time if config is not None else 0.0
         first_nap = config.poll_min if config is not None else 1e-3
         longest_nap = config.poll_max if config is not None else 1e-3
@@ -182,6 +186,7 @@ class Mailbox:
                         continue
                 _pause(config)
         finally:
+            waits.leave(token)
             with self._cond:
                 self.waiters -= 1
 
