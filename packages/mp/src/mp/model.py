@@ -791,7 +791,7 @@ class DistributedModel(nn.Module):
             sd = {k[len("module.") :]: v for k, v in sd.items()}
         if self._sharded is not None:
             if partial:
-                sd["_smp_sdp_layout"] = sd.get("_smp_sdp_layout", state_dict.get("_smp_sdp_layout"))
+                sd["_smp_layout"] = saved_layout  # the shard layout, checked by mp.sharded
                 return load_sharded_local_state_dict(self._sharded, sd)
             return self._sharded.load_full_state_dict(sd, strict)
         if not partial:

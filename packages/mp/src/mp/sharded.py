@@ -32,7 +32,7 @@ from mp_memory.sharded import (
 
 __all__ = ["partial_file_names", "shard_model", "shard_optimizer", "sharding_of"]
 
-_LAYOUT_KEY = "_smp_sdp_layout"
+_LAYOUT_KEY = "_smp_layout"  # the checkpoint files' layout entry (mp_memory.checkpoint)
 
 
 def sharding_of(model: Any) -> ShardedDataParallel | None:
@@ -105,7 +105,7 @@ def load_local_state_dict(sharding: ShardedDataParallel, sd: dict[str, Any]) -> 
 def _layout(sharding: ShardedDataParallel) -> dict[str, int]:
     _, world, topo = state.require()
     degree = sharding.config.degree
-    return {"degree": degree, "shard": topo.rank_in_group(GroupKind.DP, world.rank) % degree}
+    return {"sdp_degree": degree, "sdp_shard": topo.rank_in_group(GroupKind.DP, world.rank) % degree}
 
 
 def _check_layout(sharding: ShardedDataParallel, saved: Any, what: str) -> None:
