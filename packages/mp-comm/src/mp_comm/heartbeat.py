@@ -129,6 +129,7 @@ class Heartbeat:
         self._heard = {r: _Heard(time.monotonic()) for r in near}
         self._gone: set[int] = set()
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()  # `stop` wakes the thread at once (a rank's exit waits on it)
         self._thread = threading.Thread(target=self._run, name="mp-heartbeat", daemon=True)
 
     def start(self) -> Heartbeat:
@@ -140,11 +141,14 @@ class Heartbeat:
         if self._stop.is_set():
             return
         self._stop.set()
+        os.write(self._wake_w, b"x")
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(2 * self.interval + 1.0)
         with contextlib.suppress(OSError):
             self._send({"r": self.rank, "k": "bye"})
         self._sock.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
     # -- the thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -187,8 +191,9 @@ class Heartbeat:
                 self._sock.sendto(data, address)
 
     def _listen(self, wait: float) -> None:
-        ready, _, _ = select.select([self._sock], [], [], wait)
-        while ready:
+        fd = self._sock.fileno()
+        ready, _, _ = select.select([fd, self._wake_r], [], [], wait)
+        while fd in ready and not self._stop.is_set():
             try:
                 data = self._sock.recv(65536)
             except BlockingIOError:
