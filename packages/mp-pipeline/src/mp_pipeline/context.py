@@ -18,9 +18,13 @@ import torch
 
 from mp_pipeline.structure import pickled_by_position
 
-__all__ = ["ExecState", "TaskContext", "applied", "capture", "current", "task_context"]
+__all__ = ["TASK_HOOKS", "ExecState", "TaskContext", "applied", "capture", "current", "task_context"]
 
 _LOCAL = threading.local()
+
+TASK_HOOKS: list[Callable[[], contextlib.AbstractContextManager[None]]] = []
+"""Context managers every task runs under, in its own thread (the umbrella's memory trace adds one to
+count the tensors saved for backward; saved-tensor hooks are per thread)."""
 
 
 @dataclass
@@ -45,18 +49,26 @@ def current() -> TaskContext | None:
 class task_context:  # lower case: used like the function it replaced
     """Run the body as ``task`` (a plain class: this runs for every request, twice per microbatch)."""
 
-    __slots__ = ("_previous", "_task")
+    __slots__ = ("_hooks", "_previous", "_task")
 
     def __init__(self, task: TaskContext) -> None:
         self._task = task
         self._previous: TaskContext | None = None
+        self._hooks: contextlib.ExitStack | None = None
 
     def __enter__(self) -> TaskContext:
         self._previous = getattr(_LOCAL, "task", None)
         _LOCAL.task = self._task
+        if TASK_HOOKS:
+            self._hooks = contextlib.ExitStack()
+            for hook in TASK_HOOKS:
+                self._hooks.enter_context(hook())
         return self._task
 
     def __exit__(self, *exc: object) -> None:
+        if self._hooks is not None:
+            self._hooks.close()
+            self._hooks = None
         _LOCAL.task = self._previous
 
 

@@ -62,6 +62,7 @@ from mp.errors import (  # smp's exception names, so scripts can catch them as s
     WorkerSizeError,
 )
 from mp.init import init, is_initialized, reset, shutdown
+from mp.memory_report import memory_report
 from mp.model import DistributedModel
 from mp.model_extras import num_microbatches
 from mp.optimizer import DistributedOptimizer
@@ -201,6 +202,7 @@ __all__ = [
     "load_config",
     "local_rank",
     "local_size",
+    "memory_report",
     "model_creation",
     "mp_barrier",
     "mp_rank",

@@ -120,7 +120,10 @@ NOTES: dict[str, tuple[Status, str]] = {
         "differs",
         "overlaps the all-reduce with backward only without tensor parallelism",
     ),
-    "DistributedModel(trace_memory_usage)": ("built", "no switch needed: the trace always records memory"),
+    "DistributedModel(trace_memory_usage)": (
+        "built",
+        "each rank logs its memory report after the first step (mp's smp.memory_report() on request)",
+    ),
     "DistributedModel(gradient_as_bucket_view)": ("differs", "True raises (the memory saving is not built)"),
     "DistributedModel(find_unused_parameters)": (
         "built",

@@ -210,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
         "0 turns it off)",
     )
     parser.add_argument("--tag-output", action="store_true", help="prefix every output line with its rank")
+    parser.add_argument(
+        "--memory-report",
+        action="store_true",
+        help="each rank prints its memory (parameters, gradients, optimizer state, peak activations) after "
+        "the first step (sets MP_MEMORY_REPORT=1, see smp.memory_report)",
+    )
     parser.add_argument("-m", dest="module", help="run a module (like python -m) instead of a script")
     parser.add_argument("script_and_args", nargs=argparse.REMAINDER, help="script path and its arguments")
     return parser
@@ -284,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd = build_command(args, mpiexec, cpu_sets)
     env = dict(os.environ)
     env.update(_config_env(args.config))
+    if args.memory_report:
+        env["MP_MEMORY_REPORT"] = "1"  # read by mp.memory_report in every rank
     if cpu_sets and "OMP_NUM_THREADS" not in env and "MP_NUM_THREADS" not in env:
         # A rank runs a thread per core of its own (smp.init would otherwise count its hardware threads).
         env["MP_NUM_THREADS"] = str(len(core_groups(cpu_sets[0])))

@@ -39,6 +39,7 @@ from mp.errors import (
     SMPRuntimeError,
     SMPValidationError,
 )
+from mp.memory_report import install_memory_trace
 from mp.model_extras import JoinState, check_constructor_args, join, reduce_with_hook, register_comm_hook
 from mp.offload import install_offloading
 from mp.optimizer import keep_local_parameters
@@ -238,6 +239,7 @@ class DistributedModel(nn.Module):
             )
         state.model = self
         self._offloader = install_offloading(self)  # offload_activations (mp.offload)
+        self._memory_trace = install_memory_trace(self, trace_memory_usage)  # mp.memory_report
         prepare_delayed_init(self)  # a model built on the meta device: materialized after partitioning
 
     # ------------------------------------------------------------------------------ the nn.Module side

@@ -53,9 +53,9 @@ def num_microbatches() -> int:
 def check_constructor_args(
     gradient_as_bucket_view: bool, find_unused_parameters: bool, trace_memory_usage: bool
 ) -> None:
-    """DistributedModel's DDP-style arguments. ``find_unused_parameters`` and ``trace_memory_usage`` need
-    nothing: mp always handles parameters a step leaves unused (their gradient stays None, or zero
-    where another replica used them) and its trace always records each module's activation memory.
+    """DistributedModel's DDP-style arguments. ``find_unused_parameters`` needs nothing: mp always
+    handles parameters a step leaves unused (their gradient stays None, or zero where another replica
+    used them). ``trace_memory_usage`` is checked here and acted on by mp.memory_report.
     ``gradient_as_bucket_view=True`` (gradients as views into the all-reduce buckets) is not built."""
     if gradient_as_bucket_view:
         raise SMPUnsupportedError(
