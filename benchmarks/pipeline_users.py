@@ -168,12 +168,14 @@ class Torch:
 class Mp:
     """mp as a user runs it: default config but for pp and microbatches, the model wrapped as is."""
 
-    def __init__(self, case: Any, base: dict[str, Any], rank: int, *, m: int) -> None:
+    def __init__(self, case: Any, base: dict[str, Any], rank: int, *, m: int, extra: dict[str, Any]) -> None:
         import torch
 
         import mp as smp
 
-        smp.init({"pipeline_parallel_degree": P, "microbatches": m})
+        smp.init({"pipeline_parallel_degree": P, "microbatches": m, **extra})
+        # static and fast mode replay from the step after their recording: warm up past it untimed
+        self.warmup = 7 if extra.get("static_mode") or extra.get("fast_mode") else 0
         net = case.build()
         net.load_state_dict(base)
         self.model = smp.DistributedModel(net)
@@ -194,7 +196,11 @@ class Mp:
         self.opt.zero_grad(set_to_none=True)
         return loss
 
-    first_step = step
+    def first_step(self) -> float:
+        loss = self.step()
+        for _ in range(self.warmup):
+            self.step()
+        return loss
 
     def partition(self) -> dict[str, int]:
         """Where execution crosses ranks: each module whose pp_rank differs from its parent's."""
@@ -279,6 +285,8 @@ def markdown(out: dict[str, Any]) -> str:
     ]
     for model, info in out["models"].items():
         lines += ["", f"## {model}: {info['describe']}", ""]
+        if out["args"].get("mp_config"):
+            lines.append(f"- mp config beyond the default: `{json.dumps(out['args']['mp_config'])}`")
         for m, split in info["torch_split"].items():
             lines.append(f"- m = {m}: torch's hand split {split}; mp's partition: {info['mp_partition'][m]}")
         lines += [
@@ -329,7 +337,7 @@ def _build(run: Run, case: Any, base: dict[str, Any], m: int, cut: int) -> dict[
         "single 2 threads": Single(case, base, rank, m=1, threads=2),
         "torch GPipe": Torch(case, base, rank, m=m, cut=cut, schedule="GPipe"),
         "torch 1F1B": Torch(case, base, rank, m=m, cut=cut, schedule="1F1B"),
-        "mp": Mp(case, base, rank, m=m),
+        "mp": Mp(case, base, rank, m=m, extra=run.args.mp_config),
     }
     first = {s: run.comm.allgather(r.first_step()) for s, r in runners.items()}
     losses = {s: next((v for v in got if v is not None), None) for s, got in first.items()}
@@ -408,6 +416,12 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny models, m = 4, 1 round of 1 step")
     parser.add_argument("--timeline", action="store_true", help="also write mp's timeline of each (model, m)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: results/)")
+    parser.add_argument(
+        "--mp-config",
+        type=json.loads,
+        default={},
+        help='extra smp config keys for mp, as JSON (e.g. \'{"fast_mode": true}\'); default: none',
+    )
     args = parser.parse_args()
     if not under_mpi():
         sys.exit(relaunch(__file__, RANKS))

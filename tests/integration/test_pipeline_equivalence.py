@@ -68,7 +68,7 @@ def train_and_compare(
         return loss
 
     losses = []
-    compact = shortcuts = handoffs = 0
+    compact = shortcuts = handoffs = posted = 0
     for s in range(steps):
         out = train_step(*batch(name, s, smp.dp_rank()))
         assert len(out.outputs) == microbatches
@@ -79,6 +79,7 @@ def train_and_compare(
             compact += model._runtime.last_stats["compact_sent"]
             shortcuts += model._runtime.last_stats["shortcuts"]
             handoffs += model._runtime.last_stats["handoffs"]
+            posted += model._runtime.last_stats["posted"]
     state = model.state_dict()
     ref_losses, ref_state = reference(
         name, microbatches=microbatches, replicas=smp.dp_size(), layers=layers, steps=steps
@@ -98,6 +99,7 @@ def train_and_compare(
         "compact_sent": compact,
         "shortcuts": shortcuts,
         "handoffs": handoffs,
+        "posted": posted,
     }
 
 
@@ -196,10 +198,12 @@ def test_static_and_fast_mode_equal_plain_pytorch(worlds: Any, mode: str, name: 
     # rank 0 calls the modules on rank 1; the shortcut is fast mode's only
     shortcuts, handoffs = results[0]["shortcuts"], results[1]["handoffs"]
     if mode == "static":
-        assert shortcuts == handoffs == 0, results
+        assert shortcuts == handoffs == results[0]["posted"] == 0, results
     elif name == "gpt2":  # blocks on rank 1 called one after another (T5's decoder is one call)
         assert shortcuts > 0, results[0]
         assert handoffs > 0, results[1]  # block outputs stay on rank 1 from the second step on
+        # from the third step on, rank 0 posts those blocks' calls instead of awaiting each response
+        assert results[0]["posted"] > 0, results[0]
 
 
 def branch_change(world: Any, mode: str) -> dict[str, Any]:
@@ -482,7 +486,7 @@ def relay_fast(world: Any, rewire_at: int | None, rewire: str = "") -> dict[str,
     net = Relay()
     model, opt, train_step = fast_trainer(net, 4, RELAY_OWNERS, microbatches)
 
-    losses, handoffs, moved, error = [], [], [], None
+    losses, handoffs, posted, moved, error = [], [], [], [], None
     for s, (x, y) in enumerate(data):
         net.rewire = rewire if s == rewire_at else ""
         try:
@@ -494,6 +498,7 @@ def relay_fast(world: Any, rewire_at: int | None, rewire: str = "") -> dict[str,
         opt.zero_grad()
         assert model._runtime is not None
         handoffs.append(model._runtime.last_stats["handoffs"])
+        posted.append(model._runtime.last_stats["posted"])
         moved.append(model._runtime.last_stats["tensor_bytes"])
     return {
         "rank": smp.rank(),
@@ -501,6 +506,7 @@ def relay_fast(world: Any, rewire_at: int | None, rewire: str = "") -> dict[str,
         "ref_losses": ref_losses,
         "params": first_difference(model.state_dict(), ref.state_dict()) if error is None else None,
         "handoffs": handoffs,
+        "posted": posted,
         "moved": moved,
         "error": error,
     }
@@ -519,6 +525,10 @@ def test_fast_mode_hands_outputs_from_child_to_child_across_ranks(worlds: Any) -
     by_rank = {r["rank"]: r["handoffs"] for r in results}
     assert by_rank[0] == by_rank[3] == [0] * len(by_rank[0])
     assert by_rank[1] == by_rank[2] == [0] + [2 * 2] * (len(by_rank[1]) - 1)
+    # from the third step (their responses carried no data in the second), rank 0 posts a's and b's
+    # forwards and backwards instead of awaiting them; it awaits c (whose output it reads) and d
+    posted = {r["rank"]: r["posted"] for r in results}[0]
+    assert posted == [0, 0] + [2 * 4] * (len(posted) - 2), posted
     # every tensor is 4x8 floats: 16 of them per microbatch in the first step (each of the 4 calls: input,
     # output, output gradient, input gradient), 12 after it (a's and b's outputs and gradients move once)
     moved = [sum(step) for step in zip(*(r["moved"] for r in results), strict=True)]

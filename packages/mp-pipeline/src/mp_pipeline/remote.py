@@ -45,6 +45,7 @@ from mp_pipeline.context import TaskContext, applied, capture, current, task_con
 from mp_pipeline.errors import FlowChangedError, NotInStepError, PipelineError, RemoteExecutionError
 from mp_pipeline.fast import CallKey, FastPlan
 from mp_pipeline.messages import Failure, Ref, Request, Response, StepId
+from mp_pipeline.posted import Predictions
 from mp_pipeline.schedule import Phase
 from mp_pipeline.structure import flatten, unflatten
 from mp_pipeline.timeline import RECORDER, EventKind
@@ -58,6 +59,11 @@ _ORIGINAL = "_mp_pipeline_original_forward"
 
 def _checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def _raise_failure(response: Response) -> None:
+    if response.failure is not None:
+        raise remote_error(response.failure)
 
 
 def remote_error(failure: Failure) -> RemoteExecutionError:
@@ -87,6 +93,7 @@ class _Link:
     __slots__ = (
         "__weakref__",
         "backward_sent",
+        "call",
         "dest",
         "grads",
         "microbatch",
@@ -110,8 +117,11 @@ class _Link:
         position: tuple[str, ...],
         n_inputs: int,
         n_outputs: int,
+        call: CallKey | None = None,
     ) -> None:
         self.remote = remote
+        self.call = call
+        """Fast mode: the call's place in the step (its backward may be posted, see Remote.predicted)."""
         self.dest = dest
         self.step = step
         self.request_id = request_id
@@ -154,9 +164,18 @@ class _Link:
             forward_id=self.request_id,
             handed=handed,
         )
+        call, predictions = self.call, self.remote.predictions
+        grad = request.state.grad_enabled
+        predicted = predictions.predicted(call, Phase.BACKWARD, grad) if call is not None else None
+        if predicted is not None and call is not None:
+            check = predictions.checker(call, Phase.BACKWARD, grad, self.module, _raise_failure)
+            server.post(self.dest, request, check)
+            return predicted.placeholders()
         response = server.call(self.dest, request)
         if response.failure is not None:
             raise remote_error(response.failure)
+        if call is not None:
+            predictions.learn(call, Phase.BACKWARD, grad, response)
         if len(response.tensors) != self.n_inputs:
             raise PipelineError(
                 f"rank {response.responder} returned {len(response.tensors)} input gradients for module "
@@ -245,6 +264,10 @@ class Remote:
         self._produced_step: StepId | None = None
         self.plan = FastPlan()
         """Fast mode: which outputs of this rank's remote calls go straight to the next module."""
+        self.predictions = Predictions()
+        """Fast mode: the responses this rank's calls may post instead of awaiting (mp_pipeline.posted)."""
+        self._forwarded: set[tuple[int, int]] = set()
+        """(requester, request_id) of the forwards run here this step (a posted consumer may come first)."""
         self._calls: dict[tuple[tuple[str, ...], int], int] = {}
         """Remote calls made in this step by position and microbatch (for their CallKey)."""
         self._taken: dict[int, weakref.ReferenceType[torch.Tensor]] = {}
@@ -329,9 +352,25 @@ class Remote:
                 refs=refs,
                 handoff=handoff,
             )
-            response = server.call(dest, request)
-            if response.failure is not None:
-                raise remote_error(response.failure)
+            grad = state.grad_enabled
+            predicted = self.predictions.predicted(call, Phase.FORWARD, grad) if call is not None else None
+            if predicted is not None and call is not None and not learning:
+                check = self.predictions.checker(call, Phase.FORWARD, grad, path, _raise_failure)
+                server.post(dest, request, check)
+                response = Response(
+                    server.step,
+                    request_id,
+                    dest,
+                    predicted.payload,
+                    predicted.placeholders(),
+                    predicted.requires_grad,
+                )
+            else:
+                response = server.call(dest, request)
+                if response.failure is not None:
+                    raise remote_error(response.failure)
+                if call is not None:
+                    self.predictions.learn(call, Phase.FORWARD, grad, response)
             outputs: list[Any] = list(response.tensors)
             wire = [i for i, r in enumerate(response.requires_grad) if r]
             if wire and state.grad_enabled:
@@ -346,6 +385,7 @@ class Remote:
                     position,
                     len(grad_inputs),
                     len(wire),
+                    call,
                 )
                 anchor = torch.empty(0, requires_grad=True)
                 token = _RemoteFunction.apply(link, anchor, *grad_inputs)  # type: ignore[no-untyped-call]
@@ -364,6 +404,7 @@ class Remote:
         self._produced.clear()
         self._calls.clear()
         self._taken.clear()
+        self._forwarded.clear()
         self._produced_step = step
         if self.shortcut:
             self.plan.begin_step()
@@ -472,6 +513,9 @@ class Remote:
             wired = [i for i, r in enumerate(out_requires) if r]
             kept = [outs[i] for i in wired]
             self.saved[(request.requester, request.request_id)] = _Saved(leaves, kept, routes)
+            if self.shortcut:
+                self._forwarded.add((request.requester, request.request_id))
+                self.server.wake(("fwd", request.requester, request.request_id, 0))
             for k, dest in request.handoff:  # fast mode: straight to the next module's owner
                 if k < len(kept):
                     if dest == self.rank:  # the consumer is here too: it takes the kept output
@@ -485,6 +529,10 @@ class Remote:
     def _kept_output(self, request: Request, forward_id: int, index: int) -> tuple[torch.Tensor, int]:
         """The output a shortcut refers to, detached, with its version counter now."""
         saved = self.saved.get((request.requester, forward_id))
+        if saved is None and (request.requester, forward_id) not in self._forwarded:
+            # the producer's forward was posted too and has not run here yet: wait for it
+            self.server.await_local(("fwd", request.requester, forward_id, 0))
+            saved = self.saved.get((request.requester, forward_id))
         if saved is None or index >= len(saved.outputs):
             raise PipelineError(
                 f"rank {self.rank} no longer keeps output {index} of forward request {forward_id} from rank "

@@ -158,10 +158,15 @@ class Server:
             "handoffs": 0,
             "tensor_bytes": 0,
             "in_place": 0,
+            "posted": 0,
         }
         self._handed: dict[tuple[str, int, int, int], torch.Tensor] = {}
         """Fast mode: tensors handed to this rank (or kept here) for a later request, by Handoff key."""
         self._awaited: dict[tuple[str, int, int, int], _Slot] = {}
+        self._ready: collections.deque[_Slot] = collections.deque()
+        """Fast mode: threads whose wait this rank's own work ended (resumed by the main thread next)."""
+        self._posted: dict[int, Callable[[Response], None]] = {}
+        """Fast mode: requests sent without waiting (see post), with the check of their response."""
         self._driver: Driver | None = None
         self._inbox: collections.deque[Any] = collections.deque()
         """Messages a thread waiting in place took for the main thread (dispatched first, in order)."""
@@ -205,13 +210,39 @@ class Server:
         assert slot.response is not None
         return slot.response
 
+    def post(self, dest: int, request: Request, check: Callable[[Response], None]) -> None:
+        """Fast mode: send ``request`` without waiting for its response, whose content the requester
+        predicted from earlier steps; ``check`` runs on the response when it arrives (it raises on a
+        failure or a wrong prediction). The step ends only after every posted request is answered."""
+        self._posted[request.request_id] = check
+        self.stats["posted"] += 1
+        if RECORDER.enabled:
+            now = RECORDER.now()
+            RECORDER.add(
+                EventKind.REQUEST,
+                rank=self.rank,
+                step=self.step.step,
+                module=request.module,
+                microbatch=request.microbatch,
+                start_ns=now,
+                end_ns=now,
+                phase=request.phase.value if isinstance(request.phase, Phase) else str(request.phase),
+                peer=dest,
+            )
+        self._send_flow(dest, request, request)
+
     def hand(self, dest: int, key: tuple[str, int, int, int], tensor: torch.Tensor) -> None:
         """Fast mode: give ``tensor`` to rank ``dest`` (this rank too) for the request that will name
         ``key`` (see mp_pipeline.fast)."""
         self.stats["handoffs"] += 1
         if dest == self.rank:
-            # the consumer on this rank asks later (its request comes after this one's response)
-            self._handed[key] = tensor
+            # the consumer here may already wait for it: its request was posted before this one ended
+            waiter = self._awaited.pop(key, None)
+            if waiter is None:
+                self._handed[key] = tensor
+            else:
+                waiter.handed = tensor
+                self._ready.append(waiter)
         elif not self.closed:
             self.stats["tensor_bytes"] += tensor.nbytes
             self._sends.append(self.transport.send(Handoff(self.step, key, tensor), dest, TAG))
@@ -227,6 +258,19 @@ class Server:
         self.pause(slot)
         assert slot.handed is not None
         return slot.handed
+
+    def await_local(self, key: tuple[str, int, int, int]) -> None:
+        """Fast mode: wait (the rank serves other work meanwhile) until this rank's own work calls
+        :meth:`wake` with ``key``."""
+        slot = _Slot()
+        self._awaited[key] = slot
+        self.pause(slot)
+
+    def wake(self, key: tuple[str, int, int, int]) -> None:
+        """Resume the thread that waits for ``key`` in :meth:`await_local`, if any."""
+        waiter = self._awaited.pop(key, None)
+        if waiter is not None:
+            self._ready.append(waiter)
 
     def _record_wait(self, request: Request, dest: int, sent: int) -> None:
         """Timeline: the request sent at ``sent`` (an instant) and this thread's wait for its response."""
@@ -257,7 +301,14 @@ class Server:
     def _polls_in_place(self) -> bool:
         """Whether the thread holding the rank may wait for the next message itself: the main thread
         would do nothing else (tasks become startable only through messages, which go to it)."""
-        if self.sequencer is not None or self.finished or self.closed or self._inbox or self._deferred:
+        if (
+            self.sequencer is not None
+            or self.finished
+            or self.closed
+            or self._inbox
+            or self._deferred
+            or self._ready
+        ):
             return False
         driver = self._driver
         return driver is None or not (driver.failure is not None or driver.done or driver.has_task())
@@ -331,12 +382,15 @@ class Server:
         try:
             for message in self._take_early():
                 self._arrived(message)
-            while not self.finished:
+            while not self.finished or self._posted:
                 if self._inbox_error is not None:
                     raise self._inbox_error
                 if driver is not None and driver.failure is not None:
                     raise driver.failure
                 if self._backward_first(driver):
+                    continue
+                if self._ready:  # a wait that this rank's own work ended (fast mode)
+                    self._lend(self._ready.popleft())
                     continue
                 if self._inbox:  # taken by a thread that waited in place: arrived before anything else
                     self._arrived(self._inbox.popleft())
@@ -356,7 +410,7 @@ class Server:
                         if task is not None:
                             self._start(driver, task)
                             continue
-                        if driver.done:
+                        if driver.done and not self._posted:
                             self._announce((FINISH,))
                             self._finish(driver)
                             break
@@ -557,6 +611,10 @@ class Server:
             self.run_job(lambda: self._serve_request(message))
         elif isinstance(message, Response):
             self.stats["responses"] += 1
+            check = self._posted.pop(message.request_id, None)
+            if check is not None:
+                check(message)
+                return
             slot = self._pending.pop(message.request_id, None)
             if slot is None:
                 log.error("rank %d: response to unknown request %d dropped", self.rank, message.request_id)
