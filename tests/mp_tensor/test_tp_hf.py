@@ -57,7 +57,7 @@ def _hf_case(world: Any, arch: str, optimize: str, impl: str) -> dict[str, Any]:
         torch.manual_seed(0)
         ref = _model(arch, impl)
         torch.manual_seed(0)
-        with tensor_parallelism():
+        with tensor_parallelism(whole_stack=False):  # GPT-2 block by block (whole: test_tp_stack.py)
             tp_model = _model(arch, impl)
         handler = _Records()
         logger = logging.getLogger("mp_tensor")

@@ -178,7 +178,7 @@ class DistributedModel(nn.Module):
         # Tensor parallelism: marked modules become their distributed versions now, at wrap time
         # (smp's order), copying the original weights into this rank's shards.
         check_delayed_init(module, cfg.tp)
-        self.module = replace_tp_modules(module) if cfg.tp > 1 else module
+        self.module = replace_tp_modules(module)  # at tp=1: whole models only (smp's GPT-2 LM head)
         # fp16/bf16 (smp's FP16_Module): the parameters in half precision; inputs cast in forward
         self._half = half_dtype(cfg.precision)
         if self._half is not None:

@@ -23,8 +23,9 @@ from mp_tensor.context import TPContext, set_context_provider
 from mp_tensor.enable import set_tensor_parallelism as _set_tensor_parallelism
 from mp_tensor.enable import tensor_parallelism
 from mp_tensor.grads import reduce_gradients
+from mp_tensor.hf.stack import whole_stack_registry
 from mp_tensor.nn.base import is_distributed_parameter, is_scaled_batch_parameter
-from mp_tensor.registry import tp_register, tp_register_with_module
+from mp_tensor.registry import default_registry, tp_register, tp_register_with_module
 from mp_tensor.replace import default_dtype, replace_modules
 from mp_tensor.state_dict import gather_state_dict, load_original_state_dict
 
@@ -96,10 +97,15 @@ def set_tensor_parallelism(module: nn.Module, enabled: bool = True, **kwargs: An
 
 
 def replace_tp_modules(model: nn.Module) -> nn.Module:
-    """Replace the marked modules of ``model`` by their distributed versions (for ``DistributedModel``)."""
+    """Replace the marked modules of ``model`` by their distributed versions (for ``DistributedModel``).
+
+    At tp=1 only whole models are replaced (a Hugging Face GPT-2 becomes smp's
+    DistributedTransformerLMHead, as in smp: mp_tensor.hf.stack); single layers stay as they are."""
     ctx = tp_context()
-    if ctx is None or not ctx.distributed:
+    if ctx is None:
         return model
+    if not ctx.distributed:
+        return replace_modules(model, ctx, registry=whole_stack_registry(default_registry))
     return replace_modules(model, ctx)
 
 

@@ -138,7 +138,11 @@ def build(block: nn.Module, ctx: TPContext, overrides: Mapping[str, Any]) -> Dis
 
 
 def registrations() -> list[Registration]:
+    """The GPT2Block entry, and the whole GPT2LMHeadModel's (mp_tensor.hf.stack, which imports this)."""
+    from mp_tensor.hf import stack
+
     return [
+        *stack.registrations(),
         Registration(
             BLOCK,
             DistributedTransformerLayer,
@@ -146,5 +150,5 @@ def registrations() -> list[Registration]:
             check=check,
             to_original=block_from_reference,
             from_original=block_to_reference,
-        )
+        ),
     ]

@@ -22,8 +22,6 @@ ACTIVATIONS = ("gelu", "relu", "gelu_new")
 
 # smp accepted these extra keys (reference/smp_api.md §3); these values are the only ones mp implements.
 _ACCEPTED_DEFAULTS: dict[str, object] = {
-    "attention_in_fp32": False,
-    "query_key_layer_scaling": False,
     "rotary_dim": None,
     "rotary_emb_base": None,
     "gpt_neox_type_rotary": False,
@@ -43,7 +41,9 @@ _ACCEPTED_DEFAULTS: dict[str, object] = {
 }
 # Accepted with any value and without effect: keys that only matter with an option refused above
 # (layer_idx with scale_attn_by_layer_idx, alibi_bias_max with use_alibi), and smp's test switch.
-_IGNORED = frozenset({"layer_idx", "alibi_bias_max", "_precision_test"})
+# ``whole_stack`` is read by the replacement of a whole Hugging Face model (mp_tensor.hf.stack);
+# ``fused_dropout`` picks smp's kernel for the same dropout, which torch's applies either way.
+_IGNORED = frozenset({"layer_idx", "alibi_bias_max", "_precision_test", "whole_stack", "fused_dropout"})
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,12 @@ class TransformerArgs:
     #: True: attention through torch's fused ``scaled_dot_product_attention`` when no attention dropout
     #: applies (eval, or ``attention_dropout_prob=0``); False: the explicit softmax (smp's unfused path).
     fused_softmax: bool = True
+    #: smp's ``attention_in_fp32`` / Megatron's ``query_key_layer_scaling`` (which implies it): the
+    #: attention scores and softmax computed in fp32 whatever the parameters' dtype, so half precision
+    #: cannot overflow there. Megatron's 1/layer scaling is undone inside its fp32 softmax, so in fp32 it
+    #: is exactly this; both are identities for fp32 models.
+    attention_in_fp32: bool = False
+    query_key_layer_scaling: bool = False
 
     @property
     def all_head_size(self) -> int:

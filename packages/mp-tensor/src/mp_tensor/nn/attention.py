@@ -55,13 +55,29 @@ def attend(
     mask_value: float,
     dropout: Any,
     fused: bool = False,
+    fp32: bool = False,
 ) -> Tensor:
     """Scaled dot-product attention of ``heads`` heads; ``q [N,Sq,heads*d]``, ``k, v [N,Sk,heads*d]``.
 
     ``fused`` (smp's ``fused_softmax``; pass it only when ``dropout`` is the identity, since the
     attention dropout must draw from the TP group's random state) runs torch's fused
-    ``scaled_dot_product_attention`` with the causal and padding masks as one additive bias.
+    ``scaled_dot_product_attention`` with the causal and padding masks as one additive bias. ``fp32``:
+    scores, softmax and context in fp32, the result cast back to ``q``'s dtype.
     """
+    if fp32 and q.dtype != torch.float32:
+        out = attend(
+            q.float(),
+            k.float(),
+            v.float(),
+            heads=heads,
+            head_size=head_size,
+            mask=None if mask is None else mask.float(),
+            causal_size=causal_size,
+            mask_value=mask_value,
+            dropout=dropout,
+            fused=fused,
+        )
+        return out.to(q.dtype)
     n, sq = q.shape[0], q.shape[1]
     sk = k.shape[1]
     qh = q.reshape(n, sq, heads, head_size).permute(0, 2, 1, 3)
@@ -206,6 +222,7 @@ class DistributedAttentionLayer(DistributedModule):
             mask_value=a.mask_value,
             dropout=drop_probs,
             fused=a.fused_softmax and not (self.training and a.attention_dropout_prob > 0),
+            fp32=a.attention_in_fp32 or a.query_key_layer_scaling,
         )
         out = F.linear(context, self.dense.weight)
         if ctx.distributed and ctx.group is not None:

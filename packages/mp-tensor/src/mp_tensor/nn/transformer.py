@@ -3,7 +3,10 @@
 A layer is an attention block, an optional cross-attention block and an output (MLP) block. The
 outermost module moves its inputs into the working layout once (an all-to-all in "memory" mode, an
 all-gather in "speed" mode, slicing or nothing with ``prescaled_batch``) and its output back, so a
-``DistributedTransformer`` of L layers exchanges samples twice, not 2L times.
+``DistributedTransformer`` of L layers exchanges samples twice, not 2L times. Its layers are still
+called as modules, through ``seq_layers`` (an ``nn.Sequential`` passing one tuple from layer to layer),
+on the working layout (their ``layout_io``): so a pipeline can run each layer on its own stage and
+activation checkpointing can wrap them, as smp's ``seq_layers`` allowed.
 """
 
 from __future__ import annotations
@@ -97,6 +100,9 @@ class DistributedTransformerLayer(DistributedModule):
                 tp=self.tp, cross_attention=True, **layer_kwargs(a, _ATTENTION_KEYS)
             )
         self.output = DistributedTransformerOutputLayer(tp=self.tp, **layer_kwargs(a, _OUTPUT_KEYS))
+        self.layout_io = False
+        """True inside a ``DistributedTransformer``: ``forward`` takes and returns the working layout (the
+        container moved the samples once for all its layers)."""
 
     def forward_layout(
         self,
@@ -112,7 +118,13 @@ class DistributedTransformerLayer(DistributedModule):
         return self.output.forward_layout(out)
 
     def forward(self, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-        return _run_layers(self, [self], inputs)
+        if not self.layout_io:
+            return _run_layers(self, inputs)
+        if self.args.add_cross_attention:
+            hidden, cross, mask, cross_mask = inputs
+            return self.forward_layout(hidden, mask, cross, cross_mask), cross, mask, cross_mask
+        hidden, mask = inputs
+        return self.forward_layout(hidden, mask), mask
 
 
 class DistributedTransformer(DistributedModule):
@@ -142,6 +154,8 @@ class DistributedTransformer(DistributedModule):
         super().__init__(tp=tp)
         self.args = a = TransformerArgs.parse(type(self).__name__, self.tp_size, _collect(locals(), kwargs))
         layers = [DistributedTransformerLayer(tp=self.tp, **layer_kwargs(a)) for _ in range(a.num_layers)]
+        for layer in layers:
+            layer.layout_io = True
         self.seq_layers = nn.Sequential(*layers)
 
     @property
@@ -155,20 +169,21 @@ class DistributedTransformer(DistributedModule):
         cross: Tensor | None = None,
         cross_mask: Tensor | None = None,
     ) -> Tensor:
-        """Every layer on the working layout."""
-        for layer in self.layers:
-            hidden = layer.forward_layout(hidden, mask, cross, cross_mask)
-        return hidden
+        """Every layer on the working layout, called through ``seq_layers``."""
+        if self.args.add_cross_attention:
+            return self.seq_layers((hidden, cross, mask, cross_mask))[0]  # type: ignore[no-any-return]
+        return self.seq_layers((hidden, mask))[0]  # type: ignore[no-any-return]
 
     def forward(self, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
         """Same inputs and outputs as :class:`DistributedTransformerLayer`."""
-        return _run_layers(self, self.layers, inputs)
+        return _run_layers(self, inputs)
 
 
 def _run_layers(
-    owner: DistributedModule, layers: list[DistributedTransformerLayer], inputs: tuple[Any, ...]
+    owner: DistributedTransformerLayer | DistributedTransformer, inputs: tuple[Any, ...]
 ) -> tuple[Any, ...]:
-    cross_mode = layers[0].args.add_cross_attention if layers else False
+    """``owner`` on local-layout inputs: into the working layout once, through it, and back."""
+    cross_mode = owner.args.add_cross_attention
     if cross_mode:
         hidden, cross, mask, cross_mask = inputs
     else:
@@ -182,9 +197,7 @@ def _run_layers(
     c = None if cross is None else enter(cross, ctx, layout, name)
     m = gather_samples(mask, ctx, batch)
     cm = gather_samples(cross_mask, ctx, batch)
-    for layer in layers:
-        h = layer.forward_layout(h, m, c, cm)
-    out = leave(h, ctx, layout)
+    out = leave(owner.forward_layout(h, m, c, cm), ctx, layout)
     if cross_mode:
         return out, cross, mask, cross_mask
     return out, mask
