@@ -68,6 +68,7 @@ REFUSED_ENGINES = ("herring", "horovod")
 
 _PARTLY = "; mp builds that"
 """How config_rules' table marks a key mp builds in part (refused only in some combinations)."""
+_LOSS_SCALE = "other than the default only with fp16 (raises otherwise: it would do nothing)"
 _DDP = "ddp: true is not needed (mp always has its data-parallel groups)"
 _TF = "TensorFlow only in smp"
 
@@ -138,11 +139,11 @@ NOTES: dict[str, tuple[Status, str]] = {
     # -- DistributedOptimizer
     "DistributedOptimizer(static_loss_scale)": (
         "built",
-        "only with fp16 (raises otherwise, as it has no effect)",
+        _LOSS_SCALE,
     ),
     "DistributedOptimizer(dynamic_loss_scale)": (
         "built",
-        "only with fp16 (raises otherwise, as it has no effect)",
+        _LOSS_SCALE,
     ),
     "DistributedOptimizer(dynamic_loss_args)": ("built", "as a dict or as keywords"),
     "DistributedOptimizer.local_optimizer_state_dict": ("differs", "fp16/bf16: on optimizer.optimizer"),
@@ -158,13 +159,12 @@ NOTES: dict[str, tuple[Status, str]] = {
         "differs",
         "torch's scaled_dot_product_attention; triton_flash_attention and ALiBi raise",
     ),
-    "nn.DistributedEmbedding": ("differs", "max_norm raises (as smp's _weight and max_norm did)"),
     # -- exceptions
     "DDPNotEnabledError": ("differs", "never raised: the process groups do not need ddp"),
     "ModelTooSmallError": ("differs", "raised as mp_partition.ModelTooSmallError, not exported as smp.X"),
     "RecursionDepthExceededDuringSerializationError": (
         "not built",
-        "no such class; Python's own error surfaces",
+        "no such class in mp",
     ),
     # -- config keys
     "ddp": ("differs", "informational: data and tensor parallelism never need it"),
