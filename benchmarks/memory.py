@@ -10,6 +10,9 @@ with AdamW on 2 data-parallel ranks (pp=1), each variant in a fresh ``mpiexec -n
 - ``mp_bf16``: the ``bf16`` key (bf16 parameters, fp32 masters); ``torch_bf16``: DDP under
   ``torch.autocast("cpu", torch.bfloat16)`` (fp32 parameters: not the same recipe, torch's usual one);
 - ``mp_pp2``: pp=2 (2 microbatches; each rank keeps half the model after partitioning);
+- ``mp_sdp``: ``sharded_data_parallel_degree`` 2 (``sdp_param_persistence_threshold`` 0: every
+  parameter sharded; smp's default clipping at norm 1.0); ``torch_fsdp``: FSDP2 ``fully_shard`` per block
+  then the root, the same clipping with ``clip_grad_norm_``;
   ``mp_pp2_delayed``: the same built under ``smp.delay_param_initialization()``.
 
 Per rank: the RSS growth from building and wrapping the model (before the first step), the peak RSS
@@ -53,6 +56,8 @@ VARIANTS = [
     "torch_bf16",
     "mp_pp2",
     "mp_pp2_delayed",
+    "mp_sdp",
+    "torch_fsdp",
 ]
 SEQ, VOCAB = 128, 2048
 
@@ -80,8 +85,13 @@ def _gpt(layers: int, hidden: int) -> Any:
     return GPT2LMHeadModel(config)
 
 
+def _local(t: Any) -> Any:
+    """This rank's part of a tensor (a sharded DTensor's local shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _tensor_bytes(ts: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+    return sum(_local(t).numel() * t.element_size() for t in ts if t is not None)
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -107,6 +117,8 @@ def _worker(args: argparse.Namespace) -> None:
             cfg["shard_optimizer_state"] = True
         if variant == "mp_bf16":
             cfg["bf16"] = True
+        if variant == "mp_sdp":
+            cfg.update(sharded_data_parallel_degree=2, sdp_param_persistence_threshold=0)
         smp.init(cfg)
         base = _rss_bytes()
         with smp.delay_param_initialization(enabled=variant == "mp_pp2_delayed"):
@@ -157,7 +169,16 @@ def _worker(args: argparse.Namespace) -> None:
                     return torch.utils.checkpoint.checkpoint(_f, *a, use_reentrant=False, **k)
 
                 block.forward = forward
-        ddp = DistributedDataParallel(net)
+        if variant == "torch_fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            for block in net.transformer.h:
+                fully_shard(block, mesh=mesh)
+            ddp = fully_shard(net, mesh=mesh)
+        else:
+            ddp = DistributedDataParallel(net)
         built = _rss_bytes() - base
         if variant == "torch_zero":
             opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
@@ -173,6 +194,8 @@ def _worker(args: argparse.Namespace) -> None:
                 else:
                     loss = ddp(input_ids=ids, labels=ids).loss
             loss.backward()
+            if variant == "torch_fsdp":  # what mp_sdp does by default (smp's sdp_gradient_clipping 1.0)
+                torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
             opt.step()
 
         def tensors() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -193,7 +216,7 @@ def _worker(args: argparse.Namespace) -> None:
     if hasattr(opt, "pairs"):  # the bf16 optimizer: the user's optimizer holds the state
         state_of = opt.optimizer
     opt_bytes = sum(
-        v.numel() * v.element_size()
+        _local(v).numel() * v.element_size()
         for s in state_of.state.values()
         for v in s.values()
         if torch.is_tensor(v)
@@ -257,7 +280,13 @@ def _table(results: dict[str, list[list[dict[str, Any]]]]) -> str:
         + " | tokens/s | vs torch |",
         "|---|" + "---|" * (len(cols) + 2),
     ]
-    peers = {"mp": "torch", "mp_ckpt": "torch_ckpt", "mp_zero": "torch_zero", "mp_bf16": "torch_bf16"}
+    peers = {
+        "mp": "torch",
+        "mp_ckpt": "torch_ckpt",
+        "mp_zero": "torch_zero",
+        "mp_bf16": "torch_bf16",
+        "mp_sdp": "torch_fsdp",
+    }
     speed = {
         v: statistics.median(min(r["tokens_per_s"] for r in rep) for rep in reps)
         for v, reps in results.items()
@@ -282,6 +311,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument(
+        "--variants",
+        help="comma-separated subset to run; the other variants' rows are kept from results/memory.json",
+    )
     args = parser.parse_args()
     if args.worker:
         assert under_mpi()
@@ -289,9 +322,15 @@ def main() -> None:
         return
     if args.quick:
         args.layers, args.hidden, args.batch, args.steps, args.repeats = 2, 64, 2, 1, 1
+    chosen = args.variants.split(",") if args.variants else VARIANTS
     results: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in VARIANTS}
+    kept: list[str] = []
+    if args.variants and (RESULTS / "memory.json").exists():
+        earlier = json.loads((RESULTS / "memory.json").read_text())["results"]
+        kept = [v for v in VARIANTS if v not in chosen and earlier.get(v)]
+        results.update({v: earlier[v] for v in kept})
     for rep in range(args.repeats):
-        order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
+        order = chosen[rep % len(chosen) :] + chosen[: rep % len(chosen)]
         for variant in order:
             results[variant].append(_run(variant, args))
             print(f"repeat {rep} {variant}: {results[variant][-1]}", flush=True)
@@ -303,7 +342,9 @@ def main() -> None:
         "ranks": 2,
         "host": platform.node(),
         "cpus": os.cpu_count(),
+        "kept_from_earlier_run": kept,
     }
+    results = {v: reps for v, reps in results.items() if reps}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "memory.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     text = (
@@ -314,7 +355,9 @@ def main() -> None:
         "the RSS before the model was built, after init (pp=2: saved activation is pp_rank 0's thread "
         "only). "
         "master: fp32 copies kept by the bf16 optimizer. saved activation: bytes autograd kept for "
-        "backward in one step. vs torch: throughput against the torch variant below it.\n\n"
+        "backward in one step. vs torch: throughput against the torch variant below it."
+        + (f" Rows {', '.join(kept)}: from the earlier full run (the others were rerun)." if kept else "")
+        + "\n\n"
         + _table(results)
         + "\n"
     )
