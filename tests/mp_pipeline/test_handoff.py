@@ -13,7 +13,8 @@ from mp_comm.transport import LoopbackHub, TransportConfig
 from mp_pipeline.context import ExecState, TaskContext, applied, capture, current, task_context
 from mp_pipeline.messages import TAG, Failure, Handoff, Request, Response, StepId
 from mp_pipeline.schedule import Phase, Task
-from mp_pipeline.server import Server, _Slot
+from mp_pipeline.server import Server
+from mp_pipeline.server_base import _Slot
 from mp_pipeline.workers import MAIN, Baton, ServerClosed
 
 

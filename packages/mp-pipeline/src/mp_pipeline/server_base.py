@@ -1,0 +1,165 @@
+"""The state a step's module server shares among its parts (see mp_pipeline.server).
+
+The server of one rank is one object, :class:`~mp_pipeline.server.Server`, assembled from one module per
+mechanism: the wire (receiving, static mode's compact messages; mp_pipeline.wire), waiting in place
+(mp_pipeline.in_place), fast mode's handed-off tensors and posted calls (mp_pipeline.handoffs), the tensor-
+parallel group's lockstep (mp_pipeline.tp_order) and the main loop (mp_pipeline.server). This module holds
+what they all read: the server's state, sending, and a worker thread's pause.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from mp_comm.transport.base import SendHandle, Transport
+from mp_pipeline.messages import TAG, Entered, Request, Response, StepId
+from mp_pipeline.schedule import Task
+from mp_pipeline.sequence import Sequencer
+from mp_pipeline.static import FlowRecorder, TemplateStore
+from mp_pipeline.workers import MAIN, WorkerPool, WorkerState, current_worker
+
+__all__ = ["Driver", "ServerBase"]
+
+
+class _Slot:
+    __slots__ = ("handed", "response")
+
+    def __init__(self) -> None:
+        self.response: Response | None = None
+        self.handed: torch.Tensor | None = None
+
+
+class Driver(Protocol):
+    """What pp_rank 0's server asks of the step driver (see runtime.StepDriver)."""
+
+    failure: BaseException | None
+
+    def next_task(self) -> Task | None: ...
+
+    def has_task(self) -> bool:
+        """Whether `next_task` would start a task now (without starting it)."""
+        ...
+
+    def has_backward(self) -> bool:
+        """Whether `next_task` would start a backward now (without starting it)."""
+        ...
+
+    def has_early_forward(self) -> bool:
+        """Whether `next_task` would start a forward that may go before waiting responses (see
+        Scheduler.has_early_forward; without starting it)."""
+        ...
+
+    @property
+    def done(self) -> bool: ...
+
+    def start(self, task: Task) -> None: ...
+
+    def peer_results(self) -> Any: ...
+
+
+class ServerBase:
+    """One step's module server on one rank: its state (assembled into Server, mp_pipeline.server)."""
+
+    def __init__(
+        self,
+        *,
+        transport: Transport,
+        rank: int,
+        peers: tuple[int, ...],
+        step: StepId,
+        handle_request: Callable[[Request], Response],
+        timeout: float,
+        early: list[Any],
+        pool: WorkerPool | None = None,
+        flow: FlowRecorder | None = None,
+        templates: TemplateStore | None = None,
+        group: tuple[int, ...] = (),
+        entered: dict[int, list[Entered]] | None = None,
+    ) -> None:
+        """``group``: the global ranks of this rank's tensor-parallel group (tp_rank order), whose
+        servers must run in lockstep (:mod:`mp_pipeline.sequence`); empty or just this rank: no TP.
+        ``entered``: where to keep the :class:`Entered` messages of ranks that finished the step first
+        (PipelineRuntime.enter takes them from there)."""
+        self.transport = transport
+        self.rank = rank
+        self.peers = peers
+        """Global ranks of this rank's pipeline group (pp_rank order)."""
+        self.step = step
+        self.pool = pool if pool is not None else WorkerPool(rank)
+        self._own_pool = pool is None
+        self.baton = self.pool.baton
+        self.flow = flow
+        """Static mode: the record of this rank's messages (None: every message is sent in full)."""
+        self.templates = templates if templates is not None else TemplateStore()
+        self.sequencer = Sequencer(rank, group, peers) if len(group) > 1 else None
+        """Tensor parallelism: the TP group's one order of events (None without TP)."""
+        self._handle_request = handle_request
+        self._timeout = timeout
+        self._pending: dict[int, _Slot] = {}
+        self._ids = itertools.count()
+        self._early = early
+        """Messages of later steps seen while serving this one (kept for them; shared across steps)."""
+        self._entered = entered if entered is not None else {}
+        self._sends: list[SendHandle] = []
+        self.finished = False
+        self.results: Any = None
+        self.closed = False
+        self.stats = {
+            "requests": 0,
+            "responses": 0,
+            "workers": 0,
+            "compact_sent": 0,
+            "compact_received": 0,
+            "shortcuts": 0,
+            "handoffs": 0,
+            "tensor_bytes": 0,
+            "in_place": 0,
+            "posted": 0,
+        }
+        self._handed: dict[tuple[str, int, int, int], torch.Tensor] = {}
+        """Fast mode: tensors handed to this rank (or kept here) for a later request, by Handoff key."""
+        self._awaited: dict[tuple[str, int, int, int], _Slot] = {}
+        self._ready: collections.deque[_Slot] = collections.deque()
+        """Fast mode: threads whose wait this rank's own work ended (resumed by the main thread next)."""
+        self._posted: dict[int, Callable[[Response], None]] = {}
+        """Fast mode: requests sent without waiting (see post), with the check of their response."""
+        self._driver: Driver | None = None
+        self._inbox: collections.deque[Any] = collections.deque()
+        """Messages a thread waiting in place took for the main thread (dispatched first, in order)."""
+        self._inbox_error: BaseException | None = None
+        """An error of a thread waiting in place (a timeout), raised by the main thread."""
+        self._deferred: collections.deque[Response] = collections.deque()
+        """pp_rank 0: responses to its own requests held back while a forward started first (dispatched
+        in order once none may start; see _defer)."""
+
+    # -- used by worker threads ------------------------------------------------------------------------
+    def next_request_id(self) -> int:
+        return next(self._ids)
+
+    def send(self, dest: int, message: object) -> None:
+        if self.closed:
+            return
+        self._sends.append(self.transport.send(message, dest, TAG))
+
+    def pause(self, token: object) -> None:
+        """Give the rank back to the main thread until it hands the baton to ``token``."""
+        worker = current_worker()
+        if worker is not None:
+            worker.state = WorkerState.PENDING
+        self.baton.switch(MAIN, token)
+        if worker is not None:
+            worker.state = WorkerState.EXECUTING
+
+    # -- the main loop's, in mp_pipeline.server -----------------------------------------------------------
+    def _dispatch(self, message: Any) -> None:
+        """Act on a message of this step."""
+        raise NotImplementedError
+
+    def _finish(self, driver: Driver) -> None:
+        """pp_rank 0: end the step here and tell the pipeline."""
+        raise NotImplementedError

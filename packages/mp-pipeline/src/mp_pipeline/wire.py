@@ -1,0 +1,135 @@
+"""A step server's wire: what it receives (messages of this step, kept early ones, static mode's
+compact messages rebuilt) and static mode's compact sending."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from mp_comm.errors import PeerTimeoutError
+from mp_comm.transport.base import ANY_SOURCE, ANY_TAG
+from mp_pipeline.errors import PipelineError, PipelineTimeoutError, collective_mismatch
+from mp_pipeline.messages import Compact, Entered, Request, Response, StepId, is_pipeline_tag, static_tag
+from mp_pipeline.server_base import ServerBase
+from mp_pipeline.static import Key, expand, template_of
+
+log = logging.getLogger("mp_pipeline.server")
+
+__all__ = ["Wire"]
+
+
+class Wire(ServerBase):
+    def _take_early(self) -> list[Any]:
+        for m in self._early:
+            self._check_function(m.step, None)
+        mine = [m for m in self._early if m.step == self.step]
+        self._early[:] = [m for m in self._early if m.step > self.step]
+        return mine
+
+    def _check_function(self, step: StepId, source: int | None) -> None:
+        """A message of this step number from another step function: the script called a step function
+        on some ranks only (an evaluation step on rank 0, say). Served, its requests would run inside
+        this rank's step as if they were part of it."""
+        if step.model == self.step.model and step.step == self.step.step and step.fn != self.step.fn:
+            who = f"rank {source}" if source is not None else "another rank of the pipeline"
+            raise PipelineError(
+                f"{who} runs step function {step.fn!r} as step {step.step} of the model, while rank "
+                f"{self.rank} runs {self.step.fn!r}: every rank must call the same step functions in the "
+                "same order (a step function called on some ranks only, e.g. an evaluation under "
+                "`if smp.rank() == 0:`?)"
+            )
+
+    def _poll(self, timeout: float) -> Any:
+        while True:
+            try:
+                received = self.transport.recv(ANY_SOURCE, ANY_TAG, timeout=timeout)
+            except PeerTimeoutError:
+                if timeout == 0.0:
+                    return None
+                raise PipelineTimeoutError(
+                    f"rank {self.rank} received no pipeline message within {timeout:g} s in step "
+                    f"{self.step.step} (waiting on {len(self._pending)} response(s) and "
+                    f"{len(self._awaited)} handed-off tensor(s); workers: "
+                    f"{[w.state.value for w in self.pool.workers]}{self._sequence_state()}). A rank of "
+                    f"pipeline {list(self.peers)} is stuck or dead; raise MP_PIPELINE_TIMEOUT for very long "
+                    "module executions."
+                ) from None
+            message = self._received(received.source, received.tag, received.obj)
+            if isinstance(message, Entered):
+                self._entered_meanwhile(received.source, message)
+                continue
+            step = getattr(message, "step", None)
+            if not isinstance(step, StepId):
+                log.error("rank %d: dropping a non-pipeline message %r", self.rank, type(received.obj))
+                continue
+            self._check_function(step, received.source)
+            if step < self.step:
+                log.debug("rank %d: dropping a message of the earlier step %s", self.rank, step)
+                continue
+            if step > self.step:
+                self._early.append(message)
+                continue
+            return message
+
+    def _entered_meanwhile(self, source: int, message: Entered) -> None:
+        """Another rank of the pipeline entered a collective while this rank serves a step. From pp_rank 0,
+        which starts every step and sent this step's end before anything later, it means that pp_rank 0
+        will not come back to this step: the script called the collective on some ranks only (smp's most
+        common hang). From another rank it may just have finished the step first: kept for later."""
+        top = self.peers[0]
+        if source == top and self.rank != top:
+            raise collective_mismatch(
+                f"rank {top} (pp_rank 0) entered {message.what}, which every rank of pipeline "
+                f"{list(self.peers)} must call together, while rank {self.rank} is in step {self.step.step} "
+                f"(of {self.step.fn or 'a step function'})"
+            )
+        self._entered.setdefault(source, []).append(message)
+
+    def _send_flow(self, dest: int, message: Request | Response, request: Request) -> None:
+        """Send a request or the response to ``request``: compact when static mode replays it."""
+        moved = sum(t.nbytes for t in message.tensors if t is not None and not t.is_meta)  # meta: no data
+        self.stats["tensor_bytes"] += moved
+        flow = self.flow
+        if flow is None or self.closed or (isinstance(message, Response) and message.failure is not None):
+            self.send(dest, message)
+            return
+        is_response = isinstance(message, Response)
+        key = Key(dest, is_response, request.phase, request.module, request.position, request.microbatch, 0)
+        key = flow.counted(key)
+        plan = flow.outgoing(key, template_of(message))
+        if plan is None:
+            self.send(dest, message)
+            return
+        tag = static_tag(plan.template_id)  # the transport skips the tensors' metadata after the first
+        if plan.compact:
+            forward_id = message.forward_id if isinstance(message, Request) else None
+            refs = message.refs if isinstance(message, Request) else ()
+            out: object = Compact(
+                message.step, plan.template_id, message.request_id, message.tensors, forward_id, refs
+            )
+            self.stats["compact_sent"] += 1
+        else:  # in full; the first one of a template leaves it at the receiver
+            message.template_id = plan.template_id if plan.announce else None
+            out = message
+        if not self.closed:
+            self._sends.append(self.transport.send(out, dest, tag, static=True))
+
+    def _received(self, source: int, tag: object, message: Any) -> Any:
+        """A received object as a full message: keeps announced templates, rebuilds compact messages."""
+        if not is_pipeline_tag(tag):
+            return None  # not a pipeline message (dropped by the caller)
+        if isinstance(message, Compact):
+            self.stats["compact_received"] += 1
+            return expand(self.templates.get(source, message.template_id), message)
+        if isinstance(message, Request | Response) and message.template_id is not None:
+            self.templates.put(source, message.template_id, dataclasses.replace(message, tensors=[]))
+        return message
+
+    def _sequence_state(self) -> str:
+        seq = self.sequencer
+        if seq is None:
+            return ""
+        if seq.is_leader:
+            return f"; TP leader of {list(seq.group)}"
+        return f"; TP follower of rank {seq.leader}, {seq.describe()}"
