@@ -36,19 +36,24 @@ def summary(rank0: bool, losses: list[float]) -> None:
             print("warning: a loss is not finite", flush=True)
 
 
-def plot_losses(path: str, curves: dict[str, list[float]], title: str) -> None:
-    """Write a loss curve with matplotlib's Agg backend (no display needed)."""
+def plot_losses(
+    path: str, curves: dict[str, list[float]], title: str, reference: list[float] | None = None
+) -> None:
+    """Write a loss curve with matplotlib's Agg backend (no display needed); ``reference``, plain
+    PyTorch's losses, is drawn wide and grey underneath, so that equal curves stay visible."""
     from matplotlib.figure import Figure  # a Figure made directly draws with Agg, whatever the backend
 
     fig = Figure(figsize=(6, 3.5))
     ax = fig.add_subplot(1, 1, 1)
+    if reference is not None:
+        ax.plot(range(1, len(reference) + 1), reference, "-", color="0.6", lw=4, label="plain PyTorch")
     for label, losses in curves.items():
         ax.plot(range(1, len(losses) + 1), losses, "o-", ms=3, lw=1.2, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    if len(curves) > 1:
+    if len(curves) > 1 or reference is not None:
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

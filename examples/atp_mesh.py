@@ -117,14 +117,15 @@ def main() -> int:
     bar.close()
     summary(rank0, losses)
 
-    ok, curves = True, {f"ATP, DeviceMesh{mesh.shape}": losses}
+    ok, plain = True, None
     if args.check and rank0:
-        curves["plain PyTorch"] = plain = plain_pytorch(copy.deepcopy(reference), args)
+        plain = plain_pytorch(copy.deepcopy(reference), args)
         worst = max(abs(a - b) for a, b in zip(losses, plain, strict=True))
         ok = worst < 1e-4
         print(f"plain PyTorch, 1 process: max |loss difference| {worst:.2e} -> {'OK' if ok else 'FAILED'}")
     if rank0 and args.plot:
-        plot_losses(args.plot, curves, "GPT with ATP transformer layers")
+        curves = {f"ATP, DeviceMesh{mesh.shape}": losses}
+        plot_losses(args.plot, curves, "GPT with ATP transformer layers", reference=plain)
     ok = smp.allgather(ok, smp.WORLD)[0]  # every rank exits with rank 0's verdict
     return 0 if ok else 1
 

@@ -119,17 +119,15 @@ def main() -> int:
     bar.close()
     summary(rank0, losses)
 
-    ok = True
+    ok, plain = True, None
     if args.check and rank0:
         plain = plain_pytorch(args, readers * args.batch)
         worst = max(abs(a - b) for a, b in zip(losses, plain, strict=True))
         ok = worst < 1e-5
         print(f"plain PyTorch, 1 process: max |loss difference| {worst:.2e} -> {'OK' if ok else 'FAILED'}")
     if rank0 and args.plot:
-        curves = {f"mp, tp={smp.tp_size()}": losses}
-        if args.check:
-            curves["plain PyTorch"] = plain
-        plot_losses(args.plot, curves, "NCF, embeddings split over tensor-parallel ranks")
+        title = "NCF, embeddings split over tensor-parallel ranks"
+        plot_losses(args.plot, {f"mp, tp={smp.tp_size()}": losses}, title, reference=plain)
     ok = smp.allgather(ok, smp.WORLD)[0]  # every rank exits with rank 0's verdict
     return 0 if ok else 1
 
