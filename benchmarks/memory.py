@@ -356,7 +356,7 @@ def main() -> None:
         "only). "
         "master: fp32 copies kept by the bf16 optimizer. saved activation: bytes autograd kept for "
         "backward in one step. vs torch: throughput against the torch variant below it."
-        + (f" Rows {', '.join(kept)}: from the earlier full run (the others were rerun)." if kept else "")
+        + (f" Rows {', '.join(kept)}: kept from the earlier full run (its own repeats)." if kept else "")
         + "\n\n"
         + _table(results)
         + "\n"
