@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -304,6 +305,8 @@ def _script(world: Any, args: SimpleNamespace, checkpoint_dir: str, model_dir: s
         "gradients": gradients,
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "layers": type(transformer_layers).__name__,
+        "pp_rank": smp.pp_rank(),
+        "owned": sorted(n for n, _ in model.local_named_parameters()),
         "model": type(m).__name__,
     }
     smp.reset()
@@ -360,6 +363,9 @@ def test_train_gpt_simple_defaults_train_like_hugging_face(
     ref = _reference(args, results[0]["initial"], STEPS)
     for r, res in enumerate(results):
         assert res["model"] == "GPT2DistributedLMHead" and res["layers"] == "Sequential", res["model"]
+        layers = {m[1] for m in (re.search(r"seq_layers\.(\d+)\.", n) for n in res["owned"]) if m}
+        if pp > 1:  # the pipeline partitions seq_layers: each stage holds some of the layers
+            assert 0 < len(layers) < DEFAULTS["num_layers"], (res["pp_rank"], res["owned"])
         torch.testing.assert_close(
             torch.tensor(res["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6,
             msg=lambda m, r=r: f"rank {r} losses: {m}",

@@ -5,6 +5,8 @@
   ``to_original`` (a Hugging Face model's own names), pipeline stages all-gathered over the PP group.
   It loads into the unwrapped model with ``load_state_dict(strict=True)``, and into a
   ``DistributedModel`` of any layout, each rank keeping its own shards.
+  A distributed module that the pipeline split over stages (smp's whole GPT-2, whose layers are
+  partitioned) is gathered stage by stage in its own layout and translated once all stages are in.
 - Local (``local_state_dict``): this rank's stage, TP shards as they are, with ``_smp_is_partial`` and
   ``_smp_layout`` (the pp/tp degrees and ranks and each shard's split dimension), so that loading it on
   another rank or layout is refused instead of silently taking another rank's shard.
@@ -23,6 +25,7 @@ from mp.state import state
 from mp_comm import GroupKind
 from mp_tensor import gather_state_dict, load_original_state_dict
 from mp_tensor.nn.base import DistributedModule, param_spec
+from mp_tensor.replace import ORIGINAL_ATTR, Replacement
 from mp_tensor.state_dict import distributed_roots
 
 if TYPE_CHECKING:
@@ -39,10 +42,32 @@ def _roots(model: DistributedModel) -> list[tuple[str, DistributedModule]]:
     return list(distributed_roots(model.module))
 
 
+_RAW = "\x00mp-untranslated:"
+"""Key prefix of a stage's part (own layout) of a distributed module split over stages."""
+
+
+def _split_roots(model: DistributedModel) -> set[str]:
+    """Prefixes of the distributed modules whose entries lie on several pipeline stages."""
+    if not (model._partitioned and model._pp > 1):
+        return set()
+    return {
+        prefix
+        for prefix, root in _roots(model)
+        if len({model._owner(prefix + k) for k in root.state_dict(keep_vars=True)}) > 1
+    }
+
+
+def _replacement(root: DistributedModule) -> Replacement | None:
+    found = root.__dict__.get(ORIGINAL_ATTR)
+    return found if isinstance(found, Replacement) else None
+
+
 def _stage_state(model: DistributedModel, cast_to_cpu: bool) -> OrderedDict[str, Any]:
-    """This stage's part of the full state (every stage's when not partitioned), original names."""
+    """This stage's part of the full state (every stage's when not partitioned), original names; a
+    distributed module split over stages gives its part under ``_RAW + prefix``, untranslated."""
     pipelined = model._partitioned and model._pp > 1
     roots = _roots(model)
+    split = _split_roots(model)
     out: OrderedDict[str, Any] = OrderedDict()
     done: set[str] = set()
     for key, value in model.module.state_dict().items():
@@ -51,6 +76,12 @@ def _stage_state(model: DistributedModel, cast_to_cpu: bool) -> OrderedDict[str,
         root = next(((p, m) for p, m in roots if key.startswith(p)), None)
         if root is None:
             out[key] = _cpu(value, cast_to_cpu)
+        elif root[0] in split and root[0] not in done:
+            done.add(root[0])
+            here = model._pp_rank
+            mine = {k for k in root[1].state_dict(keep_vars=True) if model._owner(root[0] + k) == here}
+            part = root[1].full_state_dict(keep=mine.__contains__)
+            out[_RAW + root[0]] = {k: _cpu(v, cast_to_cpu) for k, v in part.items()}
         elif root[0] not in done:
             done.add(root[0])
             # Collective over the TP group: its ranks hold the same stage and walk the same keys.
@@ -67,7 +98,18 @@ def full_state_dict(model: DistributedModel, cast_to_cpu: bool) -> OrderedDict[s
     model._enter_collective("model.state_dict()")
     parts: list[Any] = [None] * model._pp
     dist.all_gather_object(parts, stage, group=state.process_groups[GroupKind.PP])
-    return _in_model_order(model, [item for part in parts for item in part.items()])
+    items, raw = [], dict[str, dict[str, Any]]()
+    for key, value in (item for part in parts for item in part.items()):
+        if key.startswith(_RAW):
+            raw.setdefault(key[len(_RAW) :], {}).update(value)
+        else:
+            items.append((key, value))
+    roots = dict(_roots(model))
+    for prefix, own in raw.items():
+        replacement = _replacement(roots[prefix])
+        original = own if replacement is None else replacement.to_original(own)
+        items += [(prefix + k, v) for k, v in original.items()]
+    return _in_model_order(model, items)
 
 
 def _in_model_order(model: DistributedModel, items: list[tuple[str, Any]]) -> OrderedDict[str, Any]:
@@ -94,9 +136,13 @@ def load_full_state_dict(model: DistributedModel, sd: dict[str, Any], strict: bo
     partitioned, only its stage. Returns torch's ``(missing_keys, unexpected_keys)`` for the rest."""
     pipelined = model._partitioned and model._pp > 1
     roots = _roots(model)
+    split = _split_roots(model)
     rest = {k: v for k, v in sd.items() if not any(k.startswith(p) for p, _ in roots)}
     for prefix, root in roots:
         part = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
+        if prefix in split:
+            _load_stage_part(model, prefix, root, part, strict)
+            continue
         if pipelined and model._module_owner(prefix[:-1]) != model._pp_rank:
             continue
         if not part and not strict:
@@ -122,6 +168,24 @@ def load_full_state_dict(model: DistributedModel, sd: dict[str, Any], strict: bo
                 "the keys of model.state_dict() (the original module's names; pass strict=False to ignore)"
             )
     return model.module.load_state_dict(local, strict=False)
+
+
+def _load_stage_part(
+    model: DistributedModel, prefix: str, root: DistributedModule, part: dict[str, Any], strict: bool
+) -> None:
+    """This stage's entries of a distributed module split over stages, from its full state (original or
+    own names)."""
+    own = set(root.state_dict(keep_vars=True))
+    replacement = _replacement(root)
+    if part and not set(part) <= own and replacement is not None:
+        part = replacement.from_original(part)
+    mine = {k for k in own if model._owner(prefix + k) == model._pp_rank}
+    if strict and not mine <= set(part):
+        raise RuntimeError(
+            f"load_state_dict: missing keys {sorted(prefix + k for k in mine - set(part))[:10]}; expected "
+            "the keys of model.state_dict() (the original module's names; pass strict=False to ignore)"
+        )
+    root.load_full_state_dict({k: v for k, v in part.items() if k in mine}, strict=False)
 
 
 def layout_of(model: DistributedModel) -> dict[str, Any]:

@@ -128,15 +128,18 @@ class DistributedModule(nn.Module):
         return specs
 
     @torch.no_grad()
-    def full_state_dict(self) -> dict[str, Tensor]:
+    def full_state_dict(self, keep: Callable[[str], bool] | None = None) -> dict[str, Tensor]:
         """The state dict of the equivalent non-distributed module (collective over the TP group).
 
         Shards are all-gathered along their split dimension, in a fixed order, so every TP rank must
-        call this at the same point. Tied parameters appear under each of their names.
+        call this at the same point. Tied parameters appear under each of their names. ``keep``: only
+        the entries it accepts (a pipeline stage's part of a module split over stages).
         """
         specs = self._own_specs()
         out: dict[str, Tensor] = {}
         for name, value in self.state_dict(keep_vars=False).items():
+            if keep is not None and not keep(name):
+                continue
             spec = specs.get(name)
             if spec is None or spec.split_dim is None or not self.tp.distributed:
                 out[name] = value.detach().clone()
