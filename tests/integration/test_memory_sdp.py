@@ -297,3 +297,60 @@ def test_memory_stays_flat_over_200_steps(worlds: Any) -> None:
         t1 = min(v for i, v in r["tensors"].items() if i > 190)
         assert t1 - t0 <= 8, r["tensors"]
         assert r["rss"][200] - r["rss"][100] <= 16.0, r["rss"]
+
+
+def test_blocks_are_hf_no_split_modules_else_module_list_children() -> None:
+    from mp_memory.sharded import block_modules
+    from tests.mp_pipeline.models import build
+
+    gpt = build("gpt2", layers=3)
+    assert block_modules(gpt) == list(gpt.transformer.h)  # type: ignore[union-attr]
+    stack = _build()
+    assert block_modules(stack) == list(stack.blocks)
+    assert block_modules(nn.Sequential(nn.Linear(2, 2))) == []
+
+
+def _gpt2(world: Any) -> dict[str, Any]:
+    """A Hugging Face GPT-2 (blocks from _no_split_modules, tied embeddings) at sdp=2 without clipping,
+    against tests.mp_pipeline.models.reference; join and comm hooks refused."""
+    from tests.mp_pipeline.models import batch, build, loss_of, make_optimizer, reference
+
+    smp.init(
+        {
+            "sharded_data_parallel_degree": 2,
+            "microbatches": 2,
+            "sdp_param_persistence_threshold": 0,
+            "sdp_gradient_clipping": 0.0,
+        }
+    )
+    model = smp.DistributedModel(build("gpt2"))
+    opt = smp.DistributedOptimizer(make_optimizer("gpt2", model.parameters()))
+
+    @smp.step
+    def train_step(ids: torch.Tensor) -> torch.Tensor:
+        loss = loss_of("gpt2", model, (ids,))
+        model.backward(loss)
+        return loss
+
+    for step in range(3):
+        train_step(*batch("gpt2", step, smp.dp_rank()))
+        opt.step()
+        opt.zero_grad()
+    _, want = reference("gpt2", microbatches=2, replicas=2)
+    refused = []
+    for call in (model.join, lambda: model.register_comm_hook(None, lambda s, b: b)):
+        try:
+            call()
+        except smp.SMPUnsupportedError as exc:
+            refused.append("sharded_data_parallel_degree" in str(exc))
+    wte = model.module.transformer.wte.weight
+    return {
+        "params": first_difference(model.state_dict(), want),
+        "tied": wte is model.module.lm_head.weight and isinstance(wte, DTensor),
+        "refused": refused,
+    }
+
+
+def test_hf_gpt2_trains_like_one_process(worlds: Any) -> None:
+    for r in worlds.run(2, _gpt2, timeout=300):
+        assert r == {"params": None, "tied": True, "refused": [True, True]}, r

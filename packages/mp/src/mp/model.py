@@ -47,7 +47,7 @@ from mp.partition_file import check_assignment, read_partition, write_partition
 from mp.precision import half_dtype
 from mp.sharded import load_local_state_dict as load_sharded_local_state_dict
 from mp.sharded import local_state_dict as sharded_local_state_dict
-from mp.sharded import shard_model
+from mp.sharded import refuse_under_sharding, shard_model
 from mp.state import state
 from mp.state_dicts import full_state_dict, layout_of, load_full_state_dict, local_layout_check
 from mp.tensor_api import replace_tp_modules
@@ -900,9 +900,12 @@ class DistributedModel(nn.Module):
     ) -> contextlib.AbstractContextManager[None]:
         """Context manager for replicas with different numbers of batches (DDP's ``join``): a replica
         that leaves it early shadows the others' steps until all have left. Enter it on every rank."""
+        if enable:
+            refuse_under_sharding(self, "join")
         return join(self, divide_by_initial_world_size, enable)
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """torch DDP's communication hook, run on each data-parallel gradient bucket instead of the
         all-reduce; it receives gradients summed over microbatches and must average them itself."""
+        refuse_under_sharding(self, "register_comm_hook")
         register_comm_hook(self, state, hook)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mp.errors import IncompatibleCheckpointFoundError, SMPValidationError
+from mp.errors import IncompatibleCheckpointFoundError, SMPUnsupportedError, SMPValidationError
 from mp.state import state
 from mp_comm import GroupKind
 from mp_memory.sharded import (
@@ -30,7 +30,7 @@ from mp_memory.sharded import (
     local_optimizer_state,
 )
 
-__all__ = ["partial_file_names", "shard_model", "shard_optimizer", "sharding_of"]
+__all__ = ["partial_file_names", "refuse_under_sharding", "shard_model", "shard_optimizer", "sharding_of"]
 
 _LAYOUT_KEY = "_smp_layout"  # the checkpoint files' layout entry (mp_memory.checkpoint)
 
@@ -185,3 +185,13 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, sharding: ShardedDataParal
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
     for name in ("local_state_dict", "local_optimizer_state_dict"):
         setattr(optimizer, name, types.MethodType(local_state_dict, optimizer))
+
+
+def refuse_under_sharding(model: Any, what: str) -> None:
+    """DDP-side features that the FSDP2 path does not run: an error instead of a silent no-op."""
+    if sharding_of(model) is not None:
+        raise SMPUnsupportedError(
+            f"model.{what}() under sharded_data_parallel_degree > 1: mp's sharded data parallelism (FSDP2) "
+            f"reduce-scatters gradients itself and does not run {what}. Fix: remove the {what} call, or "
+            "set 'sharded_data_parallel_degree' to 1 (plain data parallelism supports it)"
+        )
