@@ -143,7 +143,7 @@ def build_model(
     raise ValueError(f"comm_report got family={family!r}; expected one of {', '.join(FAMILIES)}.")
 
 
-def model_inputs(family: str, batch: int, seq: int, vocab: int = 64) -> dict[str, torch.Tensor]:
+def model_inputs(family: str, batch: int, seq: int, vocab: int = 64) -> dict[str, Any]:
     """One batch for ``build_model(family, ...)``'s model."""
     gen = torch.Generator().manual_seed(0)
     if family == "vit":
