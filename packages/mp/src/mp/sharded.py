@@ -146,7 +146,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, sharding: ShardedDataParal
         )
     step = optimizer.step
     max_norm = float(cfg.sdp_gradient_clipping)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    params = list(sharding.module.parameters())  # smp clips the whole model's gradient
 
     def sharded_step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
         if max_norm > 0:  # smp: under sharded data parallelism the library clips, inside step()
