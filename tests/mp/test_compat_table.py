@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import re
 from pathlib import Path
 from typing import Any
@@ -144,3 +145,15 @@ def test_instance_attributes_exist_on_real_objects(worlds: Any) -> None:
         found.add("StepOutput.outputs")
     assert found == set(INSTANCE_ATTRIBUTES), sorted(set(INSTANCE_ATTRIBUTES) - found)
     assert "DistributedOptimizer.optimizer" in bf16
+
+
+def test_the_docs_build_renders_the_table_into_the_compatibility_page() -> None:
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    spec = importlib.util.spec_from_file_location("docs_conf", docs / "conf.py")
+    assert spec is not None and spec.loader is not None
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    source = [(docs / "compatibility.md").read_text(encoding="utf-8")]
+    conf._insert_compat_table(None, "compatibility", source)
+    assert conf.COMPAT_MARKER not in source[0]
+    assert render_markdown() in source[0]
