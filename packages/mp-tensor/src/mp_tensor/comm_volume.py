@@ -181,8 +181,9 @@ def measure(model: nn.Module, step: Callable[[], Any]) -> list[LayerVolume]:
                 def arrived(grad: Tensor) -> None:
                     rec.phase, rec.owner = "bwd", name
 
+                passed = {id(t) for t in _tensors(args)}  # handed through (T5's bias): not this layer's
                 for t in _tensors(out):
-                    if t.requires_grad:
+                    if t.requires_grad and id(t) not in passed:
                         t.register_hook(arrived)  # type: ignore[no-untyped-call]
 
             handles.append(module.register_forward_pre_hook(pre))
