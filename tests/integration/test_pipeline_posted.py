@@ -71,7 +71,9 @@ def test_a_failure_in_a_posted_call_ends_the_step_on_every_rank(worlds: Any, mod
         assert "fragile module failed on purpose" in top[2], top
         assert "'b'" in top[2], top
     else:
-        # rank 2 returns 9 features where rank 0 predicted 8: its recording refuses the changed response
-        # before sending it (rank 0's check of the response is the second line)
-        assert top[1] == "NotSupportedByFastModeError", top
-        assert "flow changed" in top[2] and "'b'" in top[2], top
+        # rank 2 returns 9 features where rank 0 predicted 8. Rank 2 hands them to rank 1 before it sends
+        # its response, so which error comes first is a race: rank 2's recording refuses the changed
+        # response (a flow change in 'b'), or c on rank 1 cannot take 9 features
+        flow_change = top[1] == "NotSupportedByFastModeError" and "flow changed" in top[2] and "'b'" in top[2]
+        c_failed = top[1] == "RemoteExecutionError" and "'c'" in top[2] and "4x9" in top[2]
+        assert flow_change or c_failed, top

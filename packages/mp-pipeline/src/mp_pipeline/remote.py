@@ -3,12 +3,9 @@
 Requester side: every module of a partitioned model gets a forward that runs the module where it is
 (its owner is this rank) or sends a forward request to its owner and waits (:meth:`Remote.call`). The
 outputs that require grad on the owner are wired into the requester's autograd graph through
-:class:`_RemoteFunction` and :class:`_Unpack`: the latter hands the output gradients over, the former
-(whose only output is a CPU token, so that its wait never blocks the CUDA autograd device thread) sends
-them to the owner in a backward request and returns the input gradients it gets back. A zero-size
-"anchor" tensor that requires grad is passed
-to the function so that it joins the graph even when no input requires grad (the gradient then flows
-only into the owner's parameters).
+:class:`~mp_pipeline.link.RemoteFunction` and :class:`~mp_pipeline.link.Unpack` (mp_pipeline.link). A
+zero-size "anchor" tensor that requires grad is passed to the function so that it joins the graph even
+when no input requires grad (the gradient then flows only into the owner's parameters).
 
 Owner side (:meth:`Remote.handle`): a forward request runs the module's own forward on the received
 inputs (those that required grad made leaves that require grad), under the requester's grad mode and
@@ -42,9 +39,10 @@ import torch.utils.checkpoint
 from torch import nn
 
 from mp_pipeline.context import TaskContext, applied, capture, current, task_context
-from mp_pipeline.errors import FlowChangedError, NotInStepError, PipelineError, RemoteExecutionError
+from mp_pipeline.errors import FlowChangedError, NotInStepError, PipelineError
 from mp_pipeline.fast import CallKey, FastPlan
-from mp_pipeline.messages import Failure, Ref, Request, Response, StepId
+from mp_pipeline.link import Link, RemoteFunction, Unpack, raise_failure, remote_error
+from mp_pipeline.messages import Ref, Request, Response, StepId
 from mp_pipeline.posted import Predictions
 from mp_pipeline.schedule import Phase
 from mp_pipeline.structure import flatten, unflatten
@@ -61,24 +59,6 @@ def _checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
-def _raise_failure(response: Response) -> None:
-    if response.failure is not None:
-        raise remote_error(response.failure)
-
-
-def remote_error(failure: Failure) -> RemoteExecutionError:
-    """The exception a requester raises for a failed request."""
-    return RemoteExecutionError(
-        f"{failure.describe()}\n--- traceback on rank {failure.rank} ---\n{failure.traceback}",
-        rank=failure.rank,
-        module=failure.module,
-        microbatch=failure.microbatch,
-        phase=failure.phase,
-        remote_traceback=failure.traceback,
-        exc_type=failure.exc_type,
-    )
-
-
 @dataclass
 class _Saved:
     inputs: list[torch.Tensor]
@@ -87,148 +67,11 @@ class _Saved:
     """Per input: the handed-off output it was (its gradient goes back to the producer), or None."""
 
 
-class _Link:
-    """One remote forward call, as its backward needs it."""
-
-    __slots__ = (
-        "__weakref__",
-        "backward_sent",
-        "call",
-        "dest",
-        "grads",
-        "microbatch",
-        "module",
-        "n_inputs",
-        "n_outputs",
-        "position",
-        "remote",
-        "request_id",
-        "step",
-    )
-
-    def __init__(  # noqa: PLR0917 - internal, built in one place
-        self,
-        remote: Remote,
-        dest: int,
-        step: StepId,
-        request_id: int,
-        module: str,
-        microbatch: int,
-        position: tuple[str, ...],
-        n_inputs: int,
-        n_outputs: int,
-        call: CallKey | None = None,
-    ) -> None:
-        self.remote = remote
-        self.call = call
-        """Fast mode: the call's place in the step (its backward may be posted, see Remote.predicted)."""
-        self.dest = dest
-        self.step = step
-        self.request_id = request_id
-        self.module = module
-        self.microbatch = microbatch
-        self.position = position
-        self.n_inputs = n_inputs
-        # Only the count: the outputs' grad_fn holds this link (through ctx), so a link holding the
-        # outputs would be a cycle through autograd's C++ graph that Python's collector cannot see,
-        # keeping every step's received activations and their graphs alive.
-        self.n_outputs = n_outputs
-        self.grads: tuple[torch.Tensor | None, ...] | None = None
-        self.backward_sent = False
-        """The owner has been asked for this call's backward (it no longer keeps the outputs)."""
-
-    def backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
-        self.backward_sent = True
-        if all(g is None for g in grads):
-            return [None] * self.n_inputs
-        server = self.remote.server
-        if server is None or server.step != self.step:
-            raise NotInStepError(
-                f"the backward of module {self.module!r} (called in a pipelined step) ran after that step "
-                "ended; call model.backward(loss) inside the @smp.step function"
-            )
-        # a meta gradient is the placeholder of one the consumer sent to the owner itself (fast mode)
-        handed = tuple(k for k, g in enumerate(grads) if g is not None and g.is_meta)
-        request = Request(
-            step=self.step,
-            request_id=server.next_request_id(),
-            requester=self.remote.rank,
-            phase=Phase.BACKWARD,
-            module=self.module,
-            microbatch=self.microbatch,
-            position=self.position,
-            payload=None,
-            tensors=[None if g is None or g.is_meta else g.detach() for g in grads],
-            requires_grad=(),
-            state=capture(),
-            forward_id=self.request_id,
-            handed=handed,
-        )
-        call, predictions = self.call, self.remote.predictions
-        grad = request.state.grad_enabled
-        predicted = predictions.predicted(call, Phase.BACKWARD, grad) if call is not None else None
-        if predicted is not None and call is not None:
-            check = predictions.checker(call, Phase.BACKWARD, grad, self.module, _raise_failure)
-            server.post(self.dest, request, check)
-            return predicted.placeholders()
-        response = server.call(self.dest, request)
-        if response.failure is not None:
-            raise remote_error(response.failure)
-        if call is not None:
-            predictions.learn(call, Phase.BACKWARD, grad, response)
-        if len(response.tensors) != self.n_inputs:
-            raise PipelineError(
-                f"rank {response.responder} returned {len(response.tensors)} input gradients for module "
-                f"{self.module!r}; expected {self.n_inputs}"
-            )
-        return list(response.tensors)
-
-
-class _RemoteFunction(torch.autograd.Function):
-    """Joins a remote call to the requester's graph; its backward asks the owner for input gradients.
-
-    Its only output is a zero-size CPU token, which :class:`_Unpack` turns into the received outputs.
-    The autograd engine runs a node on the thread of its gradients' device: CUDA nodes all share one
-    device thread, CPU nodes run on the thread that called backward. This node waits for the owner's
-    response, so it must block only its own caller (a server worker, which hands the rank to others
-    meanwhile), never the device thread that every concurrent backward of this rank needs.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, link: _Link, anchor: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
-        ctx.link = link
-        ctx.set_materialize_grads(False)
-        return anchor.new_empty(0)
-
-    @staticmethod
-    def backward(ctx: Any, token_grad: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        link: _Link = ctx.link
-        grads, link.grads = link.grads, None
-        return (None, None, *link.backward(grads or (None,) * link.n_outputs))
-
-
-class _Unpack(torch.autograd.Function):
-    """The received outputs of a remote call; backward only hands their gradients to the link."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, link: _Link, received: list[torch.Tensor], token: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.link = link
-        ctx.set_materialize_grads(False)
-        return tuple(received)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, None, torch.Tensor]:
-        ctx.link.grads = grads
-        return None, None, torch.zeros(0)
-
-
 class _Produced(NamedTuple):
     """A tensor a remote forward returned (the shortcut's bookkeeping on the requester)."""
 
     tensor: weakref.ReferenceType[torch.Tensor]
-    link: weakref.ReferenceType[_Link]
+    link: weakref.ReferenceType[Link]
     kept_index: int
     """Its index among the forward's outputs that require grad (the owner's kept outputs)."""
     version: int
@@ -355,7 +198,7 @@ class Remote:
             grad = state.grad_enabled
             predicted = self.predictions.predicted(call, Phase.FORWARD, grad) if call is not None else None
             if predicted is not None and call is not None and not learning:
-                check = self.predictions.checker(call, Phase.FORWARD, grad, path, _raise_failure)
+                check = self.predictions.checker(call, Phase.FORWARD, grad, path, raise_failure)
                 server.post(dest, request, check)
                 response = Response(
                     server.step,
@@ -375,7 +218,7 @@ class Remote:
             wire = [i for i, r in enumerate(response.requires_grad) if r]
             if wire and state.grad_enabled:
                 grad_inputs = [t for t, r in zip(tensors, requires, strict=True) if r]
-                link = _Link(
+                link = Link(
                     self,
                     dest,
                     server.step,
@@ -388,9 +231,9 @@ class Remote:
                     call,
                 )
                 anchor = torch.empty(0, requires_grad=True)
-                token = _RemoteFunction.apply(link, anchor, *grad_inputs)  # type: ignore[no-untyped-call]
+                token = RemoteFunction.apply(link, anchor, *grad_inputs)  # type: ignore[no-untyped-call]
                 received = [outputs[i] for i in wire]
-                wired = _Unpack.apply(link, received, token)  # type: ignore[no-untyped-call]
+                wired = Unpack.apply(link, received, token)  # type: ignore[no-untyped-call]
                 for i, t in zip(wire, wired, strict=True):
                     outputs[i] = t
                 if call is not None:
@@ -415,7 +258,7 @@ class Remote:
         if self.shortcut:
             self.plan.end_step(completed=completed)
 
-    def _remember(self, link: _Link, outputs: tuple[torch.Tensor, ...], handoff: dict[int, int]) -> None:
+    def _remember(self, link: Link, outputs: tuple[torch.Tensor, ...], handoff: dict[int, int]) -> None:
         ref = weakref.ref(link)
         for k, t in enumerate(outputs):
             handed_to = handoff.get(k) if t.is_meta else None

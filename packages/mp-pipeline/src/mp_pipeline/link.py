@@ -1,0 +1,181 @@
+"""A remote call in the requester's autograd graph (see mp_pipeline.remote).
+
+The outputs of a remote forward that require grad on their owner are wired into the requester's graph
+through :class:`RemoteFunction` and :class:`Unpack`: the latter hands the output gradients over, the
+former (whose only output is a CPU token, so that its wait never blocks the CUDA autograd device thread)
+sends them to the owner in a backward request (:meth:`Link.backward`) and returns the input gradients it
+gets back, or, under fast mode, posts the request and returns the predicted placeholders
+(mp_pipeline.posted).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mp_pipeline.context import capture
+from mp_pipeline.errors import NotInStepError, PipelineError, RemoteExecutionError
+from mp_pipeline.fast import CallKey
+from mp_pipeline.messages import Failure, Request, Response, StepId
+from mp_pipeline.schedule import Phase
+
+if TYPE_CHECKING:
+    from mp_pipeline.remote import Remote
+
+__all__ = ["Link", "RemoteFunction", "Unpack", "raise_failure", "remote_error"]
+
+
+def raise_failure(response: Response) -> None:
+    if response.failure is not None:
+        raise remote_error(response.failure)
+
+
+def remote_error(failure: Failure) -> RemoteExecutionError:
+    """The exception a requester raises for a failed request."""
+    return RemoteExecutionError(
+        f"{failure.describe()}\n--- traceback on rank {failure.rank} ---\n{failure.traceback}",
+        rank=failure.rank,
+        module=failure.module,
+        microbatch=failure.microbatch,
+        phase=failure.phase,
+        remote_traceback=failure.traceback,
+        exc_type=failure.exc_type,
+    )
+
+
+class Link:
+    """One remote forward call, as its backward needs it."""
+
+    __slots__ = (
+        "__weakref__",
+        "backward_sent",
+        "call",
+        "dest",
+        "grads",
+        "microbatch",
+        "module",
+        "n_inputs",
+        "n_outputs",
+        "position",
+        "remote",
+        "request_id",
+        "step",
+    )
+
+    def __init__(  # noqa: PLR0917 - internal, built in one place
+        self,
+        remote: Remote,
+        dest: int,
+        step: StepId,
+        request_id: int,
+        module: str,
+        microbatch: int,
+        position: tuple[str, ...],
+        n_inputs: int,
+        n_outputs: int,
+        call: CallKey | None = None,
+    ) -> None:
+        self.remote = remote
+        self.call = call
+        """Fast mode: the call's place in the step (its backward may be posted, see Remote.predicted)."""
+        self.dest = dest
+        self.step = step
+        self.request_id = request_id
+        self.module = module
+        self.microbatch = microbatch
+        self.position = position
+        self.n_inputs = n_inputs
+        # Only the count: the outputs' grad_fn holds this link (through ctx), so a link holding the
+        # outputs would be a cycle through autograd's C++ graph that Python's collector cannot see,
+        # keeping every step's received activations and their graphs alive.
+        self.n_outputs = n_outputs
+        self.grads: tuple[torch.Tensor | None, ...] | None = None
+        self.backward_sent = False
+        """The owner has been asked for this call's backward (it no longer keeps the outputs)."""
+
+    def backward(self, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+        self.backward_sent = True
+        if all(g is None for g in grads):
+            return [None] * self.n_inputs
+        server = self.remote.server
+        if server is None or server.step != self.step:
+            raise NotInStepError(
+                f"the backward of module {self.module!r} (called in a pipelined step) ran after that step "
+                "ended; call model.backward(loss) inside the @smp.step function"
+            )
+        # a meta gradient is the placeholder of one the consumer sent to the owner itself (fast mode)
+        handed = tuple(k for k, g in enumerate(grads) if g is not None and g.is_meta)
+        request = Request(
+            step=self.step,
+            request_id=server.next_request_id(),
+            requester=self.remote.rank,
+            phase=Phase.BACKWARD,
+            module=self.module,
+            microbatch=self.microbatch,
+            position=self.position,
+            payload=None,
+            tensors=[None if g is None or g.is_meta else g.detach() for g in grads],
+            requires_grad=(),
+            state=capture(),
+            forward_id=self.request_id,
+            handed=handed,
+        )
+        call, predictions = self.call, self.remote.predictions
+        grad = request.state.grad_enabled
+        predicted = predictions.predicted(call, Phase.BACKWARD, grad) if call is not None else None
+        if predicted is not None and call is not None:
+            check = predictions.checker(call, Phase.BACKWARD, grad, self.module, raise_failure)
+            server.post(self.dest, request, check)
+            return predicted.placeholders()
+        response = server.call(self.dest, request)
+        if response.failure is not None:
+            raise remote_error(response.failure)
+        if call is not None:
+            predictions.learn(call, Phase.BACKWARD, grad, response)
+        if len(response.tensors) != self.n_inputs:
+            raise PipelineError(
+                f"rank {response.responder} returned {len(response.tensors)} input gradients for module "
+                f"{self.module!r}; expected {self.n_inputs}"
+            )
+        return list(response.tensors)
+
+
+class RemoteFunction(torch.autograd.Function):
+    """Joins a remote call to the requester's graph; its backward asks the owner for input gradients.
+
+    Its only output is a zero-size CPU token, which :class:`Unpack` turns into the received outputs.
+    The autograd engine runs a node on the thread of its gradients' device: CUDA nodes all share one
+    device thread, CPU nodes run on the thread that called backward. This node waits for the owner's
+    response, so it must block only its own caller (a server worker, which hands the rank to others
+    meanwhile), never the device thread that every concurrent backward of this rank needs.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, link: Link, anchor: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.link = link
+        ctx.set_materialize_grads(False)
+        return anchor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, token_grad: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        link: Link = ctx.link
+        grads, link.grads = link.grads, None
+        return (None, None, *link.backward(grads or (None,) * link.n_outputs))
+
+
+class Unpack(torch.autograd.Function):
+    """The received outputs of a remote call; backward only hands their gradients to the link."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, link: Link, received: list[torch.Tensor], token: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.link = link
+        ctx.set_materialize_grads(False)
+        return tuple(received)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, None, torch.Tensor]:
+        ctx.link.grads = grads
+        return None, None, torch.zeros(0)
