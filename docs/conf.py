@@ -9,7 +9,6 @@ source_suffix = {".md": "markdown"}
 exclude_patterns = ["_build"]
 myst_heading_anchors = 3
 html_theme = "alabaster"
-suppress_warnings = ["myst.xref_missing"]
 autodoc_typehints = "description"
 autodoc_member_order = "bysource"
 
