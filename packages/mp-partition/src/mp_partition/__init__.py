@@ -11,7 +11,7 @@ children by optimal contiguous segmentation and D'Hondt allocation.
 """
 
 from .algorithm import TreeAssignment, allocate_devices, partition_tree
-from .api import auto_partition, describe_inputs, manual_partition
+from .api import auto_partition, describe_inputs, device_memory_bytes, manual_partition
 from .cost import CostTotals, assign_costs
 from .dhondt import dhondt_allocate, dhondt_seats
 from .errors import (
@@ -30,6 +30,7 @@ from .nodes import ModuleNode, build_module_tree
 from .plan import PartitionPlan, PartitionStats, PlanInputs, PlanNode, model_fingerprint
 from .report import format_report, render_plan
 from .segment import max_segment_cost, optimal_segments
+from .timing import ModuleTimes, StepTimer, time_step
 from .trace import ModuleStats, Tracer, TraceResult, is_tracing, trace_model
 
 __version__ = "0.1.0"
@@ -40,6 +41,7 @@ __all__ = [
     "ModelTooSmallError",
     "ModuleNode",
     "ModuleStats",
+    "ModuleTimes",
     "PartitionError",
     "PartitionPlan",
     "PartitionStats",
@@ -48,6 +50,7 @@ __all__ = [
     "PlanMismatchError",
     "PlanNode",
     "SharedParameterPartitionError",
+    "StepTimer",
     "TraceResult",
     "Tracer",
     "TracingError",
@@ -61,6 +64,7 @@ __all__ = [
     "build_module_tree",
     "clear_partition",
     "describe_inputs",
+    "device_memory_bytes",
     "dhondt_allocate",
     "dhondt_seats",
     "format_report",
@@ -76,5 +80,6 @@ __all__ = [
     "partition_tree",
     "render_plan",
     "set_partition",
+    "time_step",
     "trace_model",
 ]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ._walk import ModuleEntry, walk_modules
+from .timing import ModuleTimes
 from .trace import TraceResult
 
 __all__ = ["ModuleNode", "build_module_tree"]
@@ -52,7 +53,8 @@ class ModuleNode:
     calls: int = 0
     """Forward calls of the node's modules in the trace (0 without a trace)."""
     self_time_s: float | None = None
-    """Measured forward time of the node's modules, excluding submodules (None when not measured)."""
+    """Measured time of the node's modules, excluding submodules (None when not measured): forward plus
+    backward when the step was timed (:mod:`mp_partition.timing`), else the trace's forward time."""
     first_call: int | None = None
     """Earliest first-call sequence number in this node's subtree (None when nothing in it ran)."""
     own_cost: float = 0.0
@@ -136,10 +138,14 @@ def _components(entries: list[ModuleEntry]) -> list[list[int]]:
     return [groups[k] for k in sorted(groups)]
 
 
-def build_module_tree(model: nn.Module, trace: TraceResult | None = None) -> ModuleNode:
+def build_module_tree(
+    model: nn.Module, trace: TraceResult | None = None, times: ModuleTimes | None = None
+) -> ModuleNode:
     """Builds the ModuleNode tree of ``model``; with a ``trace``, children follow execution order.
 
-    Every module of the model belongs to exactly one node, whether or not the trace saw it run.
+    Every module of the model belongs to exactly one node, whether or not the trace saw it run. With
+    ``times`` (a timed step), a node's time is its modules' forward plus backward time; the time spent
+    outside every module (the loss, the autograd engine) counts as the root's.
     """
     entries = walk_modules(model)
     components = _components(entries)
@@ -200,6 +206,8 @@ def build_module_tree(model: nn.Module, trace: TraceResult | None = None) -> Mod
                         if node.first_call is None
                         else min(node.first_call, stats.first_call)
                     )
+        if times is not None:  # a timed step (forward + backward) supersedes the trace's forward times
+            node.self_time_s = sum(times.total_s(e.path) for e in group)
         nodes[ci] = node
 
     for ci in order:

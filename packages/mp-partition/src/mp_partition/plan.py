@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -48,9 +48,16 @@ class PartitionStats:
     buffer_bytes: int
     activation_bytes: int
     """Activation memory of one traced forward pass (the trace's batch), 0 when not traced."""
+    predicted_time_s: float | None = None
+    """Forward + backward seconds of one microbatch on this stage, from the timed step, with the
+    remote-call overhead the stage carries; None when times were not measured."""
+    measured_time_s: float | None = None
+    """The same, measured by the pipeline timeline of the first steps (filled in by the runtime)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "predicted_time_s": self.predicted_time_s,
+            "measured_time_s": self.measured_time_s,
             "index": self.index,
             "cost": self.cost,
             "num_modules": self.num_modules,
@@ -70,6 +77,8 @@ class PartitionStats:
             parameter_bytes=int(d["parameter_bytes"]),
             buffer_bytes=int(d["buffer_bytes"]),
             activation_bytes=int(d["activation_bytes"]),
+            predicted_time_s=_opt_float(d.get("predicted_time_s")),
+            measured_time_s=_opt_float(d.get("measured_time_s")),
         )
 
 
@@ -97,6 +106,11 @@ class PlanInputs:
     example_inputs: tuple[str, ...]
     """Shapes, dtypes and devices of the traced inputs."""
     library_version: str
+    memory_weight_auto: bool = False
+    """No memory_weight was given: time was balanced, or memory where the time-balanced plan did not
+    fit the memory limit (``memory_weight`` then says which α was used)."""
+    call_overhead_s: float | None = None
+    """Seconds one remote call costs its caller's stage (forward + backward), when times were measured."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -122,6 +136,8 @@ class PlanInputs:
             total_memory_bytes=int(d["total_memory_bytes"]),
             example_inputs=tuple(str(x) for x in d["example_inputs"]),
             library_version=str(d["library_version"]),
+            memory_weight_auto=bool(d.get("memory_weight_auto", False)),
+            call_overhead_s=_opt_float(d.get("call_overhead_s")),
         )
 
 
@@ -183,6 +199,10 @@ class PlanNode:
             num_parameters=int(d["num_parameters"]),
             children=tuple(cls.from_dict(c) for c in d["children"]),
         )
+
+
+def _opt_float(value: object) -> float | None:
+    return None if value is None else float(value)  # type: ignore[arg-type]
 
 
 def _parent_path(path: str) -> str | None:
@@ -248,6 +268,22 @@ class PartitionPlan:
     def costs(self) -> tuple[float, ...]:
         """Normalized cost of each partition."""
         return tuple(p.cost for p in self.partitions)
+
+    @property
+    def predicted_times_s(self) -> tuple[float, ...] | None:
+        """Predicted forward + backward seconds per microbatch of each stage (None when not timed)."""
+        times = [p.predicted_time_s for p in self.partitions]
+        return None if any(t is None for t in times) else tuple(t for t in times if t is not None)
+
+    def with_measured_times(self, seconds: Sequence[float | None]) -> PartitionPlan:
+        """A copy with each stage's measured forward + backward seconds per microbatch."""
+        if len(seconds) != self.num_partitions:
+            raise PlanFormatError(
+                f"{len(seconds)} measured stage times for a plan of {self.num_partitions} partitions: "
+                "expected one per partition"
+            )
+        parts = tuple(replace(p, measured_time_s=t) for p, t in zip(self.partitions, seconds, strict=True))
+        return replace(self, partitions=parts)
 
     @property
     def empty_partitions(self) -> tuple[int, ...]:

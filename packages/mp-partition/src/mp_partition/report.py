@@ -136,6 +136,10 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f}"
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
 def _count(n: int) -> str:
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
@@ -150,10 +154,14 @@ def format_report(plan: PartitionPlan, *, full: bool = False, max_depth: int | N
         how = f"manual (default_partition {inp.default_partition})"
     else:
         how = f"auto, memory_weight {inp.memory_weight:g}"
+        if inp.memory_weight_auto:
+            how += " (not set: time balanced unless memory binds)"
         if inp.effective_memory_weight != inp.memory_weight:
             how += f" (used {inp.effective_memory_weight:g})"
     if inp.traced:
-        compute = "forward time" if inp.compute_unit == "seconds" else "module calls"
+        compute = "module calls"
+        if inp.compute_unit == "seconds":
+            compute = "forward + backward time" if plan.predicted_times_s is not None else "forward time"
         source = f"traced on {inp.trace_device}, compute = {compute}"
     else:
         source = "not traced: memory = parameters and buffers, compute = module count"
@@ -176,21 +184,33 @@ def format_report(plan: PartitionPlan, *, full: bool = False, max_depth: int | N
         devs = f"{{{format_devices(node.devices)}}}" if len(node.devices) > 1 else ""
         lines.append(f"{name:<{width}}  {node.cost:5.3f}  p{node.partition:<3} {devs}".rstrip())
     lines.append("")
+    timed = plan.predicted_times_s is not None
+    measured = any(p.measured_time_s is not None for p in plan.partitions)
     lines.append(
         f"{'partition':>9}  {'cost':>6}  {'params':>8}  {'param MiB':>10}  {'buffer MiB':>10}  "
-        f"{'act MiB':>9}  modules"
+        f"{'act MiB':>9}  {'modules':>7}"
+        + (f"  {'pred. ms':>8}" if timed else "")
+        + (f"  {'meas. ms':>8}" if measured else "")
     )
     for p in plan.partitions:
         lines.append(
             f"{'p' + str(p.index):>9}  {p.cost:6.3f}  {_count(p.num_parameters):>8}  "
             f"{_mib(p.parameter_bytes):>10}  {_mib(p.buffer_bytes):>10}  "
-            f"{_mib(p.activation_bytes):>9}  {p.num_modules}"
+            f"{_mib(p.activation_bytes):>9}  {p.num_modules:>7}"
+            + (f"  {_ms(p.predicted_time_s):>8}" if timed else "")
+            + (f"  {_ms(p.measured_time_s):>8}" if measured else "")
         )
     costs = plan.costs
     lines.append(
         f"cost range {min(costs):.3f}-{max(costs):.3f} "
         f"(perfect balance: {1 / plan.num_partitions:.3f} each); max/mean {plan.imbalance:.3f}"
     )
+    if timed:
+        lines.append(
+            "ms: forward + backward of one microbatch (the traced one) per stage; predicted from the timed "
+            f"step plus {_ms(inp.call_overhead_s)} ms per remote call on the caller's stage"
+            + ("; measured from the pipeline timeline (busy time, waits excluded)" if measured else "")
+        )
     if plan.empty_partitions:
         lines.append(f"partitions without modules: {list(plan.empty_partitions)}")
     return "\n".join(lines) + "\n"
@@ -305,10 +325,38 @@ def render_plan(
         fontsize=9,
     )
     indices = list(range(plan.num_partitions))
-    bar_ax.bar(indices, list(plan.costs), color=[colors[i] for i in indices], edgecolor="0.25", lw=0.6)
-    bar_ax.axhline(1 / plan.num_partitions, color="0.3", ls="--", lw=0.8)
+    predicted = plan.predicted_times_s
+    if predicted is None:
+        bar_ax.bar(indices, list(plan.costs), color=[colors[i] for i in indices], edgecolor="0.25", lw=0.6)
+        bar_ax.axhline(1 / plan.num_partitions, color="0.3", ls="--", lw=0.8)
+        bar_ax.set_ylabel("cost", fontsize=8)
+    else:  # stage times: predicted (solid) beside measured (hatched), ms per microbatch
+        measured = [p.measured_time_s for p in plan.partitions]
+        width = 0.4 if any(m is not None for m in measured) else 0.8
+        shift = width / 2 if width < 0.8 else 0.0
+        bar_ax.bar(
+            [i - shift for i in indices],
+            [t * 1e3 for t in predicted],
+            width,
+            color=[colors[i] for i in indices],
+            edgecolor="0.25",
+            lw=0.6,
+            label="predicted",
+        )
+        if width < 0.8:
+            bar_ax.bar(
+                [i + shift for i in indices],
+                [0.0 if m is None else m * 1e3 for m in measured],
+                width,
+                color="white",
+                edgecolor=[colors[i] for i in indices],
+                hatch="///",
+                lw=0.8,
+                label="measured",
+            )
+        bar_ax.legend(fontsize=7, loc="lower right")
+        bar_ax.set_ylabel("ms / microbatch", fontsize=8)
     bar_ax.set_xticks(indices)
     bar_ax.set_xlabel("partition", fontsize=8)
-    bar_ax.set_ylabel("cost", fontsize=8)
     bar_ax.tick_params(labelsize=7)
     fig.savefig(target, dpi=130)

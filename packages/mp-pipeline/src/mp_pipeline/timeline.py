@@ -300,6 +300,25 @@ class Timeline:
             if e.rank == rank and e.kind in EXECUTIONS
         ]
 
+    def stage_time_s(self, rank: int) -> float | None:
+        """Seconds ``rank`` computed per microbatch and step: the union of its FWD/BWD executions with
+        waits cut out (nested executions count once), over its recorded steps and their microbatches.
+        None when the rank recorded no execution. The partition report's measured stage time."""
+        intervals = sorted(seg for _, segs in self.compute_segments(rank) for seg in segs)
+        if not intervals:
+            return None
+        busy, end = 0, None
+        for a, b in intervals:
+            if end is None or a >= end:
+                busy += b - a
+                end = b
+            elif b > end:
+                busy += b - end
+                end = b
+        runs = {(e.step, e.microbatch) for e in self.events if e.rank == rank and e.kind in EXECUTIONS}
+        runs = {r for r in runs if r[1] >= 0}
+        return busy / 1e9 / max(len(runs), 1)
+
     def busy_fraction(self, rank: int) -> float:
         """Share of ``rank``'s step time spent executing modules (FWD/BWD, waits excluded)."""
         step = sum(e.duration_ns for e in self.select(EventKind.STEP, rank=rank))

@@ -54,7 +54,16 @@ from mp.tensor_api import replace_tp_modules
 from mp_comm import GroupKind, LoopbackTransport, Router, Transport, TransportConfig, World
 from mp_comm.world import mpi_comm_of
 from mp_memory.precision import cast_floats
-from mp_partition import PartitionPlan, Tracer, auto_partition, manual_partition
+from mp_partition import (
+    ModuleTimes,
+    PartitionPlan,
+    StepTimer,
+    Tracer,
+    auto_partition,
+    device_memory_bytes,
+    manual_partition,
+    time_step,
+)
 from mp_pipeline import (
     FlowChangedError,
     PipelineRuntime,
@@ -73,7 +82,7 @@ from mp_pipeline import (
 )
 from mp_pipeline.dp import OverlappedReduction
 from mp_pipeline.structure import flatten
-from mp_pipeline.timeline import RECORDER, EventKind
+from mp_pipeline.timeline import RECORDER, EventKind, Timeline
 from mp_tensor import is_distributed_parameter, is_scaled_batch_parameter
 from mp_tensor.nn.base import DistributedModule
 
@@ -201,6 +210,7 @@ class DistributedModel(nn.Module):
         """The partition a partial checkpoint was saved with (loaded before the first step): used
         instead of computing one, so that the checkpoint's parts land where they were saved."""
         self._tracing = False
+        self._timer: StepTimer | None = None  # the timed step before auto-partitioning (mp_partition)
         self._in_step = False
         self._grad_scale = 1.0
         self._backward_calls = 0
@@ -261,6 +271,8 @@ class DistributedModel(nn.Module):
     ) -> None:
         """Use instead of ``loss.backward()`` inside the step function."""
         if self._tracing:
+            if self._timer is not None:  # the timed step runs a real backward
+                self._timer.backward(tensors, grad_tensors)
             return
         if not self._in_step or current() is None:
             raise BwdExecutionNotInStepFnError(
@@ -602,7 +614,48 @@ class DistributedModel(nn.Module):
                     body(0)
             finally:
                 self._tracing = False
-        return auto_partition(self.module, self._pp, memory_weight=alpha, trace=tracer.result())
+        # Time balances the stages unless memory_weight is set (None: time, or memory where it binds).
+        return auto_partition(
+            self.module,
+            self._pp,
+            memory_weight=cfg.memory_weight,
+            trace=tracer.result(),
+            times=self._time_step(body),
+            memory_limit_bytes=device_memory_bytes(self.module, state.require()[1].info.local_size),
+            microbatches_in_flight=cfg.resolved_active_microbatches,
+        )
+
+    def _time_step(self, body: Callable[[int], Any]) -> ModuleTimes | None:
+        """Forward and backward time of every module on the first microbatch (mp_partition.timing), or
+        None if the timed step fails (the plan then balances the trace's costs)."""
+
+        def step(timer: StepTimer) -> None:
+            self._tracing, self._timer = True, timer
+            try:
+                with task_context(TaskContext(0, ("<step>",))):
+                    body(0)
+            finally:
+                self._tracing, self._timer = False, None
+
+        try:
+            return time_step(self.module, step)
+        except Exception:
+            log.warning("timing the step for auto-partitioning failed; balancing traced costs", exc_info=True)
+            return None
+
+    def note_timeline(self, timeline: Timeline) -> None:
+        """Adds each stage's measured seconds per microbatch (from a merged pipeline timeline) to the
+        plan, beside the predicted ones (smp.timeline.stop calls it on the rank holding the plan)."""
+        if self.plan is None or self.plan.num_partitions != self._pp:
+            return
+        topo = state.require()[2]
+        per_stage: list[list[float]] = [[] for _ in range(self._pp)]
+        for rank in timeline.ranks:
+            seconds = timeline.stage_time_s(rank)
+            if seconds is not None:
+                per_stage[topo.coords(rank).pp_rank].append(seconds)
+        measured = [sum(v) / len(v) if v else None for v in per_stage]
+        self.plan = self.plan.with_measured_times(measured)
 
     def _apply_assignment(self) -> None:
         for name, p in self.module.named_parameters():

@@ -69,6 +69,8 @@ def stop(path_prefix: str | os.PathLike[str] | None = None, *, title: str | None
     if traces is None:
         return None
     timeline = Timeline.merge(traces)
+    if state.model is not None:  # the plan report's measured stage times
+        state.model.note_timeline(timeline)
     if path_prefix is not None:
         timeline.write(path_prefix, title=title)
     return timeline
