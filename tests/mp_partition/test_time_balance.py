@@ -254,6 +254,31 @@ def test_plan_report_shows_predicted_and_measured_stage_times(tmp_path: Path) ->
     assert (tmp_path / "plan.png").stat().st_size > 1000
 
 
+def test_forward_times_alone_are_not_reported_as_stage_times() -> None:
+    model = Stack(layers=4)
+    plan = auto_partition(model, 2, example_args=(torch.randn(2, 16),), measure_time=True)
+    assert plan.predicted_times_s is None
+    assert "compute = forward time" in plan.report() and "pred. ms" not in plan.report()
+
+
+def test_timeline_stage_time_counts_nested_executions_once_and_cuts_waits() -> None:
+    from mp_pipeline.timeline import Event, EventKind, Timeline
+
+    ms = 1_000_000
+    events = (
+        Event(EventKind.STEP, 0, "main", 1, "", -1, 0, 100 * ms),
+        # microbatch 0: the step's forward (0-40 ms) holds a nested local block (10-20) and a wait (20-30)
+        Event(EventKind.FWD, 0, "main", 1, "<step>", 0, 0, 40 * ms),
+        Event(EventKind.FWD, 0, "main", 1, "blocks.0", 0, 10 * ms, 20 * ms),
+        Event(EventKind.WAIT, 0, "main", 1, "blocks.1", 0, 20 * ms, 30 * ms),
+        Event(EventKind.BWD, 0, "main", 1, "<step>", 0, 50 * ms, 60 * ms),
+        Event(EventKind.FWD, 0, "main", 1, "<step>", 1, 60 * ms, 70 * ms),
+    )
+    timeline = Timeline(events)
+    assert timeline.stage_time_s(0) == pytest.approx((30 + 10 + 10) * 1e-3 / 2)
+    assert timeline.stage_time_s(1) is None
+
+
 # -- a real pipeline ----------------------------------------------------------------------------------
 def _looped_gpt_pp2(world: Any) -> dict[str, Any]:
     import mp as smp

@@ -268,10 +268,10 @@ def auto_partition(
     plan fits. Without times, None means smp's 0.8.
 
     The seed's algorithm (tree segmentation, D'Hondt) gives a first plan; with ``refine_balance`` (None:
-    when ``times`` are given) whole
-    subtrees then move across stage boundaries while that lowers the largest stage load, counting what
-    the other stages already carry and ``call_overhead_s`` / ``callee_overhead_s`` per call between
-    modules on different stages (:mod:`mp_partition.balance`). A model with fewer ModuleNodes than
+    when ``times`` are given) subtrees then move across stage boundaries while that lowers the largest
+    stage load, counting what the other stages already carry and ``call_overhead_s`` /
+    ``callee_overhead_s`` per call between modules on different stages (:mod:`mp_partition.balance`);
+    the plan then predicts each stage's seconds per microbatch. A model with fewer ModuleNodes than
     partitions raises :class:`ModelTooSmallError`; partitions left without modules (a huge leaf module
     takes several devices) are logged, and raise :class:`ModelTooSmallError` if
     ``allow_empty_partitions`` is False.
@@ -322,7 +322,7 @@ def auto_partition(
             memory_limit_bytes / 2**20,
         )
     predicted = None
-    if timed:
+    if times is not None:
         calls_s = calls[0] if calls is not None else None
         predicted = stage_loads(nodes, device, num_partitions, calls_s, seconds=True)
     plan = _make_plan(
