@@ -16,12 +16,14 @@ Cost: about 10-15 s a case on the 2-core CI machine (most of it starting torch o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,17 @@ CASES = [
     # alive but slow: never ended
     (2, 1, 1, "forward", "slow"),
     (1, 1, 0, "backward", "slow"),
+    # tracing and partitioning (rank 0 traces while rank 1 waits for the plan)
+    (2, 1, 0, "trace", "stop"),
+    (2, 1, 0, "trace", "raise"),
+    # a partial save after a good one: the disk fills up, a rank dies; the good one must still load
+    (2, 1, 1, "save", "full"),
+    (2, 1, 0, "save", "kill"),
+    # the job's TCP connections (torch.distributed's store and gloo) shut down under a rank: DDP's
+    # gradient allreduce (gloo) fails and ends the job; a pipeline's steps do not use them (MPI carries
+    # its messages), so that job carries on and finishes
+    (1, 1, 0, "backward", "sockets"),
+    (2, 1, 1, "forward", "sockets"),
 ]
 
 
@@ -70,8 +83,33 @@ def _leftovers(marker: str) -> list[str]:
     return found
 
 
+@contextlib.contextmanager
+def _save_folder(tmp_path: Path, kind: str) -> Iterator[tuple[Path, dict[str, str]]]:
+    """Where the job saves; for a full disk, a 256 KB tmpfs when this process may mount one (root with
+    CAP_SYS_ADMIN), else RLIMIT_FSIZE in the faulty rank (its writes then fail with EFBIG)."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)]
+    mounted = kind == "full" and subprocess.run(mount, capture_output=True, check=False).returncode == 0
+    try:
+        yield folder, {"MP_TEST_FSIZE": "1024"} if kind == "full" and not mounted else {}
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(folder)], check=False)
+
+
+def _launch(job: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mp.launch", "-n", "2", "--bind", "none", str(job)],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=env,
+    )
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "pp{}-tp{}-rank{}-{}-{}".format(*c))
 def test_a_fault_ends_the_job_fast_and_names_the_rank(
     tmp_path: Path, case: tuple[int, int, int, str, str]
@@ -90,23 +128,33 @@ def test_a_fault_ends_the_job_fast_and_names_the_rank(
         "MP_PIPELINE_TIMEOUT": "120",  # longer than the bounds: the probe, not this timeout, must end it
         "OMP_NUM_THREADS": "1",
     }
-    proc = subprocess.run(
-        [sys.executable, "-m", "mp.launch", "-n", "2", "--bind", "none", str(job)],
-        capture_output=True,
-        text=True,
-        timeout=200,
-        env=env,
-    )
-    ended = time.time()
+    with contextlib.ExitStack() as stack:
+        if phase == "save":
+            folder, extra = stack.enter_context(_save_folder(tmp_path, kind))
+            env.update(extra, MP_TEST_SAVE=str(folder / "model.pt"))
+        proc = _launch(job, env)
+        ended = time.time()
+        _check(proc, ended, case)
+        time.sleep(1.0)  # mpiexec's last kills
+        assert not _leftovers(job.name), _leftovers(job.name)
+        if phase == "save":  # the checkpoint of the step before still loads, on every rank
+            loaded = _launch(job, {**env, "MP_FAULT": "9:none:none", "MP_TEST_LOAD": env["MP_TEST_SAVE"]})
+            out = loaded.stdout + loaded.stderr
+            assert loaded.returncode == 0 and "rank 0 loaded" in out and "rank 1 loaded" in out, out
+
+
+def _check(
+    proc: subprocess.CompletedProcess[str], ended: float, case: tuple[int, int, int, str, str]
+) -> None:
+    pp, _, rank, phase, kind = case
     output = proc.stdout + proc.stderr
     injected = re.search(rf"rank {rank}: injecting {kind} at {phase} t=([0-9.]+)", output)
     assert injected, output
     took = ended - float(injected.group(1))
-    if kind == "slow":
+    if kind == "slow" or (kind == "sockets" and pp > 1):
         assert proc.returncode == 0, output
         assert "rank 0 finished" in output and "rank 1 finished" in output, output
         assert "stopped answering" not in output, output
-        assert not _leftovers(job.name), _leftovers(job.name)
         return
     assert proc.returncode != 0, output
     assert "finished" not in output, output
@@ -119,6 +167,13 @@ def test_a_fault_ends_the_job_fast_and_names_the_rank(
         # fails first; either way its traceback names the rank and shows the phase
         assert re.search(r"mp-launch: rank \d failed first", proc.stderr), output
         assert f"injected failure on rank {rank} at {phase}" in proc.stderr, output
+    elif kind == "full":
+        # a rank whose write failed reports it (with a shared tmpfs, any rank may fail first)
+        assert re.search(r"mp-launch: rank \d failed first", proc.stderr), output
+        assert "save_partial" in proc.stderr, output
+    elif kind == "sockets":
+        # the rank that finds its connection closed fails first (gloo: "Connection closed by peer")
+        assert re.search(r"mp-launch: (rank \d failed first|.*rank \d \(PID \d+)", proc.stderr), output
     elif kind == "kill":
         # the first rank seen dead on this host, with its PID and host: usually the one killed, but under
         # load possibly one that mpiexec killed right after it (docs/faults.md)
@@ -138,5 +193,3 @@ def test_a_fault_ends_the_job_fast_and_names_the_rank(
         if pp == 2 and rank == 1 and phase != "step":
             # pp_rank 0 waits for the stopped stage's response, and says so
             assert "response of module" in other.group(1) and "from rank 1" in other.group(1), output
-    time.sleep(1.0)  # mpiexec's last kills
-    assert not _leftovers(job.name), _leftovers(job.name)
