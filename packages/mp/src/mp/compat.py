@@ -130,6 +130,8 @@ NOTES: dict[str, tuple[Status, str]] = {
         "built",
         "no switch needed: unused parameters always handled",
     ),
+    "DistributedModel.state_dict(gather_to_rank0)": ("differs", "every rank gets the full state either way"),
+    "set_activation_checkpointing(pack_args_as_tuple)": ("built", "deprecated in smp: no effect, as there"),
     "DistributedModel.cuda": (
         "differs",
         "torch's Module.cuda: moves at once (smp ignored it before partitioning)",
@@ -155,6 +157,8 @@ NOTES: dict[str, tuple[Status, str]] = {
     "StepOutput.merge": ("not built", _TF),
     "StepOutput.accumulate": ("not built", _TF),
     # -- smp.nn
+    "nn.FlashAttentionLayer(triton_flash_attention)": ("differs", "True raises (no Triton kernel)"),
+    "nn.FlashAttentionLayer(use_alibi)": ("differs", "True raises (no ALiBi)"),
     "nn.FlashAttentionLayer": (
         "differs",
         "torch's scaled_dot_product_attention; triton_flash_attention and ALiBi raise",
