@@ -234,12 +234,6 @@ _NOT_BUILT: tuple[tuple[str, Callable[[ModelParallelConfig], object], str], ...]
         "the gradients of each transformer block as one bucket and has no bucket-size setting",
     ),
     (
-        "shard_optimizer_state",
-        lambda c: c.shard_optimizer_state and c.precision != "fp32",
-        "shards the optimizer state over the reduced data-parallel group; mp builds that for fp32 "
-        "training, not together with 'fp16'/'bf16'",
-    ),
-    (
         "sharded_data_parallel_degree",
         lambda c: (
             c.sharded_data_parallel_degree > 1

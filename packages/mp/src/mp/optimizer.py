@@ -338,7 +338,7 @@ def DistributedOptimizer(
         setattr(optimizer, name, types.MethodType(fn, optimizer))
     registered: Any = optimizer
     defer_optimizer_loads(optimizer)  # a delayed model's parameters are on meta until partitioning
-    if cfg.shard_optimizer_state:  # ZeRO-1 over the RDP group (fp32 only: smp.init refuses the rest)
+    if cfg.shard_optimizer_state:  # ZeRO-1 over the RDP group (fp16/bf16: over the masters, mp.precision)
         from mp.zero import shard_optimizer_state
 
         shard_optimizer_state(optimizer)

@@ -13,6 +13,11 @@
 - Optimizer state dicts hold the masters, the optimizer state and the scaler, keyed by parameter name:
   ``local_state_dict()`` this rank's, ``state_dict()`` gathered over the pipeline; either loads under any
   pipeline layout (each rank takes its own parameters' entries).
+- With ``shard_optimizer_state`` (ZeRO-1, mp.zero) the user's optimizer steps through a
+  ZeroRedundancyOptimizer built over the fp32 masters: each rank of the reduced data-parallel group keeps
+  the state of its share of the masters and steps them, and the updated masters are broadcast before they
+  are copied into the half parameters. ``local_state_dict()`` then holds this rank's share of the state
+  (and every master of its stage), loads only under the same layout, and ``state_dict()`` raises (smp).
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mp.errors import IncompatibleCheckpointFoundError, SMPValidationError
+from mp.errors import IncompatibleCheckpointFoundError, SMPCheckpointError, SMPValidationError
 from mp.optimizer import clip_by_global_norm
 from mp.state import state
+from mp.zero import sharding_of
 from mp_comm import GroupKind
 from mp_memory.errors import PrecisionError
 from mp_memory.loss_scaler import make_loss_scaler
@@ -103,6 +109,17 @@ class DistributedBit16Optimizer(Bit16Optimizer):
         return clip_by_global_norm(pairs, max_norm, norm_type)
 
     # -- state -----------------------------------------------------------------------------------------
+    def _zero_params(self) -> list[torch.Tensor] | None:
+        """Under shard_optimizer_state: the masters whose state this rank keeps (ZeRO built over the
+        masters, which exist by now); else None."""
+        sharding = sharding_of(self.optimizer)
+        return None if sharding is None else sharding.local_params()
+
+    def _store(self) -> dict[Any, Any]:
+        """Where the masters' optimizer state lives: ZeRO's local optimizer when sharded."""
+        sharding = sharding_of(self.optimizer)
+        return self.optimizer.state if sharding is None else sharding.build().optim.state
+
     def _names(self) -> dict[int, str]:
         model = state.model
         assert model is not None
@@ -113,15 +130,19 @@ class DistributedBit16Optimizer(Bit16Optimizer):
         """This rank's masters, optimizer state and loss scaler, by parameter name."""
         self._ready("local_state_dict")
         names = self._names()
+        store = self._store()
         groups, states, masters = [], {}, {}
         for g in self.optimizer.param_groups:
             gnames = [names[id(m)] for m in g["params"]]
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": gnames})
             for m, n in zip(g["params"], gnames, strict=True):
                 masters[n] = _cpu(m)
-                if m in self.optimizer.state:
-                    states[n] = {k: _cpu(v) for k, v in self.optimizer.state[m].items()}
+                if m in store:
+                    states[n] = {k: _cpu(v) for k, v in store[m].items()}
+        zero = self._zero_params()
+        extra = {} if zero is None else {"_mp_zero_param_names": [names[id(m)] for m in zero]}
         return {
+            **extra,
             "_smp_is_partial": True,
             "_mp_precision": self.precision,
             "param_groups": groups,
@@ -133,6 +154,14 @@ class DistributedBit16Optimizer(Bit16Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The whole model's (gathered over the pipeline: call it on every rank of the pipeline)."""
+        self._ready("state_dict")
+        if sharding_of(self.optimizer) is not None:
+            raise SMPCheckpointError(
+                "optimizer.state_dict() (the full optimizer state) is not supported under "
+                f"shard_optimizer_state with {self.precision}, as in smp: each rank holds only its share. "
+                "Save optimizer.local_state_dict() (smp.save(..., partial=True) or "
+                "smp.save_checkpoint(partial=True))"
+            )
         sd = self.local_state_dict()
         del sd["_smp_is_partial"]
         model = state.model
@@ -191,6 +220,14 @@ class DistributedBit16Optimizer(Bit16Optimizer):
                 "that this rank holds: load a state_dict() (full), or a local_state_dict() saved with "
                 "this layout"
             )
+        zero = self._zero_params()
+        if zero is not None and sd.get("_mp_zero_param_names") != [names[id(m)] for m in zero]:
+            raise IncompatibleCheckpointFoundError(
+                f"the {self.precision} optimizer state was not saved as this rank's share under "
+                "shard_optimizer_state with this layout: load a local_state_dict() saved with the same "
+                "layout, partition and data-parallel size"
+            )
+        store = self._store()
         pair_of = {id(m): p for p, m in self.pairs()}
         with torch.no_grad():
             for group, saved in zip(self.optimizer.param_groups, saved_groups, strict=True):
@@ -199,9 +236,9 @@ class DistributedBit16Optimizer(Bit16Optimizer):
                     n = names[id(m)]
                     m.copy_(masters[n])
                     pair_of[id(m)].copy_(m)
-                    self.optimizer.state.pop(m, None)
+                    store.pop(m, None)
                     if n in states:
-                        self.optimizer.state[m] = {
+                        store[m] = {
                             k: v.to(m.device) if isinstance(v, torch.Tensor) else v
                             for k, v in states[n].items()
                         }
