@@ -30,9 +30,9 @@ def t5_model(layers: int = 2, **extra: Any) -> nn.Module:
     tf = transformers
     cfg = tf.T5Config(
         vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4,
-        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16,
         decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, tie_word_embeddings=False,
-        use_cache=False, **extra,
+        use_cache=False, **{"dropout_rate": 0.0, **extra},
     )  # fmt: skip
     cfg._attn_implementation = "sdpa"
     return tf.T5ForConditionalGeneration(cfg)  # type: ignore[no-any-return]
@@ -42,8 +42,8 @@ def vit_model(layers: int = 2, **extra: Any) -> nn.Module:
     tf = transformers
     cfg = tf.ViTConfig(
         image_size=8, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=layers,
-        num_attention_heads=4, intermediate_size=64, num_labels=CLASSES, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, **extra,
+        num_attention_heads=4, intermediate_size=64, num_labels=CLASSES,
+        **{"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, **extra},
     )  # fmt: skip
     return tf.ViTForImageClassification(cfg)  # type: ignore[no-any-return]
 
@@ -168,3 +168,48 @@ def test_blocks_train_like_the_plain_model(
         bad = {k: v for k, v in res["weights"].items() if not v < 1e-5}
         assert not bad, (rank, bad)
         assert res["reloaded"] < TOL, (rank, res["reloaded"])
+
+
+def _dropout(world: Any, family: str) -> dict[str, Any]:
+    build = t5_model if family == "t5" else vit_model
+    extra = (
+        {"dropout_rate": 0.3}
+        if family == "t5"
+        else {"hidden_dropout_prob": 0.3, "attention_probs_dropout_prob": 0.3}
+    )
+
+    def run(group: dist.ProcessGroup) -> dict[str, Any]:
+        ctx = TPContext(group=group, optimize="speed", prescaled_batch=True)
+        torch.manual_seed(0)
+        ref = build(**extra)
+        torch.manual_seed(0)
+        with tensor_parallelism():
+            tp_model = build(**extra)
+        tp_model = replace_modules(tp_model, ctx)
+        for m in tp_model.modules():  # HF's dropouts outside the blocks (embeddings) draw from the
+            if isinstance(m, nn.Dropout):  # global RNG, which this test sets apart per rank
+                m.p = 0.0
+        data = batch(family, B)
+        ref.eval()
+        tp_model.eval()
+        out = {"eval": (tp_model(**data).logits - ref(**data).logits).abs().max().item()}
+        tp_model.train()
+        torch.manual_seed(1 + dist.get_rank(group))  # the global RNG differs: TP masks must not use it
+        train = tp_model(**data).logits.detach()
+        peer = train.clone()
+        dist.broadcast(peer, src=dist.get_global_rank(group, 0), group=group)
+        out["ranks_differ"] = (train - peer).abs().max().item()
+        out["train_vs_eval"] = (train - ref(**data).logits).abs().max().item()
+        return out
+
+    return with_group(run)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("family", ["t5", "vit"])
+def test_dropout_masks_agree_over_replicated_activations(worlds: Any, family: str) -> None:
+    # speed mode with a shared batch: every rank holds the same activations, so the dropout masks on
+    # them must be the same on every rank (heads and MLP channels, held apart, draw their own)
+    for rank, res in enumerate(worlds.run(2, _dropout, family, timeout=240)):
+        assert res["eval"] < TOL, (rank, res)
+        assert res["ranks_differ"] == 0.0, (rank, res)
+        assert res["train_vs_eval"] > 1e-3, (rank, res)  # dropout did act
