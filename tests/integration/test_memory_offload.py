@@ -1,9 +1,9 @@
 """smp's offload_activations on real worlds: training with the checkpointed blocks' inputs offloaded to host
 memory equals plain single-process PyTorch (every step's loss, every gradient of the first step, every
-parameter after 3 SGD steps, rtol 1e-5) alone, at pp=2 (simple and interleaved schedules) and at tp=2;
-and on every rank the recorded schedule loads each microbatch's activations back exactly
-``activation_loading_horizon`` backward tasks ahead (mp_memory.offload; the single-process order tests are
-in tests/mp_memory/test_offload.py).
+parameter after 3 SGD steps, rtol 1e-5) alone, at pp=2 (simple and interleaved schedules, fast mode) and
+at tp=2; and on every rank the recorded schedule loads each microbatch's activations back exactly
+``activation_loading_horizon`` backward tasks ahead (mp_memory.offload; the single-process order tests
+are in tests/mp_memory/test_offload.py).
 
 On a CPU-only machine the "host" copy is a separate CPU buffer: the scheduling is what is tested here;
 docs/gpu.md says how to measure the device-memory drop on a GPU.
@@ -11,6 +11,7 @@ docs/gpu.md says how to measure the device-memory drop on a GPU.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -77,6 +78,7 @@ def _reference(replicas: int) -> dict[str, Any]:
 
 def _train(world: Any, config: dict[str, Any]) -> dict[str, Any]:
     smp.init({"microbatches": MICROBATCHES, "offload_activations": True, **config})
+    os.environ["MP_PIPELINE_STATIC_STEPS"] = "1"  # static/fast mode: steps 2 and 3 replay the recording
     try:
         torch.manual_seed(0)
         tp = config.get("tensor_parallel_degree", 1) > 1
@@ -129,6 +131,7 @@ def _train(world: Any, config: dict[str, Any]) -> dict[str, Any]:
             "offloaded_bytes": offloader.offloaded_bytes,
         }
     finally:
+        os.environ.pop("MP_PIPELINE_STATIC_STEPS", None)
         smp.reset()
 
 
@@ -175,13 +178,14 @@ def test_alone_equals_torch_and_loads_horizon_ahead(worlds: Any) -> None:
     assert r["events"].count(("offload", 0)) == 4 and r["events"].count(("keep", 3)) == 4, r["events"]
 
 
-@pytest.mark.parametrize("pipeline", ["simple", "interleaved"])
+@pytest.mark.parametrize("pipeline", ["simple", "interleaved", "fast"])
 def test_pp2_equals_torch_and_loads_horizon_ahead(worlds: Any, pipeline: str) -> None:
     config = {
         "pipeline_parallel_degree": 2,
         "auto_partition": False,
         "default_partition": 0,
-        "pipeline": pipeline,
+        "pipeline": "interleaved" if pipeline == "fast" else pipeline,
+        "fast_mode": pipeline == "fast",  # recorded messages replayed, child-to-child shortcuts
         "activation_loading_horizon": 1,
     }
     results = worlds.run(2, _train, config, timeout=120)
