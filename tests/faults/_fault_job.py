@@ -38,7 +38,7 @@ STEPS: list[int] = []  # the steps done
 
 
 def fault(phase: str) -> None:
-    rank = int(os.environ["PMI_RANK"]) if phase == "preinit" else smp.rank()
+    rank = int(os.environ.get("PMI_RANK", os.environ.get("RANK", "0"))) if phase == "preinit" else smp.rank()
     if phase != PHASE or rank != int(RANK) or FIRED or (KIND == "slow" and not STEPS):
         return  # slow: in a step after the first (a sleep in the first would skew the partitioner's timing)
     print(f"rank {rank}: injecting {KIND} at {phase} t={time.time():.3f}", flush=True)

@@ -28,7 +28,9 @@ import logging
 import math
 import os
 import select
+import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -270,13 +272,16 @@ class Heartbeat:
         except OSError:
             log.error("%s", report)
         time.sleep(_REPORT_GRACE)
+        for r in silent:  # a stopped process on this host ignores the SIGTERM torchrun sends it first
+            if self.peers[r].host == self.peers[rank].host:
+                with contextlib.suppress(OSError):
+                    os.kill(self.peers[r].pid, signal.SIGKILL)
         try:
-            from mpi4py import MPI
-
-            if MPI.Is_initialized() and not MPI.Is_finalized():
-                MPI.COMM_WORLD.Abort(1)
+            mpi = sys.modules.get("mpi4py.MPI")  # not imported here: that would start MPI (torchrun)
+            if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+                mpi.COMM_WORLD.Abort(1)  # the launcher ends every rank
         finally:
-            os._exit(1)
+            os._exit(1)  # torchrun's agent ends the others
 
     @staticmethod
     def _doing(peer: Peer, when: str, described: list[str], frame: str) -> str:
