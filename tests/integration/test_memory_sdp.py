@@ -158,6 +158,15 @@ def test_sharded_training_equals_one_process(worlds: Any, ranks: int) -> None:
         assert r["kinds"]["blocks.0.inner.bias"] == "Parameter", r  # below the persistence threshold
 
 
+def test_smp_default_threshold_keeps_a_small_model_whole(worlds: Any) -> None:
+    """sdp_param_persistence_threshold's default (1e6) shards no parameter of this small model: every
+    gradient is averaged over the data-parallel group instead, and training is still exact."""
+    config = _config(2, sdp_param_persistence_threshold=1_000_000)
+    for r in worlds.run(2, _train, config, timeout=300):
+        assert r["loss_ok"] and r["grads"] is None and r["params"] is None and r["opt"] is None, r
+        assert set(r["kinds"].values()) == {"Parameter"}, r
+
+
 def _clipped(world: Any, clip: float) -> dict[str, Any]:
     model, opt, train_step = _setup(_config(2, sdp_gradient_clipping=clip))
     train_step(*_batch(0, smp.dp_rank()))
@@ -308,6 +317,8 @@ def test_blocks_are_hf_no_split_modules_else_module_list_children() -> None:
     stack = _build()
     assert block_modules(stack) == list(stack.blocks)
     assert block_modules(nn.Sequential(nn.Linear(2, 2))) == []
+    stack._no_split_modules = ["NotHere"]  # type: ignore[assignment]
+    assert block_modules(stack) == list(stack.blocks)  # named classes absent: ModuleList children
 
 
 def _gpt2(world: Any) -> dict[str, Any]:

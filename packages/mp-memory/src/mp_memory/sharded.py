@@ -69,7 +69,8 @@ def block_modules(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of ``model``, outermost first, in module order (never the root).
 
     A Hugging Face model names its block classes in ``_no_split_modules``; other models' blocks are
-    the children of their ``nn.ModuleList``s. Blocks nested in another block are not listed."""
+    the children of their ``nn.ModuleList``s (also when none of the named classes is found). Blocks
+    nested in another block are not listed."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     found: list[nn.Module] = []
 
@@ -90,6 +91,9 @@ def block_modules(model: nn.Module) -> list[nn.Module]:
                 visit(path, child)
 
     visit("", model)
+    if not found and names:  # the named classes are not in this model (a composite one): ModuleLists
+        names = set()
+        visit("", model)
     return found
 
 
