@@ -84,7 +84,7 @@ def _one_f_one_b(n: int, active: int) -> list[str]:
 
 def _check_grads(d: Driver, mbs: int) -> None:
     for (name, p), ref in zip(d.net.named_parameters(), d.reference_grads(mbs), strict=True):
-        torch.testing.assert_close(p.grad, ref, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(p.grad, ref, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_gpipe_order_loads_exactly_horizon_tasks_ahead() -> None:

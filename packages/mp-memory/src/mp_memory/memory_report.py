@@ -11,6 +11,7 @@ counted: the peak is the activation memory the memory savers act on.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from collections.abc import Iterable
@@ -100,15 +101,32 @@ class ActivationTracker:
         self._lock = threading.Lock()
         self._live: dict[tuple[str, int], tuple[int, int]] = {}
         """storage (device, address) -> (saved tensors holding it, its bytes)."""
-        self.live = 0
-        self.peak = 0
+        self._released: collections.deque[tuple[str, int]] = collections.deque()
+        """Releases not yet accounted: a finalizer only appends (atomic), so it never waits for the lock
+        (it may run inside a locked region of its own thread, from the garbage collector)."""
+        self._live_bytes = 0
+        self._peak = 0
+
+    @property
+    def live(self) -> int:
+        """Bytes kept for backward now."""
+        with self._lock:
+            self._drain()
+            return self._live_bytes
+
+    @property
+    def peak(self) -> int:
+        """The most bytes kept for backward at once since tracing (or :meth:`reset_peak`)."""
+        with self._lock:
+            return self._peak
 
     def hooks(self) -> contextlib.AbstractContextManager[None]:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def reset_peak(self) -> None:
         with self._lock:
-            self.peak = self.live
+            self._drain()
+            self._peak = self._live_bytes
 
     def _pack(self, t: torch.Tensor) -> Any:
         if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or t.device.type == "meta":
@@ -116,10 +134,11 @@ class ActivationTracker:
         storage = t.untyped_storage()
         key = (str(t.device), storage.data_ptr())
         with self._lock:
+            self._drain()
             count, nbytes = self._live.get(key, (0, storage.nbytes()))
             if count == 0:
-                self.live += nbytes
-                self.peak = max(self.peak, self.live)
+                self._live_bytes += nbytes
+                self._peak = max(self._peak, self._live_bytes)
             self._live[key] = (count + 1, nbytes)
         return _Held(self, key, t)
 
@@ -128,10 +147,15 @@ class ActivationTracker:
         return held.tensor if isinstance(held, _Held) else held
 
     def _release(self, key: tuple[str, int]) -> None:
-        with self._lock:
+        self._released.append(key)
+
+    def _drain(self) -> None:
+        """Account the releases so far (under the lock)."""
+        while self._released:
+            key = self._released.popleft()
             count, nbytes = self._live[key]
             if count == 1:
                 del self._live[key]
-                self.live -= nbytes
+                self._live_bytes -= nbytes
             else:
                 self._live[key] = (count - 1, nbytes)
