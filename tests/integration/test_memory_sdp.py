@@ -365,3 +365,29 @@ def _gpt2(world: Any) -> dict[str, Any]:
 def test_hf_gpt2_trains_like_one_process(worlds: Any) -> None:
     for r in worlds.run(2, _gpt2, timeout=300):
         assert r == {"params": None, "tied": True, "refused": [True, True]}, r
+
+
+def _spanning(world: Any) -> str:
+    """Two nodes of one rank each (a fake layout): every shard group of 2 spans both nodes."""
+    import dataclasses
+
+    from mp.state import state
+
+    smp.init({"sharded_data_parallel_degree": 2})
+    real = state.world
+    assert real is not None
+    original = real.info
+    fake = dataclasses.replace(original, num_nodes=2, local_size=1, local_rank=0, node=smp.rank())
+    object.__setattr__(real, "info", fake)
+    try:
+        smp.DistributedModel(_build())
+    except SMPValidationError as exc:
+        return str(exc)
+    finally:
+        object.__setattr__(real, "info", original)
+    return "not refused"
+
+
+def test_shard_groups_spanning_nodes_are_refused(worlds: Any) -> None:
+    for text in worlds.run(2, _spanning, timeout=120):
+        assert "'sdp_hierarchical_allgather'" in text and "a divisor of 1" in text, text

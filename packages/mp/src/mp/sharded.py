@@ -49,14 +49,15 @@ def shard_model(module: nn.Module) -> ShardedDataParallel | None:
         return None
     dp = topo.size(GroupKind.DP)
     info = world.info
-    if info.num_nodes > 1 and degree > info.local_size:
-        # FSDP2 all-gathers flat over the shard group; smp all-gathered within each node first.
+    if info.num_nodes > 1 and info.local_size % degree != 0:
+        # FSDP2 all-gathers flat over the shard group (consecutive ranks); smp all-gathered within each
+        # node first. A degree dividing the ranks per node keeps every shard group inside one node.
         raise SMPValidationError(
-            f"sharded_data_parallel_degree={degree} spans nodes of {info.local_size} ranks: mp's all-gather "
-            "(FSDP2's) runs flat over the shard group, not node-local first as 'sdp_hierarchical_allgather' "
-            f"asks. Expected a degree <= {info.local_size} (ranks per node), so that each shard group's "
-            "all-gather stays within a node and only replicas talk across nodes. Fix: set "
-            f"'sharded_data_parallel_degree' to {info.local_size} or a divisor of it"
+            f"sharded_data_parallel_degree={degree} makes shard groups that span nodes of {info.local_size} "
+            "ranks: mp's all-gather (FSDP2's) runs flat over the shard group, not node-local first as "
+            f"'sdp_hierarchical_allgather' asks. Expected a divisor of {info.local_size} (ranks per node), "
+            "so that each shard group's all-gather stays within a node and only replicas talk across nodes. "
+            f"Fix: set 'sharded_data_parallel_degree' to a divisor of {info.local_size}"
         )
     devices = {p.device.type for p in module.parameters()}
     config = ShardingConfig(
