@@ -391,3 +391,40 @@ def _spanning(world: Any) -> str:
 def test_shard_groups_spanning_nodes_are_refused(worlds: Any) -> None:
     for text in worlds.run(2, _spanning, timeout=120):
         assert "'sdp_hierarchical_allgather'" in text and "a divisor of 1" in text, text
+
+
+def _accumulated(world: Any) -> dict[str, Any]:
+    """backward_passes_per_step=2 (smp's way to accumulate under sharding): two step calls, one
+    optimizer step; sharded gradients accumulate in FSDP2, whole ones are averaged every second call."""
+    smp.init(_config(2))
+    model = smp.DistributedModel(_build(), backward_passes_per_step=2)
+    opt = smp.DistributedOptimizer(_optimizer(model.parameters()))
+
+    @smp.step
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    for step in range(STEPS):
+        train_step(*_batch(step, smp.dp_rank()))
+        if step % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+    ref = _build()
+    ref_opt = _optimizer(ref.parameters())
+    for step in range(STEPS):
+        for r in range(smp.dp_size()):
+            x, y = _batch(step, r)
+            for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True):
+                (F.mse_loss(ref(xm), ym) / (MICROBATCHES * smp.dp_size())).backward()
+        if step % 2 == 1:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            ref_opt.step()
+            ref_opt.zero_grad()
+    return {"params": first_difference(model.state_dict(), ref.state_dict())}
+
+
+def test_backward_passes_per_step_accumulates(worlds: Any) -> None:
+    for r in worlds.run(2, _accumulated, timeout=300):
+        assert r["params"] is None, r
