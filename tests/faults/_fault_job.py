@@ -5,13 +5,13 @@ trace: the first forward, which with pp > 1 is rank 0's trace before partitionin
 step: the optimizer step, save: the partial save at the end of a step after the first, into
 MP_TEST_SAVE) and the fault: ``kill`` (SIGKILL), ``stop`` (SIGSTOP: the process stays, silent),
 ``raise`` (a RuntimeError naming the rank and phase), ``slow`` (sleeps MP_TEST_SLOW seconds, alive,
-then goes on), ``full`` (the save's filesystem fills up: a filler file written until ENOSPC, or, with
-MP_TEST_FSIZE set, RLIMIT_FSIZE lowered to that many bytes, so that writes fail with EFBIG),
-``sockets`` (every TCP connection of the process is shut down, as by a peer or the network).
-MP_TEST_LOAD=<path> instead loads the partial checkpoint at <path> and exits. MP_TEST_PP and
-MP_TEST_TP set the degrees; the
-rest of the world is data parallelism. The job runs 3 steps of a small MLP, pipelined when pp > 1, with
-a DistributedLinear layer when tp > 1.
+then goes on), ``hang`` (sleeps for an hour: alive, never answering, as in a deadlock), ``full`` (the
+save's filesystem fills up: a filler file written until ENOSPC, or, with MP_TEST_FSIZE set,
+RLIMIT_FSIZE lowered to that many bytes, so that writes fail with EFBIG), ``sockets`` (every TCP
+connection of the process is shut down, as by a peer or the network). MP_TEST_LOAD=<path> instead
+loads the partial checkpoint at <path> and exits. MP_TEST_PP and MP_TEST_TP set the degrees; the rest
+of the world is data parallelism. The job runs 3 steps of a small MLP, pipelined when pp > 1, with a
+DistributedLinear layer when tp > 1.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ def fault(phase: str) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif KIND == "slow":
         time.sleep(float(os.environ["MP_TEST_SLOW"]))
+    elif KIND == "hang":
+        time.sleep(3600)
     elif KIND == "full":
         fill(os.path.dirname(os.environ["MP_TEST_SAVE"]))
     elif KIND == "sockets":

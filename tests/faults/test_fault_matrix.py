@@ -33,6 +33,7 @@ from mp.launch import STOPPED_MARGIN
 JOB = Path(__file__).with_name("_fault_job.py")
 BOUND = 15.0  # seconds from the fault to the job's end (kill, exception), and beyond a timeout (stop)
 HEARTBEAT = 5.0  # MP_HEARTBEAT_TIMEOUT in these tests (default 30 s)
+PIPELINE = 15.0  # MP_PIPELINE_TIMEOUT in the deadlock case (default 300 s; 120 in the others)
 
 CASES = [
     # (pp, tp, rank, phase, kind)
@@ -56,6 +57,8 @@ CASES = [
     # alive but slow: never ended
     (2, 1, 1, "forward", "slow"),
     (1, 1, 0, "backward", "slow"),
+    # alive but never answering (a deadlock): MP_PIPELINE_TIMEOUT (`PIPELINE` here) names whom it waited for
+    (2, 1, 1, "forward", "hang"),
     # tracing and partitioning (rank 0 traces while rank 1 waits for the plan)
     (2, 1, 0, "trace", "stop"),
     (2, 1, 0, "trace", "raise"),
@@ -132,6 +135,8 @@ def test_a_fault_ends_the_job_fast_and_names_the_rank(
         if phase == "save":
             folder, extra = stack.enter_context(_save_folder(tmp_path, kind))
             env.update(extra, MP_TEST_SAVE=str(folder / "model.pt"))
+        if kind == "hang":
+            env["MP_PIPELINE_TIMEOUT"] = str(PIPELINE)
         proc = _launch(job, env)
         ended = time.time()
         _check(proc, ended, case)
@@ -161,12 +166,20 @@ def _check(
     bound = BOUND
     if kind == "stop":
         bound += HEARTBEAT + (STOPPED_MARGIN if phase == "preinit" else 0.0)
+    elif kind == "hang":
+        bound += PIPELINE
     assert took < bound, f"the job ended {took:.1f} s after the fault (bound {bound:g} s)\n{output}"
     if kind == "raise":
         # the rank that raised, or (pipeline) the rank that got its error as a RemoteExecutionError,
         # fails first; either way its traceback names the rank and shows the phase
         assert re.search(r"mp-launch: rank \d failed first", proc.stderr), output
         assert f"injected failure on rank {rank} at {phase}" in proc.stderr, output
+    elif kind == "hang":
+        # not taken for a stopped rank (it beats); pp_rank 0's timeout names the response it waited for
+        assert "stopped answering" not in output, output
+        assert re.search(r"mp-launch: rank 0 failed first", proc.stderr), output
+        waited = rf"waiting for the forward response of module .* from rank {rank}"
+        assert re.search(waited, proc.stderr), output
     elif kind == "full":
         # a rank whose write failed reports it (with a shared tmpfs, any rank may fail first)
         assert re.search(r"mp-launch: rank \d failed first", proc.stderr), output

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 from typing import Any
 
+from mp_comm import waits
 from mp_comm.errors import PeerTimeoutError
 from mp_comm.transport.base import ANY_SOURCE, ANY_TAG
 from mp_pipeline.errors import PipelineError, PipelineTimeoutError, collective_mismatch
@@ -52,8 +53,10 @@ class Wire(ServerBase):
                     f"{self.step.step} (waiting on {len(self._pending)} response(s) and "
                     f"{len(self._awaited)} handed-off tensor(s); workers: "
                     f"{[w.state.value for w in self.pool.workers]}{self._sequence_state()}). A rank of "
-                    f"pipeline {list(self.peers)} is stuck or dead; raise MP_PIPELINE_TIMEOUT for very long "
-                    "module executions."
+                    f"pipeline {list(self.peers)} is stuck (alive but not answering, e.g. a deadlock: a "
+                    "stopped or dead rank is found sooner, by MP_HEARTBEAT_TIMEOUT); raise "
+                    "MP_PIPELINE_TIMEOUT for very long module executions. This rank was "
+                    + ("; ".join(waits.describe(w) for w in waits.current()) or "waiting for any message")
                 ) from None
             message = self._received(received.source, received.tag, received.obj)
             if isinstance(message, Entered):
