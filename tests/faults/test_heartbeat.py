@@ -11,6 +11,7 @@ import re
 import socket
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -136,3 +137,30 @@ def test_the_setting_is_checked() -> None:
     for bad in ("soon", "-1", "inf", "nan"):
         with pytest.raises(WorldError, match=f"MP_HEARTBEAT_TIMEOUT='{bad}' is not a number of seconds"):
             timeout_from_env({"MP_HEARTBEAT_TIMEOUT": bad})
+
+
+def _start(world: Any, timeouts: list[float]) -> str:
+    from mp_comm import heartbeat
+
+    try:
+        beat = heartbeat.start(world, f"pp_rank {world.rank}", timeout=timeouts[world.rank])
+    except WorldError as exc:
+        return str(exc)
+    assert beat is not None
+    try:
+        time.sleep(4 * beat.interval)
+        other = 1 - world.rank
+        return f"{beat.peers[other].name()} heard at {beat._heard[other].frame or 'nothing'}"
+    finally:
+        heartbeat.stop()
+
+
+def test_started_over_the_world_each_rank_hears_the_other(worlds: Any) -> None:
+    heard = worlds.run(2, _start, [1.0, 1.0], timeout=60)
+    for rank, text in enumerate(heard):
+        assert re.match(rf"rank {1 - rank} \(pp_rank {1 - rank}; host \S+, PID \d+\) heard at \S+:\d+", text)
+
+
+def test_a_timeout_that_differs_between_ranks_is_refused_on_every_rank(worlds: Any) -> None:
+    for text in worlds.run(2, _start, [1.0, 2.0], timeout=60):
+        assert text.startswith("MP_HEARTBEAT_TIMEOUT differs between ranks ([1.0, 2.0])"), text
