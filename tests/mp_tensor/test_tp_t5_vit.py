@@ -28,11 +28,11 @@ TOL = 3e-5
 
 def t5_model(layers: int = 2, **extra: Any) -> nn.Module:
     tf = transformers
+    defaults = {"d_kv": 8, "num_heads": 4, "dropout_rate": 0.0, "use_cache": False}
     cfg = tf.T5Config(
-        vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4,
-        relative_attention_num_buckets=8, relative_attention_max_distance=16,
-        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, tie_word_embeddings=False,
-        use_cache=False, **{"dropout_rate": 0.0, **extra},
+        vocab_size=V, d_model=32, d_ff=64, num_layers=layers, relative_attention_num_buckets=8,
+        relative_attention_max_distance=16, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+        tie_word_embeddings=False, **{**defaults, **extra},
     )  # fmt: skip
     cfg._attn_implementation = "sdpa"
     return tf.T5ForConditionalGeneration(cfg)  # type: ignore[no-any-return]
@@ -42,8 +42,8 @@ def vit_model(layers: int = 2, **extra: Any) -> nn.Module:
     tf = transformers
     cfg = tf.ViTConfig(
         image_size=8, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=layers,
-        num_attention_heads=4, intermediate_size=64, num_labels=CLASSES,
-        **{"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, **extra},
+        num_attention_heads=4, num_labels=CLASSES,
+        **{"intermediate_size": 64, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, **extra},
     )  # fmt: skip
     return tf.ViTForImageClassification(cfg)  # type: ignore[no-any-return]
 
@@ -213,3 +213,60 @@ def test_dropout_masks_agree_over_replicated_activations(worlds: Any, family: st
         assert res["eval"] < TOL, (rank, res)
         assert res["ranks_differ"] == 0.0, (rank, res)
         assert res["train_vs_eval"] > 1e-3, (rank, res)  # dropout did act
+
+
+def test_t5_trains_with_the_default_cache_and_refuses_cached_generation() -> None:
+    # T5's config defaults to use_cache=True, so Hugging Face hands the decoder a cache even in
+    # training: the blocks leave it empty, and generate() with that cache is refused by name
+    from mp_tensor.errors import TPInputError
+
+    torch.manual_seed(0)
+    ref = t5_model(use_cache=True)
+    torch.manual_seed(0)
+    with tensor_parallelism():
+        model = t5_model(use_cache=True)
+    model = replace_modules(model, TPContext(optimize="speed"))
+    assert any(type(m).__name__ == "DistributedT5Block" for m in model.modules())
+    data = batch("t5", 2)
+    assert (model(**data).logits - ref(**data).logits).abs().max().item() < TOL
+    ids = data["input_ids"]
+    with pytest.raises(TPInputError, match="use_cache=False"):
+        model.generate(ids, max_new_tokens=3)
+    want = ref.generate(ids, max_new_tokens=3, use_cache=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=3, use_cache=False), want)
+
+
+def _refused(world: Any) -> list[str]:
+    import logging
+
+    def run(group: dist.ProcessGroup) -> list[str]:
+        records: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+        logger = logging.getLogger("mp_tensor")
+        logger.addHandler(handler)
+        old = logger.level
+        logger.setLevel(logging.INFO)  # setLevel, not .level: it clears the loggers' cached levels
+        try:
+            for family, extra in (("t5", {"feed_forward_proj": "tanh"}), ("t5", {"num_heads": 3, "d_kv": 8})):
+                with tensor_parallelism():
+                    model = t5_model(**extra)
+                model = replace_modules(model, TPContext(group=group, optimize="speed"))
+                assert not any(type(m).__name__ == "DistributedT5Block" for m in model.modules()), family
+            with tensor_parallelism():
+                model = vit_model(intermediate_size=63)
+            model = replace_modules(model, TPContext(group=group, optimize="speed"))
+            assert not any(type(m).__name__ == "DistributedViTLayer" for m in model.modules())
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(old)
+        return [m for m in records if "not distributing" in m and ("T5Block" in m or "ViTLayer" in m)]
+
+    return with_group(run)  # type: ignore[no-any-return]
+
+
+def test_unmapped_activation_and_indivisible_sizes_are_refused_with_a_reason(worlds: Any) -> None:
+    logs = worlds.run(2, _refused, timeout=240)[0]
+    assert any("dense_act_fn='tanh'" in m for m in logs), logs
+    assert any("num_heads=3" in m and "tensor-parallel degree 2" in m for m in logs), logs
+    assert any("intermediate_size=63" in m for m in logs), logs

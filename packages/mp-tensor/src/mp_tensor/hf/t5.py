@@ -18,7 +18,8 @@ parameter names: its full state dict is the block's (the translate functions are
 
 Refused (the block stays Hugging Face's and its Linears are distributed one by one, with a log line):
 ``num_heads`` or ``d_ff`` not divisible by the TP degree (memory mode: ``d_model`` too), another
-``dense_act_fn``. A key/value cache (incremental decoding) is refused at call time.
+``dense_act_fn``. Incremental decoding is refused at call time: a block leaves the key/value cache
+Hugging Face hands it empty, and raises when the same cache comes back.
 """
 
 from __future__ import annotations
@@ -236,6 +237,7 @@ def forward_hook(  # noqa: PLR0917
     past_key_values: Any = None,
     *,
     is_decoder: bool = False,
+    token: object = None,
     **kwargs: Any,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A T5Block's call -> ``((hidden, additive_mask, position_bias, encoder_hidden, encoder_mask),)``.
@@ -243,11 +245,9 @@ def forward_hook(  # noqa: PLR0917
     Hugging Face passes None for a mask without padding (a causal one in decoder blocks under SDPA);
     each becomes an additive tensor of the same shape on every rank, since ranks exchange them.
     """
-    if cache is not None or past_key_values is not None:
-        raise TPInputError(
-            "a tensor-parallel T5 block got a key/value cache; incremental decoding is not supported by "
-            "tensor-parallel blocks. Call the model with use_cache=False."
-        )
+    for kv in (cache, past_key_values):
+        if kv is not None:
+            _refuse_decoding(kv, token)
     n, s = hidden_states.shape[0], hidden_states.shape[1]
     if attention_mask is None and is_decoder:
         mask = _causal(n, s, hidden_states)
@@ -257,6 +257,23 @@ def forward_hook(  # noqa: PLR0917
     if encoder_hidden_states is not None:
         enc_mask = additive(encoder_attention_mask, hidden_states, encoder_hidden_states.shape[1])
     return ((hidden_states, mask, position_bias, encoder_hidden_states, enc_mask),), {}
+
+
+def _refuse_decoding(cache: Any, token: object) -> None:
+    """A cache is accepted once per block and left empty (T5 models create one even in training, since
+    ``use_cache`` defaults to True); the same cache back at the same block is a decoding step."""
+    length = getattr(cache, "get_seq_length", None)
+    seen = getattr(cache, "_mp_tp_blocks", None)
+    if (callable(length) and length() > 0) or (seen is not None and token in seen):
+        raise TPInputError(
+            "a tensor-parallel T5 block got a key/value cache a second time; incremental decoding "
+            "(generate with a cache) is not supported by tensor-parallel blocks, which never fill it. "
+            "Call the model (or generate) with use_cache=False."
+        )
+    if seen is None:
+        seen = set()
+        cache._mp_tp_blocks = seen
+    seen.add(token)
 
 
 def _kwargs(layer: nn.Module) -> dict[str, Any]:
@@ -297,7 +314,8 @@ def build(layer: nn.Module, ctx: TPContext, overrides: Mapping[str, Any]) -> Dis
     kw = _kwargs(layer)
     new = DistributedT5Block(**kw, tp=ctx)
     new.load_full_state_dict(layer.state_dict())
-    new.set_call_hooks(functools.partial(forward_hook, is_decoder=kw["is_decoder"]), None)
+    hook = functools.partial(forward_hook, is_decoder=kw["is_decoder"], token=object())
+    new.set_call_hooks(hook, None)
     return new
 
 
