@@ -112,3 +112,20 @@ def test_t5_memory_decoder_volume_by_hand(worlds: Any) -> None:
     assert len(decoder) == 2
     for row in decoder:
         assert row[4] == want, (row[0], row[4])
+
+
+def test_cli_prints_equal_volumes_as_json() -> None:
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "mp_tensor.comm_report", "--family", "gptj", "--layers", "1", "--prescaled",
+         "--optimize", "memory", "--json"],
+        capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)
+    block = [r for r in rows if r["class"] == "DistributedGPTJLayer"]
+    assert len(block) == 1 and block[0]["equal"] is True, rows
+    assert block[0]["measured"]["fwd reduce_scatter"]["count"] == 2  # q/k/v/fc_in at once, then the sum
