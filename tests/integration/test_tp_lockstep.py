@@ -75,7 +75,7 @@ def _train(world: Any) -> dict[str, Any]:
         }
     )
     torch.manual_seed(0)
-    with smp.tensor_parallelism():
+    with smp.tensor_parallelism(whole_stack=False):  # HF's GPT-2 kept, its blocks distributed
         model = transformers.GPT2LMHeadModel(_config(4))
     model = smp.DistributedModel(model)
     blocks = model.get_module().transformer.h  # the distributed blocks (they replace the HF ones)

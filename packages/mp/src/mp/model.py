@@ -50,7 +50,7 @@ from mp.sharded import local_state_dict as sharded_local_state_dict
 from mp.sharded import refuse_under_sharding, shard_model
 from mp.state import state
 from mp.state_dicts import full_state_dict, layout_of, load_full_state_dict, local_layout_check
-from mp.tensor_api import replace_tp_modules
+from mp.tensor_api import pin_tp_internals, replace_tp_modules
 from mp_comm import GroupKind, LoopbackTransport, Router, Transport, TransportConfig, World
 from mp_comm.world import mpi_comm_of
 from mp_memory.precision import cast_floats
@@ -569,6 +569,7 @@ class DistributedModel(nn.Module):
             if kind == "error":
                 raise SMPRuntimeError(f"partitioning the model failed on rank 0:\n{value}")
             self._assignment = dict(value)
+            self._assignment.update(pin_tp_internals(self.module, self._module_owner))
             self._apply_assignment()
             log.info(
                 "rank %d (pp_rank %d) holds %d of %d parameters after partitioning",

@@ -93,6 +93,10 @@ def named_state(
     names = param_names_by_id(model)
     mine: dict[str, dict[str, Any]] = {}
     by_root: dict[str, dict[str, dict[str, Any]]] = {}
+    # A root the pipeline split over stages (the whole GPT-2's LM head) is translated once every stage's
+    # part is in: its translation needs the whole module (prefix -> state key -> own name -> tensor).
+    split = _split_roots(model, roots)
+    deferred: dict[str, dict[str, Any]] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             st = optimizer.state.get(p)
@@ -118,9 +122,13 @@ def named_state(
                 for n, st in states.items()
                 if isinstance(st.get(key), torch.Tensor) and st[key].shape == shapes[n]
             }
-            if tensors:  # per-element state: gathered and translated like the weights
+            if tensors and prefix in split:
+                deferred.setdefault(prefix, {}).setdefault(key, {}).update(_gather(root, tensors))
+            elif tensors:  # per-element state: gathered and translated like the weights
                 for orig, value in _to_original(root, _gather(root, tensors)).items():
                     mine.setdefault(prefix + orig, {})[key] = value
+            elif prefix in split:
+                deferred.setdefault(prefix, {})[key] = next(st[key] for st in states.values() if key in st)
             else:  # per-parameter scalars (Adam's step): the same for every parameter of the module
                 value = next(st[key] for st in states.values() if key in st)
                 for orig in _original_param_names(prefix, root):
@@ -130,14 +138,45 @@ def named_state(
     if model._partitioned and model._pp > 1:
         model._enter_collective("optimizer.state_dict()")
         parts: list[Any] = [None] * model._pp
-        dist.all_gather_object(parts, mine, group=state.process_groups[GroupKind.PP])
-        for part in parts:
+        dist.all_gather_object(parts, (mine, deferred), group=state.process_groups[GroupKind.PP])
+        deferred = {}
+        for part, later in parts:
             mine.update(part)
+            for prefix, keys in later.items():
+                for key, value in keys.items():
+                    into = deferred.setdefault(prefix, {})
+                    if isinstance(value, dict):
+                        into.setdefault(key, {}).update(value)
+                    else:
+                        into[key] = value
+        _translate_deferred(mine, deferred, roots)
     return {
         "state": mine,
         "param_groups": _named_groups(optimizer, model, all_groups, roots, names),
         "_smp_keyed_by_name": True,
     }
+
+
+def _translate_deferred(
+    mine: dict[str, dict[str, Any]], deferred: dict[str, dict[str, Any]], roots: Roots
+) -> None:
+    """Add the split roots' states (every stage's, own names) to ``mine`` under the original names."""
+    for prefix, keys in deferred.items():
+        root = dict(roots)[prefix]
+        for key, value in keys.items():
+            if isinstance(value, dict):  # per-element tensors
+                for orig, full in _to_original(root, value).items():
+                    mine.setdefault(prefix + orig, {})[key] = full
+                continue
+            for orig in _original_param_names(prefix, root):  # a scalar of every parameter
+                mine.setdefault(orig, {})[key] = value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _split_roots(model: DistributedModel, roots: Roots) -> set[str]:
+    """The roots whose parameters lie on several pipeline stages."""
+    if not (model._partitioned and model._pp > 1):
+        return set()
+    return {p for p, root in roots if len({model._owner(p + n) for n, _ in root.named_parameters()}) > 1}
 
 
 def _named_groups(
@@ -213,6 +252,8 @@ def _localize_root(
     if not originals:
         return {}
     params = dict(root.named_parameters())
+    # Saved by a job with the same distributed module (another tp or pp degree): already its own names.
+    own_names = set(originals) <= set(params)
     out: dict[str, dict[str, Any]] = {}
     keys = sorted({k for st in originals.values() for k in st})
     for key in keys:
@@ -222,7 +263,7 @@ def _localize_root(
             if isinstance(st.get(key), torch.Tensor) and st[key].dim() > 0
         }
         if tensors and len(tensors) == len(originals):
-            for name, full in _from_original(root, tensors).items():
+            for name, full in (tensors if own_names else _from_original(root, tensors)).items():
                 if name in params:
                     spec = param_spec(params[name])
                     shard = root.shard(full, None if spec is None else spec.split_dim)

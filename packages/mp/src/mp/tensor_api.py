@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from mp_tensor.enable import set_tensor_parallelism as _set_tensor_parallelism
 from mp_tensor.enable import tensor_parallelism
 from mp_tensor.grads import reduce_gradients
 from mp_tensor.hf.stack import whole_stack_registry
-from mp_tensor.nn.base import is_distributed_parameter, is_scaled_batch_parameter
+from mp_tensor.nn.base import DistributedModule, is_distributed_parameter, is_scaled_batch_parameter
 from mp_tensor.registry import default_registry, tp_register, tp_register_with_module
 from mp_tensor.replace import default_dtype, replace_modules
 from mp_tensor.state_dict import gather_state_dict, load_original_state_dict
@@ -36,6 +36,7 @@ __all__ = [
     "is_scaled_batch_parameter",
     "load_original_state_dict",
     "model_creation",
+    "pin_tp_internals",
     "reduce_tp_gradients",
     "replace_tp_modules",
     "set_tensor_parallelism",
@@ -107,6 +108,25 @@ def replace_tp_modules(model: nn.Module) -> nn.Module:
     if not ctx.distributed:
         return replace_modules(model, ctx, registry=whole_stack_registry(default_registry))
     return replace_modules(model, ctx)
+
+
+def pin_tp_internals(model: nn.Module, owner: Callable[[str], int]) -> dict[str, int]:
+    """Pipeline stages for the modules whose weights a distributed module uses directly (its
+    ``LinearShard``s, layer norms, the LM head's embeddings): they never run as module calls, so they
+    must live on the stage of the distributed module that uses them, whatever the partition said.
+    Children holding distributed modules themselves (``seq_layers``) are called as modules and keep
+    their own stages."""
+    pins: dict[str, int] = {}
+    for path, module in model.named_modules():
+        if not isinstance(module, DistributedModule):
+            continue
+        for name, child in module.named_children():
+            if any(isinstance(m, DistributedModule) for m in child.modules()):
+                continue
+            stage = owner(path)
+            for sub, _ in child.named_modules(prefix=f"{path}.{name}" if path else name):
+                pins[sub] = stage
+    return pins
 
 
 def reduce_tp_gradients(params: Any, average: bool = True) -> None:

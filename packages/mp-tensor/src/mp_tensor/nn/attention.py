@@ -163,6 +163,7 @@ class DistributedAttentionLayer(DistributedModule):
         if a.post_layernorm:
             self.layernorm = LayerNormShard(self.tp, h, a.layernorm_epsilon, sharded=memory)
         self.local_heads = a.num_attention_heads // self.tp_size
+        self.layout_io = False  # True inside a DistributedTransformerLayer (see forward)
 
     # --------------------------------------------------------------------------- working layout
     def _bias(self, x: Tensor, b: Tensor | None) -> Tensor:
@@ -234,12 +235,16 @@ class DistributedAttentionLayer(DistributedModule):
 
     # ------------------------------------------------------------------------------ local layout
     def forward(self, inputs: tuple[Tensor, ...]) -> Tensor:
-        """``(hidden_states, attention_mask)``, or ``(hidden_states, cross_states, attention_mask)``."""
+        """``(hidden_states, attention_mask)``, or ``(hidden_states, cross_states, attention_mask)``, on the
+        ``local`` layout, or on the working layout inside a transformer layer (``layout_io``, set by the
+        layer: it calls its blocks as modules so that a pipeline can place them on different stages)."""
         if self.args.cross_attention:
             hidden, cross, mask = inputs
         else:
             hidden, mask = inputs
             cross = None
+        if self.layout_io:
+            return self.forward_layout(hidden, mask, cross)
         layout = working_layout(self.tp)
         name = type(self).__name__
         hs = enter(hidden, self.tp, layout, name)

@@ -86,6 +86,7 @@ class DistributedTransformerOutputLayer(DistributedModule):
             self.pre_layernorm = LayerNormShard(self.tp, h, a.layernorm_epsilon, sharded=memory)
         if a.post_layernorm:
             self.layernorm = LayerNormShard(self.tp, h, a.layernorm_epsilon, sharded=memory)
+        self.layout_io = False  # True inside a DistributedTransformerLayer (see forward)
 
     def forward_layout(self, hidden: Tensor) -> Tensor:
         """The block on the working layout."""
@@ -115,5 +116,10 @@ class DistributedTransformerOutputLayer(DistributedModule):
         return self.layernorm.apply_to(y, ctx) if a.post_layernorm else y
 
     def forward(self, inp: Tensor) -> Tensor:
+        """The block on the ``local`` layout, or on the working layout inside a transformer layer
+        (``layout_io``, set by the layer: it calls its blocks as modules so that a pipeline can place
+        them on different stages)."""
+        if self.layout_io:
+            return self.forward_layout(inp)
         layout = working_layout(self.tp)
         return leave(self.forward_layout(enter(inp, self.tp, layout, type(self).__name__)), self.tp, layout)

@@ -100,6 +100,10 @@ class DistributedTransformerLayer(DistributedModule):
                 tp=self.tp, cross_attention=True, **layer_kwargs(a, _ATTENTION_KEYS)
             )
         self.output = DistributedTransformerOutputLayer(tp=self.tp, **layer_kwargs(a, _OUTPUT_KEYS))
+        # its blocks are called as modules, on the working layout (forward_layout)
+        self.attention.layout_io = self.output.layout_io = True
+        if a.add_cross_attention:
+            self.cross_attention.layout_io = True
         self.layout_io = False
         """True inside a ``DistributedTransformer``: ``forward`` takes and returns the working layout (the
         container moved the samples once for all its layers)."""
@@ -111,11 +115,12 @@ class DistributedTransformerLayer(DistributedModule):
         cross: Tensor | None = None,
         cross_mask: Tensor | None = None,
     ) -> Tensor:
-        """The layer on the working layout."""
-        out = self.attention.forward_layout(hidden, mask)
+        """The layer on the working layout; its blocks are called as modules (hooks, pipeline stages and
+        activation checkpointing of ``layer.attention`` / ``layer.output`` apply)."""
+        out = self.attention((hidden, mask))
         if self.args.add_cross_attention:
-            out = self.cross_attention.forward_layout(out, cross_mask, cross)
-        return self.output.forward_layout(out)
+            out = self.cross_attention((out, cross, cross_mask))
+        return self.output(out)  # type: ignore[no-any-return]
 
     def forward(self, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
         if not self.layout_io:
