@@ -115,3 +115,34 @@ def test_t5_and_vit_train_like_single_process(worlds: Any, family: str, n: int, 
                 torch.testing.assert_close(
                     res["state"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}"
                 )
+
+
+def _volume(world: Any, optimize: str) -> list[Any]:
+    from mp_tensor.comm_volume import measure
+
+    prescaled = optimize == "speed"  # smp allows prescaled_batch with speed only
+    smp.init({"tensor_parallel_degree": 2, "optimize": optimize, "prescaled_batch": prescaled, "ddp": True})
+    torch.manual_seed(0)
+    with smp.tensor_parallelism():
+        model = _model("t5")
+    model = smp.DistributedModel(model)
+    batch = {k: v[: PER_RANK if prescaled else PER_RANK // 2] for k, v in _data("t5", 1)[0].items()}
+
+    @smp.step
+    def train_step(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = model(**batch).loss
+        model.backward(loss)
+        return loss
+
+    rows = measure(model.module, lambda: train_step(model, batch))
+    return [(r.name, r.cls, r.matches(), r.measured) for r in rows if r.cls == "DistributedT5Block"]
+
+
+@pytest.mark.parametrize("optimize", ["speed", "memory"])
+def test_comm_volume_in_an_smp_job_equals_the_count(worlds: Any, optimize: str) -> None:
+    # the TP groups of smp.init (which run CPU collectives over MPI when launched under mpiexec);
+    # per-rank batches in memory mode: the reductions are compared
+    for rank, rows in enumerate(worlds.run(2, _volume, optimize, timeout=300)):
+        assert len(rows) == 4, rows  # 2 encoder and 2 decoder blocks
+        for name, _, ok, measured in rows:
+            assert measured and ok, (rank, name, measured)

@@ -2,9 +2,10 @@
 
 :func:`measure` runs a step (forward and backward) with every collective recorded and attributed to
 the outermost distributed module that issued it: in forward, the module whose ``forward`` is running;
-in backward, the module whose output gradient arrived last (autograd runs the blocks' backwards one
-after another). Collectives of the gloo/NCCL path (``torch.distributed``) and of the MPI path
-(:mod:`mp_comm.collectives_mpi`) are both seen.
+in backward, from the arrival of a module's output gradient to that of its input's (autograd runs
+the blocks' backwards one after another); anything else is listed as ``"(outside)"``. Collectives of
+the gloo/NCCL path (``torch.distributed``) and of the MPI path (:mod:`mp_comm.collectives_mpi`) are
+both seen.
 
 The volume of one collective is the size of its whole buffer: the tensor summed by an all-reduce, the
 input of a reduce-scatter or an all-to-all, the output of an all-gather.
@@ -168,23 +169,41 @@ def measure(model: nn.Module, step: Callable[[], Any]) -> list[LayerVolume]:
     roots = list(_roots(model))
     shapes: dict[str, list[tuple[tuple[int, ...], torch.dtype]]] = {}
     handles: list[Any] = []
+    # per tensor (by id, kept alive for the step): the layers whose backward ends when its gradient
+    # is ready (it is their main input) and those whose backward starts (it is their output)
+    events: dict[int, tuple[list[str], list[str]]] = {}
+    alive: list[Tensor] = []
     with record_collectives() as rec:
+
+        def on_grad(t: Tensor, ends: bool, name: str) -> None:
+            entry = events.get(id(t))
+            if entry is None:
+                entry = events[id(t)] = ([], [])
+                alive.append(t)
+
+                def fire(grad: Tensor, entry: tuple[list[str], list[str]] = entry) -> None:
+                    if rec.owner in entry[0]:
+                        rec.owner = "(outside)"
+                    for started in entry[1]:
+                        rec.phase, rec.owner = "bwd", started
+
+                t.register_hook(fire)  # type: ignore[no-untyped-call]
+            entry[0 if ends else 1].append(name)
 
         def attach(name: str, module: DistributedModule) -> None:
             def pre(_: nn.Module, args: tuple[Any, ...]) -> None:
                 rec.phase, rec.owner = "fwd", name
                 shapes[name] = [(tuple(t.shape), t.dtype) for t in _tensors(args)]
+                main = next(_tensors(args), None)  # the hidden states: its gradient ends the backward
+                if main is not None and main.requires_grad:
+                    on_grad(main, True, name)
 
             def post(_: nn.Module, args: tuple[Any, ...], out: Any) -> None:
                 rec.owner = "(outside)"
-
-                def arrived(grad: Tensor) -> None:
-                    rec.phase, rec.owner = "bwd", name
-
                 passed = {id(t) for t in _tensors(args)}  # handed through (T5's bias): not this layer's
                 for t in _tensors(out):
                     if t.requires_grad and id(t) not in passed:
-                        t.register_hook(arrived)  # type: ignore[no-untyped-call]
+                        on_grad(t, False, name)
 
             handles.append(module.register_forward_pre_hook(pre))
             handles.append(module.register_forward_hook(post))
