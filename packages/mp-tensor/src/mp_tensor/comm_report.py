@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 from collections.abc import Sequence
+from queue import Empty
 from typing import Any
 
 import torch
@@ -207,6 +208,16 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
         dist.destroy_process_group()
 
 
+def _result(queue: Any, procs: list[Any]) -> list[LayerVolume] | None:
+    """Rank 0's rows, or None once a worker has died without them."""
+    while True:
+        try:
+            return queue.get(timeout=2)  # type: ignore[no-any-return]
+        except Empty:
+            if any(p.exitcode not in (None, 0) for p in procs) or all(p.exitcode == 0 for p in procs):
+                return None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -236,9 +247,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     procs = [ctx.Process(target=_worker, args=(r, args, port, queue)) for r in range(args.tp)]
     for p in procs:
         p.start()
-    rows: list[LayerVolume] = queue.get(timeout=600)
+    rows = _result(queue, procs)
     for p in procs:
         p.join(timeout=60)
+    if rows is None:
+        print("comm_report: a worker failed before reporting (its error is above)", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps([_as_json(r) for r in rows], indent=1))
     else:
