@@ -164,9 +164,10 @@ def _stack_tree(costs: list[float]) -> Any:
     costs=st.lists(st.floats(0.01, 10.0), min_size=3, max_size=10),
     stages=st.integers(2, 3),
     overhead=st.floats(0.0, 0.05),
+    split=st.booleans(),
 )
 def test_refine_never_raises_the_largest_load_nor_scatters_stages(
-    costs: list[float], stages: int, overhead: float
+    costs: list[float], stages: int, overhead: float, split: bool
 ) -> None:
     root = _stack_tree(costs)
     nodes = list(root.walk())
@@ -175,12 +176,12 @@ def test_refine_never_raises_the_largest_load_nor_scatters_stages(
     from mp_partition.algorithm import partition_tree
 
     seed = partition_tree(root, stages).device
-    refined = refine(root, seed, stages, calls)
+    refined = refine(root, seed, stages, calls, split=split)
     assert (
         max(stage_loads(nodes, refined, stages, calls))
         <= max(stage_loads(nodes, seed, stages, calls)) + 1e-12
     )
-    assert refine(root, seed, stages, calls) == refined  # deterministic
+    assert refine(root, seed, stages, calls, split=split) == refined  # deterministic
     assert set(refined.values()) == set(seed.values())  # no stage emptied
 
     # moves happen only at boundaries between units: the runs of consecutive units on one stage

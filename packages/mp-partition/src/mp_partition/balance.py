@@ -12,10 +12,12 @@ different stages, ``caller_overhead`` on the caller's stage and ``callee_overhea
 :func:`refine` then moves single-stage subtrees ("units") across the boundaries between consecutive
 units on different stages, one move at a time, always the move that lowers the largest load most
 (ties: the lower sum of squared loads, then the earlier candidate, whole units before their parts),
-until no move helps. A candidate is a boundary unit or the part of it next to the boundary (its last
-child when moving forward, its first when moving back, recursively), so a block can be cut when whole
-blocks cannot balance; each cut adds remote calls, which the overhead terms price. Moves happen at
-boundaries only, so the plan still reads as a pipeline.
+until no move helps. A candidate is a boundary unit; with ``split``, also the part of it next to the
+boundary (its last child when moving forward, its first when moving back, recursively), so a block
+can be cut. ``auto_partition`` moves whole units only: a cut block adds a round trip in the middle of
+the block that the busy-time overheads do not price (on the looped GPT at pp = 2, cutting block 3's
+last Linear made the step 11% slower in an interleaved A/B, benchmarks/partition_stage_times.py).
+Moves happen at boundaries only, so the plan still reads as a pipeline.
 Deterministic: the same tree, costs and calls give the same plan on every rank.
 """
 
@@ -102,7 +104,7 @@ def refine(
     num_stages: int,
     calls: CallCosts | None = None,
     *,
-    split: bool = True,
+    split: bool = False,
     max_moves: int = 1000,
 ) -> dict[int, int]:
     """A copy of ``device`` with boundary units moved while that lowers the largest stage load; with
