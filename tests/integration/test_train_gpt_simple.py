@@ -235,7 +235,12 @@ def _script(world: Any, args: SimpleNamespace, checkpoint_dir: str, model_dir: s
         param_groups, betas=(args.beta1, args.beta2), lr=args.lr, weight_decay=args.weight_decay
     )
     if args.activation_checkpointing:
-        smp.set_activation_checkpointing(transformer_layers, strategy=args.activation_strategy)
+        if args.checkpoint_sublayers:
+            for c in transformer_layers.children():
+                smp.set_activation_checkpointing(c.attention)
+                smp.set_activation_checkpointing(c.output)
+        else:
+            smp.set_activation_checkpointing(transformer_layers, strategy=args.activation_strategy)
     # The script passes dynamic loss scaling whatever the precision; mp refuses loss-scaling arguments
     # outside fp16 (mp.optimizer._refuse_loss_scaling, a project decision), so they go in under fp16 only.
     scaling = {
@@ -345,18 +350,21 @@ def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: st
         )
 
 
-LAYOUTS = [  # (ranks, tp, pp): tp=1 is two data-parallel replicas
-    pytest.param(2, 1, 1, id="tp1"),
-    pytest.param(2, 2, 1, id="tp2"),
-    pytest.param(4, 2, 2, id="tp2xpp2"),
+LAYOUTS = [  # (ranks, tp, pp, other flags): tp=1 is two data-parallel replicas
+    pytest.param(2, 1, 1, {}, id="tp1"),
+    pytest.param(2, 2, 1, {}, id="tp2"),
+    pytest.param(4, 2, 2, {}, id="tp2xpp2"),
+    # --manual_partition 1 (seq_layers' children split evenly by smp.set_partition), and
+    # --checkpoint_sublayers 1 (each layer's attention and output checkpointed)
+    pytest.param(4, 2, 2, {"manual_partition": 1, "checkpoint_sublayers": 1}, id="tp2xpp2-manual"),
 ]
 
 
-@pytest.mark.parametrize(("n", "tp", "pp"), LAYOUTS)
-def test_train_gpt_simple_defaults_train_like_hugging_face(
-    worlds: Any, tmp_path: Any, n: int, tp: int, pp: int
+@pytest.mark.parametrize(("n", "tp", "pp", "flags"), LAYOUTS)
+def test_train_gpt_simple_defaults_train_like_hugging_face(  # noqa: PLR0917
+    worlds: Any, tmp_path: Any, n: int, tp: int, pp: int, flags: dict[str, Any]
 ) -> None:
-    args = _args(tensor_parallel_degree=tp, pipeline_parallel_degree=pp)
+    args = _args(tensor_parallel_degree=tp, pipeline_parallel_degree=pp, **flags)
     ckpt, model_dir = str(tmp_path / "ckpt"), str(tmp_path / "model")
     results = worlds.run(n, _script, args, ckpt, model_dir, timeout=300)
     args.dp = n // (tp * pp)
@@ -364,7 +372,9 @@ def test_train_gpt_simple_defaults_train_like_hugging_face(
     for r, res in enumerate(results):
         assert res["model"] == "GPT2DistributedLMHead" and res["layers"] == "Sequential", res["model"]
         layers = {m[1] for m in (re.search(r"seq_layers\.(\d+)\.", n) for n in res["owned"]) if m}
-        if pp > 1:  # the pipeline partitions seq_layers: each stage holds some of the layers
+        if pp > 1 and flags.get("manual_partition"):  # the script's even split: layers 0-1, 2-3
+            assert layers == ({"0", "1"} if res["pp_rank"] == 0 else {"2", "3"}), res["owned"]
+        elif pp > 1:  # the pipeline partitions seq_layers: each stage holds some of the layers
             assert 0 < len(layers) < DEFAULTS["num_layers"], (res["pp_rank"], res["owned"])
         torch.testing.assert_close(
             torch.tensor(res["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6,
@@ -383,7 +393,7 @@ def test_train_gpt_simple_defaults_train_like_hugging_face(
     # a new job resumes from the newest partial checkpoint (load_partial) and trains two more steps
     more = _args(
         tensor_parallel_degree=tp, pipeline_parallel_degree=pp, load_partial=1, max_steps=STEPS + 2,
-        save_final_full_model=0,
+        save_final_full_model=0, **flags,
     )  # fmt: skip
     resumed = worlds.run(n, _script, more, ckpt, model_dir, timeout=300)
     ref6 = _reference(args, results[0]["initial"], STEPS + 2)
