@@ -12,9 +12,9 @@ step, partial ``save_checkpoint`` every ``checkpoint_freq`` steps, ``resume_from
 ``AnnealingLR`` (files of the example) are replaced by random token batches and a linear LambdaLR.
 
 Each run is checked against plain Hugging Face GPT-2 in one process on the same initial weights and the
-global batch: losses every step, every gradient of the first step, and the full state dict (Hugging Face
-names) after the optimizer steps, within 1e-5; the resumed job continues exactly, and the full save loads
-into ``GPT2LMHeadModel``.
+global batch: losses every step, every gradient of the first step (all stages and TP shards), and the
+full state dict (Hugging Face names) after the optimizer steps, within 1e-5; the resumed job continues
+exactly, and the full save loads into ``GPT2LMHeadModel``.
 """
 
 from __future__ import annotations
@@ -152,14 +152,17 @@ def train_step(model: Any, optimizer: Any, input_ids: Any, attention_mask: Any, 
     return loss
 
 
-def _tp_gradients(m: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The first step's gradients in Hugging Face's names (TP shards gathered), for pp=1."""
+def _gradients(model: Any) -> dict[str, torch.Tensor]:
+    """The first step's gradients in Hugging Face's names: TP shards gathered, pipeline stages joined."""
     from mp_tensor.hf.translate import gpt2_from_smp
     from mp_tensor.nn.base import param_spec
 
     group = smp.get_tp_process_group() if smp.tp_size() > 1 else None
+    local = {n.removeprefix("module."): p for n, p in model.local_named_parameters()}
     grads: dict[str, torch.Tensor] = {}
-    for name, p in m.named_parameters():
+    for name, p in model.get_module().named_parameters():
+        if name not in local:  # another stage's
+            continue
         assert p.grad is not None, name
         g, spec = p.grad.detach().clone(), param_spec(p)
         if group is not None and spec is not None and spec.split_dim is not None:
@@ -167,6 +170,10 @@ def _tp_gradients(m: torch.nn.Module) -> dict[str, torch.Tensor]:
             torch.distributed.all_gather(parts, g.contiguous(), group=group)
             g = torch.cat(parts, spec.split_dim % g.dim())
         grads[name] = g
+    if smp.pp_size() > 1:
+        parts: list[Any] = [None] * smp.pp_size()
+        torch.distributed.all_gather_object(parts, grads, group=smp.get_pp_process_group())
+        grads = {k: v for part in parts for k, v in part.items()}
     return gpt2_from_smp(grads)
 
 
@@ -274,8 +281,8 @@ def _script(world: Any, args: SimpleNamespace, checkpoint_dir: str, model_dir: s
         optimizer.zero_grad(set_to_none=True)
         loss_mb = train_step(model, optimizer, input_ids, attention_mask, args)
         loss = loss_mb.reduce_mean()
-        if gradients is None and smp.pp_size() == 1:
-            gradients = _tp_gradients(m)
+        if gradients is None:
+            gradients = _gradients(model)
         optimizer.step()
         lr_scheduler.step()
         total_steps += 1
@@ -381,8 +388,7 @@ def test_train_gpt_simple_defaults_train_like_hugging_face(  # noqa: PLR0917
             msg=lambda m, r=r: f"rank {r} losses: {m}",
         )  # fmt: skip
         assert all(math.isfinite(x) for x in res["losses"])
-        if res["gradients"] is not None:
-            _close(res["gradients"], ref["gradients"], f"rank {r} first-step gradient")
+        _close(res["gradients"], ref["gradients"], f"rank {r} first-step gradient")
         _close(res["state"], ref["state"], f"rank {r} state_dict after {STEPS} steps")
     # the final full save has Hugging Face's names and loads into GPT2LMHeadModel
     saved = torch.load(os.path.join(model_dir, "fullmodel.pt"), weights_only=False)
