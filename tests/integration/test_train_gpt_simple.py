@@ -6,10 +6,13 @@ builds, ``smp.model_creation(tensor_parallelism=True, ...)`` around ``AutoModelF
 (``use_distributed_transformer=1``, with ``query_key_layer_scaling``, ``fused_softmax`` and
 ``fused_bias_gelu`` on), ``m.transformer.seq_layers`` read after ``smp.DistributedModel``, its weight-decay
 parameter groups, Adam, ``smp.set_activation_checkpointing(seq_layers, strategy="each")``, the
-``DistributedOptimizer`` with dynamic loss scaling, ``prescaled_batch`` data, ``model(...)["loss"]`` in the
-step, partial ``save_checkpoint`` every ``checkpoint_freq`` steps, ``resume_from_checkpoint`` in a new job
+``DistributedOptimizer``, ``prescaled_batch`` data, ``model(...)["loss"]`` in the step, partial
+``save_checkpoint`` every ``checkpoint_freq`` steps, ``resume_from_checkpoint`` in a new job
 (``load_partial``), and the final full save (``save_final_full_model``). Its data pipeline and
 ``AnnealingLR`` (files of the example) are replaced by random token batches and a linear LambdaLR.
+Two departures, both mp policies outside this feature: the script's dynamic loss-scaling arguments are
+passed under fp16 only (mp refuses them in fp32), and the resuming job sets ``MP_CHECKPOINT_TRUST=1``
+(its ``user_content`` holds a ``GPT2Config``, which mp does not unpickle from an untrusted file).
 
 Each run is checked against plain Hugging Face GPT-2 in one process on the same initial weights and the
 global batch: losses every step, every gradient of the first step (all stages and TP shards), and the
