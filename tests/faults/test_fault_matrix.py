@@ -130,6 +130,7 @@ def test_a_fault_ends_the_job_fast_and_names_the_rank(
         "MP_TEST_SLOW": str(2 * HEARTBEAT),
         "MP_PIPELINE_TIMEOUT": "120",  # longer than the bounds: the probe, not this timeout, must end it
         "OMP_NUM_THREADS": "1",
+        "MP_TEST_MARK": str(tmp_path / "injected.txt"),
     }
     with contextlib.ExitStack() as stack:
         if phase == "save":
@@ -139,7 +140,7 @@ def test_a_fault_ends_the_job_fast_and_names_the_rank(
             env["MP_PIPELINE_TIMEOUT"] = str(PIPELINE)
         proc = _launch(job, env)
         ended = time.time()
-        _check(proc, ended, case)
+        _check(proc, ended, case, Path(env["MP_TEST_MARK"]))
         time.sleep(1.0)  # mpiexec's last kills
         assert not _leftovers(job.name), _leftovers(job.name)
         if phase == "save":  # the checkpoint of the step before still loads, on every rank
@@ -149,11 +150,12 @@ def test_a_fault_ends_the_job_fast_and_names_the_rank(
 
 
 def _check(
-    proc: subprocess.CompletedProcess[str], ended: float, case: tuple[int, int, int, str, str]
+    proc: subprocess.CompletedProcess[str], ended: float, case: tuple[int, int, int, str, str], mark: Path
 ) -> None:
     pp, _, rank, phase, kind = case
     output = proc.stdout + proc.stderr
-    injected = re.search(rf"rank {rank}: injecting {kind} at {phase} t=([0-9.]+)", output)
+    marked = mark.read_text() if mark.exists() else ""
+    injected = re.search(rf"rank {rank}: injecting {kind} at {phase} t=([0-9.]+)", marked)
     assert injected, output
     took = ended - float(injected.group(1))
     if kind == "slow" or (kind == "sockets" and pp > 1):
