@@ -11,7 +11,8 @@ later. mp-launch must name the rank (and, for an exception, the rank's traceback
 and no process of the job may remain. A rank that sleeps twice the heartbeat timeout while alive
 must not be taken for a stopped one: that job finishes and exits 0.
 
-Cost: about 10-15 s a case on the 2-core CI machine (most of it starting torch on 2 ranks).
+Cost: 24 cases in 13.5 min on the shared 2-core host at load 9-14 (20-53 s a case, most of it starting
+torch on 2 ranks under load; a save case runs a second job to load the checkpoint).
 """
 
 from __future__ import annotations
