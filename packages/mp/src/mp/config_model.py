@@ -82,9 +82,12 @@ class ModelParallelConfig:
     memory_weight: float | None = _key(
         None, KeySpec(kind="float", minimum=0.0, maximum=1.0, nullable=True, example="0.8")
     )
-    """Weight of memory balance (vs compute balance) in auto-partitioning, in [0, 1]. None resolves to
-    the documented default, 0.2 if ``optimize`` is "speed" else 0.8 (smp's source: always 0.8).
-    An int (0 or 1) is accepted as JSON writes it, unlike smp's exact type check."""
+    """Weight of memory balance (vs compute balance) in auto-partitioning, in [0, 1]. None: the plan
+    balances the stage times measured on the first microbatch, unless the largest stage would not fit
+    in memory (then the smallest weight in 0.2..1.0 that fits; mp_partition). Without a timed step
+    (manual partitioning, ``skip_tracing``) None resolves to the documented default, 0.2 if
+    ``optimize`` is "speed" else 0.8 (smp's source: always 0.8). An int (0 or 1) is accepted as JSON
+    writes it, unlike smp's exact type check."""
 
     # ---------------------------------------------------------------------- data parallelism
     ddp: bool = _key(False, KeySpec(kind="bool", example="true"))
