@@ -57,7 +57,8 @@ def _hf_case(world: Any, arch: str, optimize: str, impl: str) -> dict[str, Any]:
         torch.manual_seed(0)
         ref = _model(arch, impl)
         torch.manual_seed(0)
-        with tensor_parallelism(whole_stack=False):  # GPT-2 block by block (whole: test_tp_stack.py)
+        # GPT-2 block by block (whole: test_tp_stack.py); BERT/RoBERTa: the whole encoder
+        with tensor_parallelism(whole_stack=arch != "gpt2"):
             tp_model = _model(arch, impl)
         handler = _Records()
         logger = logging.getLogger("mp_tensor")
@@ -124,6 +125,8 @@ def test_hf_model_distributed_by_context_manager(worlds: Any, arch: str, optimiz
     results = worlds.run(2, _hf_case, arch, optimize, impl, timeout=180)
     for rank, res in enumerate(results):
         assert "DistributedTransformerLayer" in res["replaced"], res["replaced"]
+        if arch != "gpt2":  # the whole encoder (smp's encoder.seq_layers); GPT-2 is opted out above
+            assert "BertDistributedEncoder" in res["replaced"], res["replaced"]
         assert "DistributedEmbedding" in res["replaced"]
         assert res["logits"] < TOL, (rank, res["logits"])
         assert res["state_dict_keys_equal"] and res["weights"] == 0.0

@@ -135,3 +135,39 @@ def test_opt_outs_and_refusals(worlds: Any) -> None:
         assert "output_attentions=True" in refused["output_attentions"], refused
         assert "head_masks" in refused["unknown"], refused
         assert "logits_to_keep=1" in refused["logits_to_keep"], refused
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "roberta"])
+def test_whole_stack_at_tp1(arch: str) -> None:
+    """At tp=1 only the whole-stack entries apply (what smp.DistributedModel does): GPT-2 becomes the
+    LM head, a BERT/RoBERTa encoder a DistributedTransformer; outputs and state dicts are Hugging Face's."""
+    from mp_tensor.hf.stack import whole_stack_registry
+    from mp_tensor.registry import default_registry
+
+    torch.manual_seed(0)
+    with tensor_parallelism():
+        if arch == "gpt2":
+            model = _model()
+        else:
+            cfg = transformers.BertConfig(
+                hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32,
+                vocab_size=V, max_position_embeddings=S + 2, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            )  # fmt: skip
+            cls = transformers.RobertaForMaskedLM if arch == "roberta" else transformers.BertForMaskedLM
+            model = cls(cfg)
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(2, V, (3, S))
+    mask = torch.ones(3, S, dtype=torch.long)
+    mask[0, -3:] = 0
+    want = model(input_ids=ids, attention_mask=mask).logits
+    new = replace_modules(model, TPContext(group=None), registry=whole_stack_registry(default_registry))
+    got = new(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    stack = new.transformer if arch == "gpt2" else getattr(new, arch).encoder
+    assert len(stack.seq_layers) == (3 if arch == "gpt2" else 2)
+    assert type(stack.seq_layers[0]).__name__ == "DistributedTransformerLayer"
+    state = gather_state_dict(new)
+    assert sorted(state) == sorted(ref)
+    for key, value in ref.items():
+        assert torch.equal(state[key], value), key

@@ -119,7 +119,10 @@ def build(layer: nn.Module, ctx: TPContext, overrides: Mapping[str, Any]) -> Dis
 
 
 def registrations() -> list[Registration]:
-    return [
+    """The BertLayer/RobertaLayer entries, and the whole encoders' (mp_tensor.hf.stack_bert)."""
+    from mp_tensor.hf import stack_bert
+
+    blocks = [
         Registration(
             name,
             DistributedTransformerLayer,
@@ -130,3 +133,4 @@ def registrations() -> list[Registration]:
         )
         for name in BLOCKS
     ]
+    return [*stack_bert.registrations(), *blocks]

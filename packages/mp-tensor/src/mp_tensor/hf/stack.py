@@ -34,6 +34,7 @@ from mp_tensor.nn.lm_head import DistributedTransformerLMHead
 from mp_tensor.registry import Registration, Registry
 
 __all__ = [
+    "ENCODERS",
     "MODEL",
     "WHOLE_STACK_MODELS",
     "GPT2DistributedLMHead",
@@ -207,7 +208,13 @@ def registrations() -> list[Registration]:
     ]
 
 
-WHOLE_STACK_MODELS = frozenset({MODEL})
+ENCODERS = (
+    "transformers.models.bert.modeling_bert.BertEncoder",
+    "transformers.models.roberta.modeling_roberta.RobertaEncoder",
+)
+"""Replaced whole by mp_tensor.hf.stack_bert (smp's ``encoder.seq_layers``)."""
+
+WHOLE_STACK_MODELS = frozenset({MODEL, *ENCODERS})
 """The models replaced whole, also at tp=1."""
 
 
