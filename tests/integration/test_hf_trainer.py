@@ -196,18 +196,31 @@ def test_data_parallel_replicas_share_the_data(tmp_path: Path) -> None:
     assert got["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize(("pp", "prescaled"), [(1, False), (1, True), (2, False)])
-def test_the_trainer_with_tensor_parallelism(tmp_path: Path, pp: int, prescaled: bool) -> None:
-    """tp=2 (GPT-2's blocks replaced by smp.tensor_parallelism()), and tp=2 x pp=2 on 4 ranks: without
-    prescaled_batch the two TP ranks are data-parallel replicas reading 4 samples each (like the plain
-    Trainer on 8); with it they read the same 4. save_model writes the whole model in HF's layout."""
+@pytest.mark.parametrize(
+    ("model", "pp", "prescaled"),
+    [("gpt2", 1, False), ("gpt2", 1, True), ("gpt2", 2, False), ("bert", 2, False), ("t5", 2, False)],
+)
+def test_the_trainer_with_tensor_parallelism(tmp_path: Path, model: str, pp: int, prescaled: bool) -> None:
+    """tp=2 (the blocks replaced by smp.tensor_parallelism()), and tp=2 x pp=2 on 4 ranks for GPT-2, BERT
+    and T5: without prescaled_batch the two TP ranks are data-parallel replicas reading 4 samples each
+    (like the plain Trainer on 8); with it they read the same 4. save_model writes the whole model in
+    HF's layout."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     cfg: dict[str, Any] = {"partitions": pp, "tensor_parallel_degree": 2, "microbatches": pp, "ddp": True}
     if prescaled:
         cfg.update(prescaled_batch=True, optimize="speed")
-    plain = _run(script, tmp_path / "plain", "plain", HF_TEST_BATCH="4" if prescaled else "8")
-    got = _run(script, tmp_path / "smp", "smp", 2 * pp, HF_TEST_TP="1", SM_HP_MP_PARAMETERS=json.dumps(cfg))
+    batch = "4" if prescaled else "8"
+    plain = _run(script, tmp_path / "plain", "plain", HF_TEST_BATCH=batch, HF_TEST_MODEL=model)
+    got = _run(
+        script,
+        tmp_path / "smp",
+        "smp",
+        2 * pp,
+        HF_TEST_TP="1",
+        HF_TEST_MODEL=model,
+        SM_HP_MP_PARAMETERS=json.dumps(cfg),
+    )
     assert got["distributed"] > 0, got  # tensor parallelism took place
     for key in ("loss", "grad_norm"):
         assert got[key] == pytest.approx(plain[key], rel=1e-5), key
