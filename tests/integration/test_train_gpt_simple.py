@@ -251,14 +251,14 @@ def _script(world: Any, args: SimpleNamespace, checkpoint_dir: str, model_dir: s
                 smp.set_activation_checkpointing(c.output)
         else:
             smp.set_activation_checkpointing(transformer_layers, strategy=args.activation_strategy)
-    # The script passes dynamic loss scaling whatever the precision; mp refuses loss-scaling arguments
-    # outside fp16 (mp.optimizer._refuse_loss_scaling, a project decision), so they go in under fp16 only.
+    # As the script does: dynamic loss scaling whatever the precision (in fp32 it takes no effect, as in
+    # smp; mp warns once)
     scaling = {
         "static_loss_scale": None,
         "dynamic_loss_scale": True,
         "dynamic_loss_args": {"scale_window": 1000, "min_scale": 1, "delayed_shift": 2},
     }
-    optimizer = smp.DistributedOptimizer(optimizer, **(scaling if args.fp16 else {}))
+    optimizer = smp.DistributedOptimizer(optimizer, **scaling)
     lr_scheduler = _schedule(optimizer, args)
     total_steps = 0
     if args.load_partial:

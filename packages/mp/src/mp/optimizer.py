@@ -12,6 +12,7 @@ parameters.
 from __future__ import annotations
 
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -278,9 +279,9 @@ def _pp_rank() -> int:
     return int(model._pp_rank) if model is not None else 0
 
 
-def _refuse_loss_scaling(static: float | None, dynamic: bool, dynamic_args: dict[str, Any]) -> None:
-    """smp's loss scaling takes effect only under fp16: without it, a script asking for loss scaling
-    must not train unscaled unnoticed."""
+def _note_loss_scaling(static: float | None, dynamic: bool, dynamic_args: dict[str, Any]) -> None:
+    """smp's loss scaling takes effect only under fp16 (its docs), and smp's own GPT-2 example passes
+    ``dynamic_loss_scale=True`` in fp32 runs too: accepted without effect, as in smp, but said once."""
     given = []
     if static not in (None, 1.0):
         given.append(f"static_loss_scale={static!r}")
@@ -288,11 +289,12 @@ def _refuse_loss_scaling(static: float | None, dynamic: bool, dynamic_args: dict
         given.append("dynamic_loss_scale=True")
     given += [f"{k}={v!r}" for k, v in dynamic_args.items()]
     if given:
-        raise SMPValidationError(
+        warnings.warn(
             f"smp.DistributedOptimizer got {', '.join(given)}: smp's fp16 loss scaling, which takes effect "
-            "only with the config key 'fp16': true (this run trains in fp32). Expected the defaults "
-            "(static_loss_scale=1.0, dynamic_loss_scale=False, no dynamic_loss_args). Fix: set 'fp16': true "
-            "in the config, or remove these arguments"
+            "only with the config key 'fp16': true; this run trains in fp32, unscaled (as smp did). Set "
+            "'fp16': true to scale the loss, or drop these arguments to silence this warning",
+            UserWarning,
+            stacklevel=3,
         )
 
 
@@ -321,7 +323,7 @@ def DistributedOptimizer(
     cfg = state.require()[0]
     loss_args = _loss_args(dynamic_loss_args)
     if cfg.precision == "fp32":
-        _refuse_loss_scaling(static_loss_scale, dynamic_loss_scale, loss_args)
+        _note_loss_scaling(static_loss_scale, dynamic_loss_scale, loss_args)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise SMPValidationError(
             f"smp.DistributedOptimizer needs a torch.optim.Optimizer; got {type(optimizer).__name__}"
