@@ -30,7 +30,7 @@ from mp_memory import activation
 from mp_memory.errors import CheckpointArgumentError
 from mp_partition import is_tracing
 
-__all__ = ["checkpoint", "checkpoint_sequential", "set_activation_checkpointing"]
+__all__ = ["checkpoint", "checkpoint_attentions", "checkpoint_sequential", "set_activation_checkpointing"]
 
 log = logging.getLogger(__name__)
 
@@ -225,3 +225,19 @@ def checkpoint_sequential(
             args = (x,) if pack_args_as_tuple or not isinstance(x, tuple) else x
             x = checkpoint(child, *args, preserve_rng_state=preserve_rng_state)
     return x
+
+
+def checkpoint_attentions(model: Any) -> int:
+    """smp's ``checkpoint_attentions`` config key: checkpoint the attention of every distributed
+    transformer layer of ``model`` (smp.nn.DistributedTransformerLayer, also those smp's
+    tensor_parallelism() swapped in). Returns how many were marked."""
+    from mp_tensor.nn.transformer import DistributedTransformerLayer
+
+    layers = [m for m in model.module.modules() if isinstance(m, DistributedTransformerLayer)]
+    for layer in layers:
+        set_activation_checkpointing(layer.attention)
+    if not layers:
+        log.warning(
+            "checkpoint_attentions: the model has no smp.nn.DistributedTransformerLayer; nothing to do"
+        )
+    return len(layers)

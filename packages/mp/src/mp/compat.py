@@ -176,7 +176,10 @@ NOTES: dict[str, tuple[Status, str]] = {
     "ddp_dist_backend": ("built", "'auto', 'nccl', and mp's 'gloo'"),
     "optimize": ("differs", "default 'memory' as documented (smp's source: 'speed')"),
     "contiguous": ("differs", f"{_TF}: accepted, no effect"),
-    "checkpoint_attentions": ("differs", "accepted, no effect: use smp.set_activation_checkpointing"),
+    "checkpoint_attentions": (
+        "built",
+        "every smp.nn.DistributedTransformerLayer's attention checkpointed; off when pp > 1, as in smp",
+    ),
     "_match_weights": ("differs", "internal smp key: accepted, no effect"),
     "bf16": ("differs", "does not require sharded data parallelism"),
     "fp16_params": ("built", "deprecated in smp: logs a warning"),

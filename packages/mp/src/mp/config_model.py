@@ -165,7 +165,8 @@ class ModelParallelConfig:
     """Delay parameter allocation and initialization until after partitioning (used by
     ``smp.model_creation``). Absent from smp's docs table, present in its source and AWS examples."""
     checkpoint_attentions: bool = _key(False, KeySpec(kind="bool", example="false"))
-    """Internal smp key: checkpoint attention layers. Automatically disabled when
+    """Internal smp key: checkpoint the attention of every ``smp.nn.DistributedTransformerLayer``
+    (mp.activation_checkpointing.checkpoint_attentions). Automatically disabled when
     ``pipeline_parallel_degree`` > 1 (logged; see :attr:`resolved_checkpoint_attentions`)."""
 
     # ------------------------------------------------------------ sharded data parallelism

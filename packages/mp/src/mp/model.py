@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from mp.activation_checkpointing import checkpoint_attentions
 from mp.delayed_init import check as check_delayed_init
 from mp.delayed_init import delayed
 from mp.delayed_init import prepare as prepare_delayed_init
@@ -248,6 +249,8 @@ class DistributedModel(nn.Module):
                 tp_group=tuple(topo.group(GroupKind.TP, world.rank)) if cfg.tp > 1 else (),
             )
         state.model = self
+        if cfg.resolved_checkpoint_attentions:  # smp's key: each distributed layer's attention recomputed
+            checkpoint_attentions(self)
         self._offloader = install_offloading(self)  # offload_activations (mp.offload)
         self._memory_trace = install_memory_trace(self, trace_memory_usage)  # mp.memory_report
         prepare_delayed_init(self)  # a model built on the meta device: materialized after partitioning
