@@ -236,7 +236,7 @@ def test_sdp_max_live_parameters_sets_the_prefetch_depth(worlds: Any) -> None:
         ), r
 
 
-def _round_trip(world: Any, path: str, partial: bool) -> dict[str, Any]:
+def _round_trip(world: Any, path: str, partial: bool, sharded_state: bool = True) -> dict[str, Any]:
     model, opt, train_step = _setup(_config(2))
     for step in range(2):
         train_step(*_batch(step, smp.dp_rank()))
@@ -250,7 +250,7 @@ def _round_trip(world: Any, path: str, partial: bool) -> dict[str, Any]:
     straight = model.state_dict()
     smp.reset()
     model, opt, train_step = _setup(_config(2), seed=7)  # other weights: the checkpoint must replace them
-    user = smp.resume_from_checkpoint(path, "s2", partial=partial)
+    user = smp.resume_from_checkpoint(path, "s2", partial=partial, load_sharded_optimizer_state=sharded_state)
     for step in range(2, STEPS):
         train_step(*_batch(step, smp.dp_rank()))
         opt.step()
@@ -262,6 +262,13 @@ def _round_trip(world: Any, path: str, partial: bool) -> dict[str, Any]:
 def test_checkpoint_round_trip(worlds: Any, tmp_path: Any, partial: bool) -> None:
     for r in worlds.run(2, _round_trip, str(tmp_path), partial, timeout=300):
         assert r["user"] == {"step": 2} and r["diff"] is None, r
+
+
+def test_resume_without_the_sharded_optimizer_state(worlds: Any, tmp_path: Any) -> None:
+    """load_sharded_optimizer_state=False: the weights load, AdamW's state starts afresh (so the run
+    no longer follows the straight one)."""
+    for r in worlds.run(2, _round_trip, str(tmp_path), True, False, timeout=300):
+        assert r["user"] == {"step": 2} and r["diff"] is not None, r
 
 
 def test_bucket_size_tensor_parallelism_and_fp16_are_refused() -> None:

@@ -305,7 +305,9 @@ def resume_from_checkpoint(  # noqa: PLR0917 - smp's positional signature
     Every rank checks every part it needs against the manifest (present, full size, CRC-32 of what it
     reads) and the ranks agree before any parameter changes. Nothing in the files runs as code;
     ``user_content`` holding objects other than tensors, numbers, strings and containers needs
-    ``trust_file=True`` (or ``MP_CHECKPOINT_TRUST=1``).
+    ``trust_file=True`` (or ``MP_CHECKPOINT_TRUST=1``). ``load_sharded_optimizer_state=False`` leaves
+    a sharded optimizer state (sharded data parallelism, ``shard_optimizer_state``) unloaded; without
+    sharding it has no effect, as in smp.
     """
     model = state.model
     if model is None:
@@ -313,6 +315,11 @@ def resume_from_checkpoint(  # noqa: PLR0917 - smp's positional signature
     trusted = engine.is_trusted(trust_file)
     c = _layout()
     what = f"smp.resume_from_checkpoint({path!r}, tag={tag!r})"
+    cfg = state.require()[0]
+    if partial and not load_sharded_optimizer_state and (cfg.sdp > 1 or cfg.shard_optimizer_state):
+        # smp: the sharded optimizer state (sharded data parallelism, ZeRO-1) stays unloaded
+        log.info("resume_from_checkpoint: load_sharded_optimizer_state=False, the optimizer starts afresh")
+        load_optimizer = False
     loaded: tuple[Any, Any, Any, bool] | None = None
     error: BaseException | None = None
     try:

@@ -91,8 +91,8 @@ NOTES: dict[str, tuple[Status, str]] = {
         "full checkpoints always hold the original (e.g. HF) key names; False is refused",
     ),
     "resume_from_checkpoint(load_sharded_optimizer_state)": (
-        "differs",
-        "accepted, no effect: load_optimizer alone decides",
+        "built",
+        "False leaves a sharded (sdp or shard_optimizer_state) optimizer state unloaded",
     ),
     "delay_param_initialization": ("differs", "not with tensor_parallel_degree > 1 (smp.init refuses it)"),
     "model_creation": ("differs", "delayed init not with tensor_parallel_degree > 1 (smp.init refuses it)"),
