@@ -177,12 +177,14 @@ def test_core_groups_keep_hardware_threads_of_one_core_together() -> None:
 
 
 _AFFINITY_SCRIPT = (
-    "import json, os, torch\n"
+    "import json, os, sys, torch\n"
     "import mp as smp\nsmp.init({'pipeline_parallel_degree': 1})\n"
     "info = smp.state.world.info\n"
     "row = {'rank': smp.rank(), 'cpus': sorted(os.sched_getaffinity(0))}\n"
     "row.update(threads=torch.get_num_threads(), bound=info.bound, oversubscribed=info.oversubscribed)\n"
-    "print('placement', json.dumps(row))\n"
+    # one write per line: print() writes the text and its newline apart, and mpiexec may put the other
+    # rank's line between them
+    "sys.stdout.write('placement ' + json.dumps(row) + '\\n'); sys.stdout.flush()\n"
     "smp.shutdown()\n"
 )
 

@@ -237,6 +237,21 @@ def test_auto_partition_balances_time_and_falls_back_to_memory_when_it_binds() -
     assert fixed.inputs.memory_weight == 0.8 and not fixed.inputs.memory_weight_auto
 
 
+def test_time_concentrated_in_one_leaf_still_gives_every_stage_a_part() -> None:
+    """Time-only balance gives both stages' seats to a leaf that holds nearly all the time, leaving
+    stage 1 empty (seen under load with the small CNN of the pipeline tests). The plan weighs memory
+    more instead, so that each stage holds part of the model, as pipeline_parallel_degree 2 asks."""
+    from tests.mp_pipeline.models import SmallCNN, batch
+
+    model = SmallCNN()
+    x = batch("cnn", 0, 0)[0][:8]
+    for hot in ("conv2", "fc1", "fc2"):
+        times = _times({p: (1.0 if p == hot else 1e-5) for p in ("", "conv1", "conv2", "fc1", "fc2")})
+        plan = auto_partition(model, 2, trace=trace_model(model, (x,)), times=times)
+        assert not plan.empty_partitions, (hot, dict(plan.assignment))
+        assert plan.inputs.memory_weight > 0.0, hot
+
+
 def test_plan_report_shows_predicted_and_measured_stage_times(tmp_path: Path) -> None:
     model = Stack(layers=4)
     x = torch.randn(2, 16)

@@ -309,6 +309,11 @@ def auto_partition(
             device = refine(root, device, num_partitions, calls[1] if calls is not None else None)
             if device != seed.device:
                 devices = subtree_devices(root, device)
+        if auto_alpha and len(set(device.values())) < num_partitions and alpha != candidates[-1]:
+            # time concentrated in a few modules left a stage without any: the user asked for every
+            # stage to hold part of the model (its memory), so weigh memory more, as for the limit below
+            _log.info("memory_weight %g leaves a partition empty; weighing memory more", alpha)
+            continue
         if memory_limit_bytes is None or not auto_alpha:
             break
         worst = max(_stage_memory(root, device, num_partitions, microbatches_in_flight))
