@@ -8,7 +8,6 @@ from collections.abc import Callable
 import torch
 
 from mp_pipeline.messages import TAG, Handoff, Request, Response
-from mp_pipeline.schedule import Phase
 from mp_pipeline.server_base import _Slot
 from mp_pipeline.timeline import RECORDER, EventKind
 from mp_pipeline.wire import Wire
@@ -25,17 +24,7 @@ class Handoffs(Wire):
         self.stats["posted"] += 1
         if RECORDER.enabled:
             now = RECORDER.now()
-            RECORDER.add(
-                EventKind.REQUEST,
-                rank=self.rank,
-                step=self.step.step,
-                module=request.module,
-                microbatch=request.microbatch,
-                start_ns=now,
-                end_ns=now,
-                phase=request.phase.value if isinstance(request.phase, Phase) else str(request.phase),
-                peer=dest,
-            )
+            self._record(EventKind.REQUEST, request, dest, now, now)
         self._send_flow(dest, request, request)
 
     def hand(self, dest: int, key: tuple[str, int, int, int], tensor: torch.Tensor) -> None:

@@ -89,19 +89,8 @@ class Server(InPlace, Handoffs, TPOrder):
 
     def _record_wait(self, request: Request, dest: int, sent: int) -> None:
         """Timeline: the request sent at ``sent`` (an instant) and this thread's wait for its response."""
-        phase = request.phase.value if isinstance(request.phase, Phase) else str(request.phase)
-        for kind, end in ((EventKind.REQUEST, sent), (EventKind.WAIT, RECORDER.now())):
-            RECORDER.add(
-                kind,
-                rank=self.rank,
-                step=self.step.step,
-                module=request.module,
-                microbatch=request.microbatch,
-                start_ns=sent,
-                end_ns=end,
-                phase=phase,
-                peer=dest,
-            )
+        self._record(EventKind.REQUEST, request, dest, sent, sent)
+        self._record(EventKind.WAIT, request, dest, sent, RECORDER.now())
 
     # -- used by the main thread -----------------------------------------------------------------------
     def run_job(self, job: Callable[[], None]) -> None:

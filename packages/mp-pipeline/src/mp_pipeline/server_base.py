@@ -18,9 +18,10 @@ import torch
 
 from mp_comm.transport.base import SendHandle, Transport
 from mp_pipeline.messages import TAG, Entered, Request, Response, StepId
-from mp_pipeline.schedule import Task
+from mp_pipeline.schedule import Phase, Task
 from mp_pipeline.sequence import Sequencer
 from mp_pipeline.static import FlowRecorder, TemplateStore
+from mp_pipeline.timeline import RECORDER, EventKind
 from mp_pipeline.workers import MAIN, WorkerPool, WorkerState, current_worker
 
 __all__ = ["Driver", "ServerBase"]
@@ -154,6 +155,20 @@ class ServerBase:
         self.baton.switch(MAIN, token)
         if worker is not None:
             worker.state = WorkerState.EXECUTING
+
+    def _record(self, kind: EventKind, request: Request, dest: int, start_ns: int, end_ns: int) -> None:
+        """Timeline: an event of ``request`` to (or waiting on) rank ``dest``."""
+        RECORDER.add(
+            kind,
+            rank=self.rank,
+            step=self.step.step,
+            module=request.module,
+            microbatch=request.microbatch,
+            start_ns=start_ns,
+            end_ns=end_ns,
+            phase=request.phase.value if isinstance(request.phase, Phase) else str(request.phase),
+            peer=dest,
+        )
 
     # -- the main loop's, in mp_pipeline.server -----------------------------------------------------------
     def _dispatch(self, message: Any) -> None:
