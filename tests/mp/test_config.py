@@ -230,7 +230,6 @@ def test_constructing_a_config_with_unbuilt_keys_logs_nothing(caplog: pytest.Log
 UNBUILT = [key for key, _, _ in mp.config_rules._NOT_BUILT]
 UNBUILT_WITH: dict[str, dict[str, object]] = {
     "shard_optimizer_state": {"bf16": True},
-    "delayed_parameter_initialization": {"tensor_parallel_degree": 2},
     "sharded_data_parallel_degree": {"bf16": True},
 }
 """Keys built only without some other key: the combination that is still refused."""

@@ -9,8 +9,11 @@ remembers its value.
 
 :func:`materialize` gives the meta parameters for which ``keep(p)`` holds real storage and initializes
 them with each module's own init: ``reset_parameters()``, then the HF model's ``_init_weights(module)``
-where the root has one (the order of HF's eager construction), or the remembered constant. Parameter
-objects keep their identity (``torch.utils.swap_tensors``), so optimizers built on the meta model work.
+where the root has one (the order of HF's eager construction), or the remembered constant. A parameter
+may bring its own initial value (``own(p)``: a tensor-parallel shard is this rank's slice of a full tensor,
+drawn again as its module's constructor drew it); it wins over the module's init, which is skipped when
+every new parameter of the module has one. Parameter objects keep their identity and their attributes
+(``torch.utils.swap_tensors``), so optimizers built on the meta model work.
 
 The values are not those of eager initialization under the same seed: eager construction draws random
 numbers for every module in construction order, this draws them only for the kept modules, in module
@@ -67,9 +70,11 @@ def materialize(
     root: nn.Module,
     keep: Callable[[nn.Parameter], bool],
     device: torch.device | str = "cpu",
+    own: Callable[[nn.Parameter], Callable[[], torch.Tensor] | None] | None = None,
 ) -> int:
     """Give the kept meta parameters of ``root`` storage on ``device`` and initialize them (module
-    docstring). Returns the number of elements materialized. Parameters not kept stay on meta."""
+    docstring). ``own(p)``: what draws ``p``'s own initial value, or None. Returns the number of elements
+    materialized (asked only of those not created constant). Parameters not kept stay on meta."""
     hf_init: Any = getattr(root, "_init_weights", None)
     done: set[int] = set()
     count = 0
@@ -79,26 +84,32 @@ def materialize(
             if p.is_meta and keep(p) and id(p) not in done:
                 constant = getattr(p, _CONSTANT, None)  # swap_tensors swaps the attributes too
                 real = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                real.__dict__.update(p.__dict__)  # swapped with the data: p keeps its attributes
                 torch.utils.swap_tensors(p, real)  # type: ignore[no-untyped-call]
                 done.add(id(p))
                 fresh.append((p, constant))
                 count += p.numel()
         if not fresh:
             continue
+        draws = [None if own is None or c is not None else own(p) for p, c in fresh]
         with torch.no_grad():
             for p, constant in fresh:
                 if constant is not None:
                     p.fill_(constant)
             reset = getattr(module, "reset_parameters", None)
-            if callable(reset):
+            uninitialized = [c is None and d is None for (_, c), d in zip(fresh, draws, strict=True)]
+            if any(d is None for d in draws) and callable(reset):
                 reset()
-            if callable(hf_init):
+            if any(d is None for d in draws) and callable(hf_init):
                 hf_init(module)
-            elif not callable(reset) and any(constant is None for _, constant in fresh):
+            elif any(uninitialized) and not callable(reset):
                 raise DelayedInitError(
                     f"delayed initialization cannot initialize the parameters of module {path!r} "
                     f"({type(module).__name__}): it has no reset_parameters() and its root model no "
                     "_init_weights(). Fix: give the module a reset_parameters() that initializes its "
                     "parameters, or build the model without delayed initialization"
                 )
+            for (p, _), draw in zip(fresh, draws, strict=True):
+                if draw is not None:
+                    p.copy_(draw())  # one full tensor at a time
     return count

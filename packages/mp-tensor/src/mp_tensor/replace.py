@@ -212,7 +212,7 @@ def _replace_one(
             new = _build_registered(reg, module, ctx, overrides)
     new.train(module.training)
     device = next((p.device for p in module.parameters()), None)
-    if device is not None and device.type != "cpu":
+    if device is not None and device.type not in ("cpu", "meta"):  # meta: delayed init materializes later
         new.to(device)
     new.__dict__[ORIGINAL_ATTR] = Replacement(type(module).__name__, reg)
     return new

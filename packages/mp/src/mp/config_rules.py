@@ -222,12 +222,6 @@ _NOT_BUILT: tuple[tuple[str, Callable[[ModelParallelConfig], object], str], ...]
         "shards offloaded activations over tensor-parallel ranks",
     ),
     (
-        "delayed_parameter_initialization",
-        lambda c: c.delayed_parameter_initialization and c.tensor_parallel_degree > 1,
-        "creates parameters on the meta device and materializes only this rank's partition; mp builds "
-        "that without tensor parallelism, not with tensor_parallel_degree > 1",
-    ),
-    (
         "sdp_reduce_bucket_size",
         lambda c: c.sdp_reduce_bucket_size != 500_000_000,
         "sets the gradient bucket size under sharded data parallelism; mp's sharding (FSDP2) reduce-scatters "

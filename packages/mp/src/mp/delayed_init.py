@@ -6,23 +6,37 @@ partitions it without tracing (nothing can run yet; the partition comes from the
 parameter sizes, as with ``skip_tracing``), and right after partitioning each rank materializes and
 initializes only the parameters of its own partition (each module's ``reset_parameters``, then the HF
 model's ``_init_weights``). The first step then broadcasts data-parallel rank 0's values to the other
-replicas, as for any model. Not with tensor parallelism yet (its modules copy the original weights into
-their shards at wrap time).
+replicas, as for any model.
+
+With tensor parallelism the marked modules are replaced at wrap time as usual, but on the meta device too
+(:func:`replacing`): the distributed modules are built with meta parameters and nothing is copied. After
+partitioning each rank materializes its stage's parameters, and of the distributed ones only its own
+shards: each shard is drawn again as its distributed module's constructor drew it (its full tensor,
+sliced: mp_tensor's ``ParamInit``), one full tensor at a time. The values are those of the distributed
+module's own init (``DistributedLinear``'s, ``DistributedTransformerLMHead``'s), not those of the
+original module (a Hugging Face model's ``_init_weights``), which an eager build copies into the shards.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from mp.errors import DelayedParamDeviceError
-from mp_memory.delayed_init import has_meta_parameters, materialize, parameters_on_meta
+from mp_memory.delayed_init import DelayedInitError, has_meta_parameters, materialize, parameters_on_meta
+from mp_tensor.nn.base import is_distributed_parameter, param_init
 
-__all__ = ["check", "defer_optimizer_loads", "delay_param_initialization", "delayed", "prepare"]
+__all__ = [
+    "check",
+    "defer_optimizer_loads",
+    "delay_param_initialization",
+    "delayed",
+    "prepare",
+    "replacing",
+]
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +54,33 @@ def delayed(module: torch.nn.Module) -> bool:
 
 
 def check(module: torch.nn.Module, tp: int) -> None:
-    """Before wrapping: a delayed model cannot be tensor-parallel yet."""
-    if tp > 1 and delayed(module):
-        raise DelayedParamDeviceError(
-            "delayed parameter initialization with tensor_parallel_degree > 1 is not built in mp yet (the "
-            "distributed modules copy the original weights into their shards when the model is wrapped). "
-            "Fix: build the model without delayed initialization, or set tensor_parallel_degree to 1"
+    """Before wrapping: log what delayed initialization will do with this model."""
+    if delayed(module):
+        meta = sum(p.numel() for p in module.parameters() if p.is_meta)
+        log.info("delayed initialization: %d parameter elements on meta until partitioning (tp=%d)", meta, tp)
+
+
+def replacing(module: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Around the tensor-parallel replacement of ``module``: for a delayed model, the distributed modules
+    are built with meta parameters (each created and dropped one at a time) and nothing is copied."""
+    return parameters_on_meta() if delayed(module) else contextlib.nullcontext()
+
+
+def _own_draw(p: torch.nn.Parameter) -> Callable[[], torch.Tensor] | None:
+    """A tensor-parallel shard's own initial value (its module's draw, sliced), else None (the module's
+    init applies). A shard whose module does not say how it was drawn is refused: the module's
+    ``reset_parameters`` would initialize the slice as if it were the whole parameter."""
+    init = param_init(p)
+    if init is not None:
+        return init.draw
+    if is_distributed_parameter(p):
+        raise DelayedInitError(
+            f"delayed initialization cannot initialize a tensor-parallel shard of shape {tuple(p.shape)}: "
+            "its distributed module does not record how it draws its full parameter (mp_tensor's "
+            "ParamInit). Fix: build this model without delayed initialization, or record the draw with "
+            "mp_tensor.nn.base.set_param_init in the module's constructor"
         )
+    return None
 
 
 def prepare(model: Any) -> None:
@@ -58,7 +92,7 @@ def prepare(model: Any) -> None:
     device = real[0].device if real else torch.device("cpu")
 
     def hook(m: Any, _optimizer: Any) -> None:
-        n = materialize(m.module, lambda p: not m._is_remote(p), device)
+        n = materialize(m.module, lambda p: not m._is_remote(p), device, own=_own_draw)
         log.info("delayed initialization: %d parameter elements materialized on %s", n, device)
 
     model.register_post_partition_hook(hook)

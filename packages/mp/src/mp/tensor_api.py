@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mp.delayed_init import delay_param_initialization
+from mp.delayed_init import delay_param_initialization, replacing
 from mp.errors import DistributedModelWrappedError
 from mp.state import state
 from mp_comm import GroupKind
@@ -105,9 +105,9 @@ def replace_tp_modules(model: nn.Module) -> nn.Module:
     ctx = tp_context()
     if ctx is None:
         return model
-    if not ctx.distributed:
-        return replace_modules(model, ctx, registry=whole_stack_registry(default_registry))
-    return replace_modules(model, ctx)
+    registry = None if ctx.distributed else whole_stack_registry(default_registry)
+    with replacing(model):  # a delayed model: distributed modules on meta too (mp.delayed_init)
+        return replace_modules(model, ctx, registry=registry)
 
 
 def pin_tp_internals(model: nn.Module, owner: Callable[[str], int]) -> dict[str, int]:

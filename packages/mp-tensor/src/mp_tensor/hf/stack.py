@@ -67,11 +67,6 @@ def check(module: nn.Module, tp_size: int) -> str | None:
     """Why this ``GPT2LMHeadModel`` cannot become a DistributedTransformerLMHead, or None."""
     if not whole_stack_requested(module):
         return "whole_stack=False was asked for (its blocks are distributed one by one instead)"
-    if any(p.is_meta for p in module.parameters()):
-        return (
-            "its parameters are on the meta device (delayed parameter initialization): the replacement "
-            "copies the weights, so the model stays Hugging Face's (build it without delayed init)"
-        )
     model = cast(Any, module)
     config = model.config
     if not getattr(config, "tie_word_embeddings", True):

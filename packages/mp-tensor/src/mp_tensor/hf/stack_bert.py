@@ -30,8 +30,6 @@ def check(module: nn.Module, tp_size: int) -> str | None:
     """Why this encoder cannot become a DistributedTransformer, or None."""
     if not whole_stack_requested(module):
         return "whole_stack=False was asked for (its layers are distributed one by one instead)"
-    if any(p.is_meta for p in module.parameters()):
-        return "its parameters are on the meta device (delayed parameter initialization)"
     layers = list(cast(Any, module).layer)
     if not layers:
         return "the encoder has no layers"

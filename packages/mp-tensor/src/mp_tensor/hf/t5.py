@@ -38,7 +38,7 @@ from mp_tensor.dist_ops import Layout, enter, gather_samples, leave, tp_dropout
 from mp_tensor.errors import TPInputError
 from mp_tensor.hf.block import MegatronBlock
 from mp_tensor.hf.common import GELU_APPROXIMATION, additive, sizes_reason
-from mp_tensor.nn.base import DistributedModule, ParamSpec, set_param_spec
+from mp_tensor.nn.base import DistributedModule, ParamInit, ParamSpec, set_param_init, set_param_spec
 from mp_tensor.registry import Registration
 
 __all__ = ["BLOCK", "DistributedT5Block", "activate", "registrations"]
@@ -84,6 +84,8 @@ class _BiasTable(nn.Module):
         full = torch.randn(buckets, heads)  # overwritten by the block's weights when it replaces one
         self.weight = nn.Parameter(block.shard(full, 1).clone().to(block.tp.dtype or full.dtype))
         set_param_spec(self.weight, ParamSpec(1, scaled_batch=True))
+        init = ParamInit((buckets, heads), "normal", 1.0, 1, block.tp_rank, block.tp_size)
+        set_param_init(self.weight, init)  # drawn again by delayed initialization
 
 
 class DistributedT5Block(MegatronBlock):

@@ -27,14 +27,18 @@ from mp_tensor.context import TPContext, current_context
 
 __all__ = [
     "DistributedModule",
+    "ParamInit",
     "ParamSpec",
     "is_distributed_parameter",
     "is_scaled_batch_parameter",
+    "param_init",
     "param_spec",
+    "set_param_init",
     "set_param_spec",
 ]
 
 _SPEC_ATTR = "_mp_tp_spec"
+_INIT_ATTR = "_mp_tp_init"
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,49 @@ def param_spec(param: Tensor) -> ParamSpec | None:
     """The spec of a distributed module's parameter, or None for an ordinary parameter."""
     spec = getattr(param, _SPEC_ATTR, None)
     return spec if isinstance(spec, ParamSpec) else None
+
+
+@dataclass(frozen=True)
+class ParamInit:
+    """How a distributed module initialized one parameter: this rank's slice of a full ``shape`` tensor
+    drawn as ``kind`` (``"normal"``: N(0, ``scale``); ``"uniform"``: U(-``scale``, ``scale``); ``"zero"``),
+    with row ``zero_row`` zeroed (an embedding's padding row). Delayed parameter initialization builds the
+    module on the meta device and draws the shard again with :meth:`draw` (the same draws as the
+    constructor: the same values from the same random state)."""
+
+    shape: tuple[int, ...]
+    kind: str
+    scale: float
+    split_dim: int | None
+    rank: int
+    size: int
+    zero_row: int | None = None
+
+    def draw(self) -> Tensor:
+        full = torch.empty(self.shape)
+        if self.kind == "normal":
+            full.normal_(0.0, self.scale)
+        elif self.kind == "uniform":
+            full.uniform_(-self.scale, self.scale)
+        else:
+            full.zero_()
+        if self.zero_row is not None:
+            full[self.zero_row].zero_()
+        if self.split_dim is None or self.size == 1:
+            return full
+        part = self.shape[self.split_dim] // self.size
+        return full.narrow(self.split_dim, self.rank * part, part)
+
+
+def set_param_init(param: Tensor, init: ParamInit) -> None:
+    """Attach ``init`` (how ``param``'s value was drawn) to ``param``."""
+    setattr(param, _INIT_ATTR, init)
+
+
+def param_init(param: Tensor) -> ParamInit | None:
+    """How a distributed module's parameter was initialized, or None when it does not say."""
+    init = getattr(param, _INIT_ATTR, None)
+    return init if isinstance(init, ParamInit) else None
 
 
 def is_distributed_parameter(param: Tensor) -> bool:

@@ -23,7 +23,7 @@ from mp_comm import collectives as col
 from mp_tensor.context import TPContext
 from mp_tensor.dist_ops import gather_samples, leave
 from mp_tensor.errors import DistEmbeddingConfigError, TPInputError
-from mp_tensor.nn.base import DistributedModule, ParamSpec, set_param_spec
+from mp_tensor.nn.base import DistributedModule, ParamInit, ParamSpec, set_param_init, set_param_spec
 
 __all__ = ["DistributedEmbedding"]
 
@@ -113,6 +113,9 @@ class DistributedEmbedding(DistributedModule):
         weight = self.shard(full, split).clone()
         self.weight = nn.Parameter(weight.to(self.tp.dtype or weight.dtype))
         set_param_spec(self.weight, ParamSpec(split_dim=split, scaled_batch=True))
+        shape = (num_embeddings, embedding_dim)
+        init = ParamInit(shape, "normal", initializer_range, split, self.tp_rank, self.tp_size, padding_idx)
+        set_param_init(self.weight, init)  # drawn again by delayed initialization
 
     def lookup(self, ids: Tensor) -> Tensor:
         """This rank's slice of the embedding of every index in ``ids`` (no communication)."""

@@ -10,6 +10,8 @@ all-reduce sums the partial outputs. The bias is added to the reduced output; ev
 
 from __future__ import annotations
 
+import math
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -17,7 +19,7 @@ from mp_comm import collectives as col
 from mp_tensor.context import TPContext
 from mp_tensor.dist_ops import check_batch
 from mp_tensor.errors import DistTransformerConfigError
-from mp_tensor.nn.base import DistributedModule, ParamSpec, set_param_spec
+from mp_tensor.nn.base import DistributedModule, ParamInit, ParamSpec, set_param_init, set_param_spec
 from mp_tensor.nn.utils import full_linear_bias, full_linear_weight
 
 __all__ = ["DistributedLinear", "LinearShard"]
@@ -55,6 +57,10 @@ class LinearShard(nn.Module):
             full_w = full_w.narrow(weight_split, r * size, size)
         self.weight = nn.Parameter(full_w.clone().to(tp.dtype or full_w.dtype))
         set_param_spec(self.weight, ParamSpec(weight_split, scaled_batch))
+        # the same draws again, for delayed initialization (mp_memory.delayed_init materializes shards)
+        bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
+        kind, scale = ("normal", initializer_range) if use_normal else ("uniform", bound)
+        set_param_init(self.weight, ParamInit((out_features, in_features), kind, scale, weight_split, r, n))
         self.bias: nn.Parameter | None = None
         if bias:
             full_b = full_linear_bias(out_features, in_features, use_normal=use_normal)
@@ -66,6 +72,8 @@ class LinearShard(nn.Module):
                 self.bias,
                 ParamSpec(bias_split, scaled_batch if bias_scaled_batch is None else bias_scaled_batch),
             )
+            kind = "zero" if use_normal else "uniform"
+            set_param_init(self.bias, ParamInit((out_features,), kind, bound, bias_split, r, n))
 
     def extra_repr(self) -> str:
         return f"weight={tuple(self.weight.shape)}, bias={self.bias is not None}"

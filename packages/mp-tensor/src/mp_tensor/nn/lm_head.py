@@ -38,7 +38,7 @@ from mp_tensor.dist_ops import (
 from mp_tensor.errors import DistTransformerConfigError, TPInputError
 from mp_tensor.nn.args import TransformerArgs
 from mp_tensor.nn.attention import working_layout
-from mp_tensor.nn.base import DistributedModule, ParamSpec, set_param_spec
+from mp_tensor.nn.base import DistributedModule, ParamInit, ParamSpec, set_param_init, set_param_spec
 from mp_tensor.nn.layernorm import LayerNormShard
 from mp_tensor.nn.transformer import DistributedTransformer, layer_kwargs
 
@@ -157,6 +157,8 @@ class DistributedTransformerLMHead(DistributedModule):
             if self.tp.dtype is not None:
                 emb.weight.data = emb.weight.data.to(self.tp.dtype)
         set_param_spec(emb.weight, ParamSpec(split_dim=1, scaled_batch=True))
+        init = ParamInit((rows, dim), "normal", init_range, 1, self.tp_rank, self.tp_size)
+        set_param_init(emb.weight, init)  # drawn again by delayed initialization
         return emb
 
     def forward(self, inputs: tuple[Any, ...]) -> Any:

@@ -39,7 +39,14 @@ from mp_tensor.dist_ops import (
     reduce_scatter_for_tp,
     scatter_and_merge_for_tp,
 )
-from mp_tensor.nn.base import DistributedModule, ParamSpec, param_spec, set_param_spec
+from mp_tensor.nn.base import (
+    DistributedModule,
+    ParamInit,
+    ParamSpec,
+    param_spec,
+    set_param_init,
+    set_param_spec,
+)
 
 __all__ = [
     "bwd_allreduce_for_tp",
@@ -118,8 +125,11 @@ def parameter_creation_scope(
             if spec is None and use_normal:
                 if p.dim() >= 2:
                     p.normal_(0.0, initializer_range)
+                    init = ParamInit(tuple(p.shape), "normal", initializer_range, None, 0, 1)
+                    set_param_init(p, init)  # drawn again by delayed initialization
                 elif name.endswith("bias"):
                     p.zero_()
+                    set_param_init(p, ParamInit(tuple(p.shape), "zero", 0.0, None, 0, 1))
             split = None if spec is None else spec.split_dim
             set_param_spec(p, ParamSpec(split_dim=split, scaled_batch=scaled_batch))
             if target is not None and p.is_floating_point() and p.dtype != target:
@@ -144,6 +154,7 @@ def _partition(
                 if id(sub) in before_modules or not isinstance(sub, nn.Linear):
                     continue
                 out_l, in_l = sub.weight.shape
+                _remember_linear_init(sub, kind, n, r, use_normal=use_normal, init_range=init_range)
                 if kind == "input":
                     w = full_linear_weight(
                         out_l, in_l * n, use_normal=use_normal, initializer_range=init_range
@@ -173,6 +184,21 @@ def _partition(
                 set_param_spec(p, ParamSpec(split, scaled))
 
     return scope()
+
+
+def _remember_linear_init(
+    sub: nn.Linear, kind: str, n: int, r: int, *, use_normal: bool, init_range: float
+) -> None:
+    """The draws of a partitioned ``nn.Linear``'s slices (below), for delayed initialization."""
+    out_l, in_l = sub.weight.shape
+    out_f, in_f = (out_l, in_l * n) if kind == "input" else (out_l * n, in_l)
+    bound = 1.0 / math.sqrt(in_f) if in_f > 0 else 0.0
+    split = 1 if kind == "input" else 0
+    w_kind, w_scale = ("normal", init_range) if use_normal else ("uniform", bound)
+    set_param_init(sub.weight, ParamInit((out_f, in_f), w_kind, w_scale, split, r, n))
+    if sub.bias is not None:
+        b_kind = "zero" if use_normal else "uniform"
+        set_param_init(sub.bias, ParamInit((out_f,), b_kind, bound, None if kind == "input" else 0, r, n))
 
 
 def initialize_with_input_partition(module: DistributedModule) -> contextlib.AbstractContextManager[None]:
