@@ -34,6 +34,7 @@ from mp_tensor.nn.args import TransformerArgs
 from mp_tensor.nn.base import DistributedModule
 from mp_tensor.nn.layernorm import LayerNormShard
 from mp_tensor.nn.linear import LinearShard
+from mp_tensor.nn.positions import alibi_bias, alibi_slopes, apply_rotary, keep_mask, rotary_tables
 
 __all__ = ["DistributedAttentionLayer", "attend", "working_layout"]
 
@@ -56,13 +57,18 @@ def attend(
     dropout: Any,
     fused: bool = False,
     fp32: bool = False,
+    scale: bool = True,
+    window: int | None = None,
+    slopes: Tensor | None = None,
 ) -> Tensor:
     """Scaled dot-product attention of ``heads`` heads; ``q [N,Sq,heads*d]``, ``k, v [N,Sk,heads*d]``.
 
     ``fused`` (smp's ``fused_softmax``; pass it only when ``dropout`` is the identity, since the
     attention dropout must draw from the TP group's random state) runs torch's fused
     ``scaled_dot_product_attention`` with the causal and padding masks as one additive bias. ``fp32``:
-    scores, softmax and context in fp32, the result cast back to ``q``'s dtype.
+    scores, softmax and context in fp32, the result cast back to ``q``'s dtype. ``scale``: divide the
+    scores by sqrt(head_size); ``window``: sliding-window causal mask; ``slopes``: the ALiBi slopes of
+    these heads (:mod:`mp_tensor.nn.positions`).
     """
     if fp32 and q.dtype != torch.float32:
         out = attend(
@@ -76,6 +82,9 @@ def attend(
             mask_value=mask_value,
             dropout=dropout,
             fused=fused,
+            scale=scale,
+            window=window,
+            slopes=slopes,
         )
         return out.to(q.dtype)
     n, sq = q.shape[0], q.shape[1]
@@ -90,15 +99,24 @@ def attend(
                 f"the attention got sequence length {max(sq, sk)}, longer than "
                 f"causal_mask_size={causal_size}; pass shorter sequences or a larger causal_mask_size."
             )
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        keep = keep_mask(sq, sk, window, q.device)
+    alibi = None if slopes is None else alibi_bias(slopes.to(q.device), sq, sk, q.dtype)
     if fused:
         bias = mask
         if keep is not None:
             causal = torch.zeros(sq, sk, dtype=q.dtype, device=q.device).masked_fill(~keep, mask_value)
             bias = causal if bias is None else bias + causal
-        out = F.scaled_dot_product_attention(qh, kh.transpose(-1, -2), vh, attn_mask=bias)
+        if alibi is not None:
+            bias = alibi if bias is None else bias + alibi
+        out = F.scaled_dot_product_attention(
+            qh, kh.transpose(-1, -2), vh, attn_mask=bias, scale=None if scale else 1.0
+        )
         return out.permute(0, 2, 1, 3).reshape(n, sq, heads * head_size)
-    scores = torch.matmul(qh, kh) / math.sqrt(head_size)
+    scores = torch.matmul(qh, kh)
+    if scale:
+        scores = scores / math.sqrt(head_size)
+    if alibi is not None:
+        scores = scores + alibi
     if keep is not None:
         scores = torch.where(keep, scores, torch.full_like(scores, mask_value))
     if mask is not None:
@@ -154,10 +172,14 @@ class DistributedAttentionLayer(DistributedModule):
             qkv_split, dense_bias_split = {"weight_split": 1, "bias_split": 0}, 0
         else:  # query/key/value by output channels (heads), output projection by input channels
             qkv_split, dense_bias_split = {"weight_split": 0, "bias_split": 0}, None
-        self.query = LinearShard(self.tp, all_heads, h, **qkv_split, **init)  # type: ignore[arg-type]
-        self.key = LinearShard(self.tp, all_heads, h, **qkv_split, **init)  # type: ignore[arg-type]
-        self.value = LinearShard(self.tp, all_heads, h, **qkv_split, **init)  # type: ignore[arg-type]
-        self.dense = LinearShard(self.tp, h, all_heads, weight_split=1, bias_split=dense_bias_split, **init)  # type: ignore[arg-type]
+        qkv = {**qkv_split, **init, "bias": a.use_qkv_bias}
+        self.query = LinearShard(self.tp, all_heads, h, **qkv)  # type: ignore[arg-type]
+        self.key = LinearShard(self.tp, all_heads, h, **qkv)  # type: ignore[arg-type]
+        self.value = LinearShard(self.tp, all_heads, h, **qkv)  # type: ignore[arg-type]
+        self.dense = LinearShard(
+            self.tp, h, all_heads, weight_split=1, bias_split=dense_bias_split, bias=a.use_attn_dense_bias,
+            **init,  # type: ignore[arg-type]
+        )  # fmt: skip
         if a.pre_layernorm:
             self.pre_layernorm = LayerNormShard(self.tp, h, a.layernorm_epsilon, sharded=memory)
         if a.post_layernorm:
@@ -212,6 +234,8 @@ class DistributedAttentionLayer(DistributedModule):
         def drop_probs(p: Tensor) -> Tensor:
             return tp_dropout(p, a.attention_dropout_prob, self.training, ctx, "sharded")
 
+        if a.rotary_dim is not None:
+            q, k = self._rotary(q), self._rotary(k)
         context = attend(
             q,
             k,
@@ -224,14 +248,32 @@ class DistributedAttentionLayer(DistributedModule):
             dropout=drop_probs,
             fused=a.fused_softmax and not (self.training and a.attention_dropout_prob > 0),
             fp32=a.attention_in_fp32 or a.query_key_layer_scaling,
+            scale=a.scale_attention_scores,
+            window=a.window_size,
+            slopes=self._slopes() if a.use_alibi else None,
         )
         out = F.linear(context, self.dense.weight)
         if ctx.distributed and ctx.group is not None:
             out = col.reduce_scatter(out, -1, ctx.group) if memory else col.all_reduce(out, ctx.group)
         out = self._bias(out, self.dense.bias)
         out = tp_dropout(out, a.hidden_dropout_prob, self.training, ctx, working_layout(ctx))
-        out = out + hidden
+        if not a.parallel_attn_output:  # else the layer adds the residual once for attention and MLP
+            out = out + hidden
         return self.layernorm.apply_to(out, ctx) if a.post_layernorm else out
+
+    def _rotary(self, x: Tensor) -> Tensor:
+        """Rotary embedding of ``x [N, S, local heads * d]`` (this rank's heads)."""
+        a = self.args
+        n, s = x.shape[0], x.shape[1]
+        assert a.rotary_dim is not None
+        cos, sin = rotary_tables(s, a.rotary_dim, a.rotary_emb_base, a.gpt_neox_type_rotary, x.device)
+        heads = x.reshape(n, s, self.local_heads, a.attention_head_size)
+        return apply_rotary(heads, cos, sin, a.gpt_neox_type_rotary).reshape(x.shape)
+
+    def _slopes(self) -> Tensor:
+        """The ALiBi slopes of this rank's heads (heads are split over the ranks in order)."""
+        slopes = alibi_slopes(self.args.num_attention_heads, self.args.alibi_bias_max)
+        return slopes[self.tp_rank * self.local_heads : (self.tp_rank + 1) * self.local_heads]
 
     # ------------------------------------------------------------------------------ local layout
     def forward(self, inputs: tuple[Tensor, ...]) -> Tensor:

@@ -40,6 +40,7 @@ from mp_tensor.nn.args import TransformerArgs
 from mp_tensor.nn.attention import working_layout
 from mp_tensor.nn.base import DistributedModule, ParamInit, ParamSpec, set_param_init, set_param_spec
 from mp_tensor.nn.layernorm import LayerNormShard
+from mp_tensor.nn.linear import LinearShard
 from mp_tensor.nn.transformer import DistributedTransformer, layer_kwargs
 
 __all__ = ["DistributedTransformerLMHead", "lm_loss", "split_lm_inputs"]
@@ -140,10 +141,25 @@ class DistributedTransformerLMHead(DistributedModule):
             )
         h = a.hidden_size
         self.word_embedding = self._embedding(a.vocab_size, h, a.initializer_range)
-        self.position_embedding = self._embedding(a.num_positions, h, a.initializer_range)
+        if a.use_positional_embedding:
+            self.position_embedding = self._embedding(a.num_positions, h, a.initializer_range)
         if a.num_token_types > 0:
             self.token_type_embedding = self._embedding(a.num_token_types, h, a.initializer_range)
-        self.transformer = DistributedTransformer(tp=self.tp, num_layers=a.num_layers, **layer_kwargs(a))
+        self.transformer = DistributedTransformer(
+            tp=self.tp,
+            num_layers=a.num_layers,
+            attention_layers_type=a.attention_layers_type,
+            **layer_kwargs(a),
+        )
+        if a.add_lm_head and (a.use_lm_head_bias or not a.tie_input_output_embedding):
+            # its own head: weight split over the hidden channels as the embedding's, bias on each rank
+            # added to the reduced logits of the rank's samples
+            self.lm_head = LinearShard(
+                self.tp, a.vocab_size, h, weight_split=1, bias=a.use_lm_head_bias, bias_split=None,
+                use_normal=True, initializer_range=a.initializer_range, bias_scaled_batch=False,
+            )  # fmt: skip
+            if a.tie_input_output_embedding:
+                self.lm_head.weight = self.word_embedding.weight  # type: ignore[assignment]
         if a.final_layernorm:
             self.layernorm = LayerNormShard(
                 self.tp, h, a.layernorm_epsilon, sharded=self.tp.optimize == "memory"
@@ -178,8 +194,14 @@ class DistributedTransformerLMHead(DistributedModule):
         pos = f["pos"]
         if pos is None:
             pos = torch.arange(seq, device=ids.device).unsqueeze(0).expand(batch, seq)
+        elif a.rotary_dim is not None and not bool((pos == torch.arange(seq, device=pos.device)).all()):
+            raise TPInputError(
+                f"{type(self).__name__} with rotary_dim={a.rotary_dim} got position_ids other than 0..S-1; "
+                "the rotary embeddings use positions 0..S-1 (as smp). Pass position_ids=None."
+            )
         emb = F.embedding(gather_samples(ids, ctx), self.word_embedding.weight)
-        emb = emb + F.embedding(gather_samples(pos, ctx, batch), self.position_embedding.weight)
+        if a.use_positional_embedding:
+            emb = emb + F.embedding(gather_samples(pos, ctx, batch), self.position_embedding.weight)
         if f["tt"] is not None:
             emb = emb + F.embedding(gather_samples(f["tt"], ctx, batch), self.token_type_embedding.weight)
         p = a.hidden_dropout_prob if a.embedding_dropout_prob is None else a.embedding_dropout_prob
@@ -196,13 +218,16 @@ class DistributedTransformerLMHead(DistributedModule):
         if not a.add_lm_head:
             return leave(hidden, ctx, layout)
         channels = hidden if memory else replicated_to_sharded(hidden, ctx)
-        logits = F.linear(channels, self.word_embedding.weight)
+        head = getattr(self, "lm_head", None)
+        logits = F.linear(channels, self.word_embedding.weight if head is None else head.weight)
         if ctx.distributed and ctx.group is not None:
             logits = (
                 col.all_reduce(logits, ctx.group)
                 if ctx.prescaled_batch
                 else col.reduce_scatter(logits, 0, ctx.group)
             )
+        if head is not None and head.bias is not None:
+            logits = logits + head.bias
         if f["labels"] is None:
             return logits
         return lm_loss(logits, f["labels"], a.causal_mask_size is not None), logits

@@ -112,7 +112,8 @@ class DistributedTransformerOutputLayer(DistributedModule):
         if self.dense2.bias is not None:
             y = y + self.dense2.bias
         y = tp_dropout(y, a.hidden_dropout_prob, self.training, ctx, working_layout(ctx))
-        y = y + hidden
+        if not a.parallel_attn_output:  # else the layer adds the residual once for attention and MLP
+            y = y + hidden
         return self.layernorm.apply_to(y, ctx) if a.post_layernorm else y
 
     def forward(self, inp: Tensor) -> Tensor:

@@ -17,12 +17,14 @@ from torch import Tensor, nn
 
 from mp_tensor.context import TPContext
 from mp_tensor.dist_ops import enter, gather_samples, leave
+from mp_tensor.errors import DistTransformerConfigError
 from mp_tensor.nn.args import TransformerArgs
 from mp_tensor.nn.attention import DistributedAttentionLayer, working_layout
 from mp_tensor.nn.base import DistributedModule
+from mp_tensor.nn.layernorm import LayerNormShard
 from mp_tensor.nn.output import DistributedTransformerOutputLayer
 
-__all__ = ["DistributedTransformer", "DistributedTransformerLayer", "layer_kwargs"]
+__all__ = ["DistributedTransformer", "DistributedTransformerLayer", "layer_kwargs", "layer_windows"]
 
 _ATTENTION_KEYS = (
     "num_attention_heads",
@@ -37,6 +39,20 @@ _ATTENTION_KEYS = (
     "pre_layernorm",
     "post_layernorm",
     "mask_value",
+    "fused_softmax",
+    "attention_in_fp32",
+    "query_key_layer_scaling",
+    "rotary_dim",
+    "rotary_emb_base",
+    "gpt_neox_type_rotary",
+    "use_alibi",
+    "alibi_bias_max",
+    "window_size",
+    "scale_attention_scores",
+    "use_qkv_bias",
+    "use_attn_dense_bias",
+    "parallel_attn_output",
+    "single_pre_layernorm",
 )
 _OUTPUT_KEYS = (
     "hidden_size",
@@ -48,6 +64,8 @@ _OUTPUT_KEYS = (
     "use_normal_initialization",
     "pre_layernorm",
     "post_layernorm",
+    "parallel_attn_output",
+    "single_pre_layernorm",
 )
 _LAYER_KEYS = tuple(dict.fromkeys((*_ATTENTION_KEYS, *_OUTPUT_KEYS, "add_cross_attention")))
 
@@ -55,6 +73,15 @@ _LAYER_KEYS = tuple(dict.fromkeys((*_ATTENTION_KEYS, *_OUTPUT_KEYS, "add_cross_a
 def layer_kwargs(args: TransformerArgs, keys: tuple[str, ...] = _LAYER_KEYS) -> dict[str, Any]:
     """The constructor arguments of a sub-block, taken from parsed ``args``."""
     return {key: getattr(args, key) for key in keys}
+
+
+def layer_windows(args: TransformerArgs) -> list[int | None]:
+    """The sliding window of each layer: ``window_size`` on the layers ``attention_layers_type`` marks
+    "local" (on every layer when it is None), no window on the "global" ones."""
+    kinds = args.attention_layers_type
+    if kinds is None:
+        return [args.window_size] * args.num_layers
+    return [args.window_size if kind == "local" else None for kind in kinds]
 
 
 def _collect(local: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -93,12 +120,19 @@ class DistributedTransformerLayer(DistributedModule):
         super().__init__(tp=tp)
         values = _collect(locals(), kwargs)
         values.pop("num_layers", None)
+        if values.pop("attention_layers_type", None) is not None:
+            raise DistTransformerConfigError(
+                f"{type(self).__name__} got attention_layers_type, which picks the local layers of a "
+                "DistributedTransformer; pass window_size (or None) to a single layer instead."
+            )
         self.args = a = TransformerArgs.parse(type(self).__name__, self.tp_size, values)
+        if a.single_pre_layernorm:  # one norm feeding attention and MLP (GPT-J's ln_1)
+            memory = self.tp.optimize == "memory"
+            self.pre_layernorm = LayerNormShard(self.tp, a.hidden_size, a.layernorm_epsilon, sharded=memory)
         self.attention = DistributedAttentionLayer(tp=self.tp, **layer_kwargs(a, _ATTENTION_KEYS))
         if a.add_cross_attention:
-            self.cross_attention = DistributedAttentionLayer(
-                tp=self.tp, cross_attention=True, **layer_kwargs(a, _ATTENTION_KEYS)
-            )
+            cross = {**layer_kwargs(a, _ATTENTION_KEYS), "window_size": None}
+            self.cross_attention = DistributedAttentionLayer(tp=self.tp, cross_attention=True, **cross)
         self.output = DistributedTransformerOutputLayer(tp=self.tp, **layer_kwargs(a, _OUTPUT_KEYS))
         # its blocks are called as modules, on the working layout (forward_layout)
         self.attention.layout_io = self.output.layout_io = True
@@ -117,7 +151,11 @@ class DistributedTransformerLayer(DistributedModule):
     ) -> Tensor:
         """The layer on the working layout; its blocks are called as modules (hooks, pipeline stages and
         activation checkpointing of ``layer.attention`` / ``layer.output`` apply)."""
-        out = self.attention((hidden, mask))
+        a = self.args
+        x = self.pre_layernorm.apply_to(hidden, self.tp) if a.single_pre_layernorm else hidden
+        if a.parallel_attn_output:  # attention and MLP read the same input; one residual for both
+            return self.attention((x, mask)) + self.output(x) + hidden  # type: ignore[no-any-return]
+        out = self.attention((x, mask))
         if self.args.add_cross_attention:
             out = self.cross_attention((out, cross, cross_mask))
         return self.output(out)  # type: ignore[no-any-return]
@@ -158,7 +196,10 @@ class DistributedTransformer(DistributedModule):
     ) -> None:
         super().__init__(tp=tp)
         self.args = a = TransformerArgs.parse(type(self).__name__, self.tp_size, _collect(locals(), kwargs))
-        layers = [DistributedTransformerLayer(tp=self.tp, **layer_kwargs(a)) for _ in range(a.num_layers)]
+        layers = [
+            DistributedTransformerLayer(tp=self.tp, **{**layer_kwargs(a), "window_size": window})
+            for window in layer_windows(a)
+        ]
         for layer in layers:
             layer.layout_io = True
         self.seq_layers = nn.Sequential(*layers)

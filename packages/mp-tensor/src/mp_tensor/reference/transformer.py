@@ -16,7 +16,10 @@ validation as the distributed modules) and these choices where the listing is si
 - the output layer's dropout uses ``hidden_dropout_prob`` (the listing reads ``attention_dropout_prob``,
   which that module does not take);
 - ``activation`` may also be ``"gelu_new"`` (tanh approximation) for GPT-2;
-- ``TransformerLMHead`` (not listed in the seed) is written out here as the distributed one computes.
+- ``TransformerLMHead`` (not listed in the seed) is written out here as the distributed one computes;
+- smp's later options (rotary, ALiBi, sliding window, ``parallel_attn_output``, ``single_pre_layernorm``,
+  biases, unscaled scores, untied LM head) are written as smp's transformer computed them, with the
+  position helpers of :mod:`mp_tensor.nn.positions` (checked against Hugging Face's models).
 """
 
 from __future__ import annotations
@@ -29,8 +32,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mp_tensor.nn.args import TransformerArgs
+from mp_tensor.nn.positions import alibi_bias, alibi_slopes, apply_rotary, keep_mask, rotary_tables
 
 __all__ = ["AttentionLayer", "Transformer", "TransformerLMHead", "TransformerLayer", "TransformerOutputLayer"]
+
+
+_ATTENTION_ONLY = (
+    "num_attention_heads",
+    "attention_head_size",
+    "causal_mask_size",
+    "window_size",
+    "rotary_dim",
+    "rotary_emb_base",
+    "gpt_neox_type_rotary",
+)
 
 
 def _act(x: Tensor, activation: str) -> Tensor:
@@ -49,10 +64,10 @@ class AttentionLayer(nn.Module):
         kwargs.pop("intermediate_size", None)
         a = self.args = TransformerArgs.parse(type(self).__name__, 1, kwargs)
         h, all_heads = a.hidden_size, a.all_head_size
-        self.query = nn.Linear(h, all_heads)
-        self.key = nn.Linear(h, all_heads)
-        self.value = nn.Linear(h, all_heads)
-        self.dense = nn.Linear(all_heads, h)
+        self.query = nn.Linear(h, all_heads, bias=a.use_qkv_bias)
+        self.key = nn.Linear(h, all_heads, bias=a.use_qkv_bias)
+        self.value = nn.Linear(h, all_heads, bias=a.use_qkv_bias)
+        self.dense = nn.Linear(all_heads, h, bias=a.use_attn_dense_bias)
         self.dropout1 = nn.Dropout(a.attention_dropout_prob)
         self.dropout2 = nn.Dropout(a.hidden_dropout_prob)
         if a.pre_layernorm:
@@ -67,8 +82,18 @@ class AttentionLayer(nn.Module):
 
     def apply_causal_mask(self, scores: Tensor) -> Tensor:
         sq, sk = scores.shape[-2], scores.shape[-1]
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).tril(sk - sq)
+        keep = keep_mask(sq, sk, self.args.window_size, scores.device)
         return scores.masked_fill(~keep, self.args.mask_value)
+
+    def rotate(self, tensor: Tensor) -> Tensor:
+        """Rotary embedding of ``tensor [N, S, heads * d]`` (positions 0..S-1)."""
+        a = self.args
+        if a.rotary_dim is None:
+            return tensor
+        n, s = tensor.shape[0], tensor.shape[1]
+        cos, sin = rotary_tables(s, a.rotary_dim, a.rotary_emb_base, a.gpt_neox_type_rotary, tensor.device)
+        heads = tensor.reshape(n, s, a.num_attention_heads, a.attention_head_size)
+        return apply_rotary(heads, cos, sin, a.gpt_neox_type_rotary).reshape(tensor.shape)
 
     def forward(self, inp: tuple[Tensor, ...]) -> Tensor:
         a = self.args
@@ -81,10 +106,16 @@ class AttentionLayer(nn.Module):
         source = cross_states if a.cross_attention else norm_states
         key_layer = self.key(source)
         value_layer = self.value(source)
-        query_layer = self.transpose(query_layer)
-        key_layer = self.transpose(key_layer, key=True)
+        query_layer = self.transpose(self.rotate(query_layer))
+        key_layer = self.transpose(self.rotate(key_layer), key=True)
         value_layer = self.transpose(value_layer)
-        attention_scores = torch.matmul(query_layer, key_layer) / math.sqrt(a.attention_head_size)
+        attention_scores = torch.matmul(query_layer, key_layer)
+        if a.scale_attention_scores:
+            attention_scores = attention_scores / math.sqrt(a.attention_head_size)
+        if a.use_alibi:
+            slopes = alibi_slopes(a.num_attention_heads, a.alibi_bias_max).to(attention_scores.device)
+            sq, sk = attention_scores.shape[-2:]
+            attention_scores = attention_scores + alibi_bias(slopes, sq, sk, attention_scores.dtype)
         if not a.cross_attention and a.causal_mask_size is not None:
             attention_scores = self.apply_causal_mask(attention_scores)
         if attention_mask is not None:
@@ -93,6 +124,8 @@ class AttentionLayer(nn.Module):
         context_layer = torch.matmul(attention_probs, value_layer).permute(0, 2, 1, 3)
         context_layer = torch.reshape(context_layer, (*context_layer.size()[:-2], a.all_head_size))
         self_attention: Tensor = self.dropout2(self.dense(context_layer))
+        if a.parallel_attn_output:  # the layer adds the residual
+            return self.layernorm(self_attention) if a.post_layernorm else self_attention
         if a.post_layernorm:
             return self.layernorm(self_attention + hidden_states)  # type: ignore[no-any-return]
         return self_attention + hidden_states
@@ -103,7 +136,7 @@ class TransformerOutputLayer(nn.Module):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()
-        for key in ("num_attention_heads", "attention_head_size", "cross_attention", "causal_mask_size"):
+        for key in (*_ATTENTION_ONLY, "cross_attention"):
             kwargs.pop(key, None)
         a = self.args = TransformerArgs.parse(type(self).__name__, 1, kwargs)
         self.dense1 = nn.Linear(a.hidden_size, a.intermediate_size)
@@ -118,6 +151,8 @@ class TransformerOutputLayer(nn.Module):
         a = self.args
         norm_inp = self.pre_layernorm(inp) if a.pre_layernorm else inp
         output: Tensor = self.dropout(self.dense2(_act(self.dense1(norm_inp), a.activation)))
+        if a.parallel_attn_output:  # the layer adds the residual
+            return self.layernorm(output) if a.post_layernorm else output
         if a.post_layernorm:
             return self.layernorm(inp + output)  # type: ignore[no-any-return]
         return inp + output
@@ -129,8 +164,10 @@ class TransformerLayer(nn.Module):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()
         kwargs.pop("num_layers", None)
-        self.args = TransformerArgs.parse(type(self).__name__, 1, dict(kwargs))
+        self.args = a = TransformerArgs.parse(type(self).__name__, 1, dict(kwargs))
         sub = {k: v for k, v in kwargs.items() if k != "add_cross_attention"}
+        if a.single_pre_layernorm:
+            self.pre_layernorm = nn.LayerNorm(a.hidden_size, eps=a.layernorm_epsilon)
         self.attention = AttentionLayer(**sub)
         self.output = TransformerOutputLayer(**sub)
         if self.args.add_cross_attention:
@@ -141,7 +178,12 @@ class TransformerLayer(nn.Module):
             hidden_states, cross_states, attention_mask, cross_mask = inp
         else:
             hidden_states, attention_mask = inp
-        attention_output = self.attention((hidden_states, attention_mask))
+        a = self.args
+        x = self.pre_layernorm(hidden_states) if a.single_pre_layernorm else hidden_states
+        if a.parallel_attn_output:
+            out = self.attention((x, attention_mask)) + self.output(x) + hidden_states
+            return out, attention_mask
+        attention_output = self.attention((x, attention_mask))
         if self.args.add_cross_attention:
             attention_output = self.cross_attention((attention_output, cross_states, cross_mask))
         output = self.output(attention_output)
@@ -155,10 +197,13 @@ class Transformer(nn.Module):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()
-        self.args = TransformerArgs.parse(type(self).__name__, 1, dict(kwargs))
-        layer_kwargs = {k: v for k, v in kwargs.items() if k != "num_layers"}
+        self.args = a = TransformerArgs.parse(type(self).__name__, 1, dict(kwargs))
+        layer_kwargs = {k: v for k, v in kwargs.items() if k not in ("num_layers", "attention_layers_type")}
+        windows = [a.window_size] * a.num_layers
+        if a.attention_layers_type is not None:
+            windows = [a.window_size if t == "local" else None for t in a.attention_layers_type]
         self.seq_layers = nn.Sequential(
-            *[TransformerLayer(**layer_kwargs) for _ in range(self.args.num_layers)]
+            *[TransformerLayer(**{**layer_kwargs, "window_size": w}) for w in windows]
         )
 
     def forward(self, inp: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -177,6 +222,9 @@ class TransformerLMHead(nn.Module):
         "add_lm_head",
         "final_layernorm",
         "embedding_dropout_prob",
+        "use_positional_embedding",
+        "use_lm_head_bias",
+        "tie_input_output_embedding",
     )
 
     def __init__(self, **kwargs: Any) -> None:
@@ -184,7 +232,8 @@ class TransformerLMHead(nn.Module):
         a = self.args = TransformerArgs.parse(type(self).__name__, 1, dict(kwargs))
         h = a.hidden_size
         self.word_embedding = nn.Embedding(a.vocab_size, h)
-        self.position_embedding = nn.Embedding(a.num_positions, h)
+        if a.use_positional_embedding:
+            self.position_embedding = nn.Embedding(a.num_positions, h)
         if a.num_token_types > 0:
             self.token_type_embedding = nn.Embedding(a.num_token_types, h)
         for emb in self.modules():
@@ -195,6 +244,10 @@ class TransformerLMHead(nn.Module):
         self.transformer = Transformer(**{k: v for k, v in kwargs.items() if k not in self._LM_ONLY})
         if a.final_layernorm:
             self.layernorm = nn.LayerNorm(h, eps=a.layernorm_epsilon)
+        if a.add_lm_head and (a.use_lm_head_bias or not a.tie_input_output_embedding):
+            self.lm_head = nn.Linear(h, a.vocab_size, bias=a.use_lm_head_bias)
+            if a.tie_input_output_embedding:
+                self.lm_head.weight = self.word_embedding.weight
 
     def forward(self, inputs: tuple[Any, ...]) -> Any:
         from mp_tensor.nn.lm_head import additive_mask, lm_loss, split_lm_inputs
@@ -205,7 +258,9 @@ class TransformerLMHead(nn.Module):
         pos = f["pos"]
         if pos is None:
             pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-        hidden = self.word_embedding(ids) + self.position_embedding(pos)
+        hidden = self.word_embedding(ids)
+        if a.use_positional_embedding:
+            hidden = hidden + self.position_embedding(pos)
         if f["tt"] is not None:
             hidden = hidden + self.token_type_embedding(f["tt"])
         hidden = self.dropout(hidden)
@@ -219,7 +274,8 @@ class TransformerLMHead(nn.Module):
             hidden = self.layernorm(hidden)
         if not a.add_lm_head:
             return hidden
-        logits = F.linear(hidden, self.word_embedding.weight)
+        head = getattr(self, "lm_head", None)
+        logits = F.linear(hidden, self.word_embedding.weight) if head is None else head(hidden)
         if f["labels"] is None:
             return logits
         return lm_loss(logits, f["labels"], a.causal_mask_size is not None), logits
