@@ -164,3 +164,42 @@ def test_started_over_the_world_each_rank_hears_the_other(worlds: Any) -> None:
 def test_a_timeout_that_differs_between_ranks_is_refused_on_every_rank(worlds: Any) -> None:
     for text in worlds.run(2, _start, [1.0, 2.0], timeout=60):
         assert text.startswith("MP_HEARTBEAT_TIMEOUT differs between ranks ([1.0, 2.0])"), text
+
+
+def _gloo_waits(world: Any) -> list[str]:
+    """Rank 1 joins each collective 1 s late; rank 0 reports the waits registered while it blocks."""
+    import torch
+    import torch.distributed as dist
+
+    from mp_comm.collectives import all_reduce_, all_reduce_async
+
+    group = dist.new_group([0, 1], backend="gloo")  # no MPI twin: torch.distributed carries it
+    seen: list[str] = []
+
+    def look() -> None:
+        time.sleep(0.5)
+        seen.extend(waits.describe(w) for w in waits.current())
+
+    for launch in (
+        lambda: all_reduce_(torch.ones(4), group),
+        lambda: all_reduce_async(torch.ones(4), group).wait(),
+    ):
+        if world.rank == 1:
+            time.sleep(1.0)
+            launch()
+            continue
+        thread = threading.Thread(target=look)
+        thread.start()
+        launch()
+        thread.join()
+    assert not waits.current()  # left on completion
+    dist.destroy_process_group(group)
+    return seen
+
+
+def test_a_gloo_collective_registers_its_wait_with_the_group(worlds: Any) -> None:
+    seen = worlds.run(2, _gloo_waits, timeout=60)[0]
+    assert len(seen) == 2, seen
+    for text in seen:
+        expected = r"waiting for the gloo all_reduce over ranks \[0, 1\] for 0\.\d s \(thread .+\)"
+        assert re.fullmatch(expected, text), text

@@ -35,6 +35,10 @@ primitives they have: all-gather from the list form, reduce-scatter from an all-
 all-to-all from point-to-point sends. The first call that finds an operation unsupported records it
 for that backend, so all ranks of a group take the same path; :func:`use_fallback` forces a fallback
 (to test it against the native operation).
+
+Every torch.distributed collective here registers its wait (mp_comm.waits) while it blocks: the op,
+the backend and the group's ranks, so that when a rank stops answering the heartbeat's report says which
+collective the others wait in (:func:`mp_comm.waits.collective_wait`, for mp's other call sites too).
 """
 
 from __future__ import annotations
@@ -50,7 +54,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mp_comm import collectives_mpi as _mpi
+from mp_comm import waits
 from mp_comm.errors import CollectiveError
+from mp_comm.waits import collective_label as _label
+from mp_comm.waits import collective_wait
 from mp_comm.world import mpi_comm_of
 
 __all__ = [
@@ -65,6 +72,7 @@ __all__ = [
     "all_to_all",
     "all_to_all_async",
     "broadcast_",
+    "collective_wait",
     "group_rank",
     "group_size",
     "reduce_scatter",
@@ -118,19 +126,31 @@ class Work(Protocol):
 
 
 class CollectiveHandle:
-    """A collective in flight. :meth:`wait` blocks until it is done and returns its output."""
+    """A collective in flight. :meth:`wait` blocks until it is done and returns its output.
+
+    ``what``: the wait to register while :meth:`wait` blocks (torch works; MPI's register their own)."""
 
     def __init__(
-        self, result: Tensor, works: Sequence[Work] = (), finalize: Callable[[], object] | None = None
+        self,
+        result: Tensor,
+        works: Sequence[Work] = (),
+        finalize: Callable[[], object] | None = None,
+        what: str | None = None,
     ) -> None:
         self._result = result
         self._works = list(works)
         self._finalize = finalize
+        self._what = what
 
     def wait(self) -> Tensor:
         """Wait for the communication (idempotent) and return the output tensor."""
-        for work in self._works:
-            work.wait()
+        if self._what is not None and not self.is_completed():
+            with waits.waiting(self._what):
+                for work in self._works:
+                    work.wait()
+        else:
+            for work in self._works:
+                work.wait()
         self._works.clear()
         if self._finalize is not None:
             finalize, self._finalize = self._finalize, None
@@ -213,16 +233,17 @@ def _raw_all_reduce(x: Tensor, group: dist.ProcessGroup, async_op: bool) -> Coll
     if comm is not None:
         return _mpi_handle(_mpi.all_reduce(x, comm, async_op))
     out = x.contiguous().clone()
-    work = dist.all_reduce(out, group=group, async_op=async_op)
-    return CollectiveHandle(out, [work] if work is not None else [])
+    with collective_wait("all_reduce", group):
+        work = dist.all_reduce(out, group=group, async_op=async_op)
+    return CollectiveHandle(out, [work] if work is not None else [], what=_label("all_reduce", group))
 
 
-def _moved_back(buf: Tensor, dim: int, works: list[Work], async_op: bool) -> CollectiveHandle:
+def _moved_back(buf: Tensor, dim: int, works: list[Work], async_op: bool, what: str) -> CollectiveHandle:
     """The handle whose result is ``buf`` with dim 0 moved to ``dim``, as a tensor of its own (not a view)."""
     if dim == 0:
-        return CollectiveHandle(buf, works)
+        return CollectiveHandle(buf, works, what=what)
     result = buf.new_empty(buf.movedim(0, dim).shape)
-    handle = CollectiveHandle(result, works, lambda: result.copy_(buf.movedim(0, dim)))
+    handle = CollectiveHandle(result, works, lambda: result.copy_(buf.movedim(0, dim)), what)
     if not async_op:
         handle.wait()
     return handle
@@ -235,16 +256,18 @@ def _raw_all_gather(x: Tensor, dim: int, group: dist.ProcessGroup, async_op: boo
     n = group_size(group)
     inp = x.movedim(dim, 0).contiguous()
     buf = inp.new_empty((n * inp.shape[0], *inp.shape[1:]))
-    ran, work = _native(
-        "all_gather",
-        group,
-        lambda: _first_attr("all_gather_single", "all_gather_into_tensor")(
-            buf, inp, group=group, async_op=async_op
-        ),
-    )
-    if not ran:
-        work = dist.all_gather(list(buf.chunk(n)), inp, group=group, async_op=async_op)
-    return _moved_back(buf, dim, [work] if work is not None else [], async_op)
+    with collective_wait("all_gather", group):
+        ran, work = _native(
+            "all_gather",
+            group,
+            lambda: _first_attr("all_gather_single", "all_gather_into_tensor")(
+                buf, inp, group=group, async_op=async_op
+            ),
+        )
+        if not ran:
+            work = dist.all_gather(list(buf.chunk(n)), inp, group=group, async_op=async_op)
+    what = _label("all_gather", group)
+    return _moved_back(buf, dim, [work] if work is not None else [], async_op, what)
 
 
 def _raw_reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup, async_op: bool) -> CollectiveHandle:
@@ -254,24 +277,28 @@ def _raw_reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup, async_op:
     n = group_size(group)
     inp = x.movedim(dim, 0).contiguous()
     out = inp.new_empty((inp.shape[0] // n, *inp.shape[1:]))
-    ran, work = _native(
-        "reduce_scatter",
-        group,
-        lambda: _first_attr("reduce_scatter_single", "reduce_scatter_tensor")(
-            out, inp, group=group, async_op=async_op
-        ),
-    )
+    what = _label("reduce_scatter", group)
+    with waits.waiting(what):
+        ran, work = _native(
+            "reduce_scatter",
+            group,
+            lambda: _first_attr("reduce_scatter_single", "reduce_scatter_tensor")(
+                out, inp, group=group, async_op=async_op
+            ),
+        )
     if ran:
-        return _moved_back(out, dim, [work] if work is not None else [], async_op)
+        return _moved_back(out, dim, [work] if work is not None else [], async_op, what)
     # Fallback: all-reduce everything, keep this rank's slice.
     full = inp.clone()
-    work = dist.all_reduce(full, group=group, async_op=async_op)
+    with waits.waiting(what):
+        work = dist.all_reduce(full, group=group, async_op=async_op)
     start = group_rank(group) * out.shape[0]
     result = out.new_empty(out.movedim(0, dim).shape)
     handle = CollectiveHandle(
         result,
         [work] if work is not None else [],
         lambda: result.copy_(full.narrow(0, start, out.shape[0]).movedim(0, dim)),
+        what,
     )
     if not async_op:
         handle.wait()
@@ -287,9 +314,11 @@ def _raw_all_to_all(
     n = group_size(group)
     inp = x.movedim(split_dim, 0).contiguous()  # chunk k of dim 0 goes to rank k
     buf = torch.empty_like(inp)  # chunk k of dim 0 comes from rank k
-    ran, work = _native(
-        "all_to_all", group, lambda: dist.all_to_all_single(buf, inp, group=group, async_op=async_op)
-    )
+    what = _label("all_to_all", group)
+    with waits.waiting(what):
+        ran, work = _native(
+            "all_to_all", group, lambda: dist.all_to_all_single(buf, inp, group=group, async_op=async_op)
+        )
     if ran:
         works = [work] if work is not None else []
     else:
@@ -312,7 +341,7 @@ def _raw_all_to_all(
         pieces = [chunk.movedim(0, split_dim) for chunk in buf.chunk(n)]
         torch.cat(pieces, dim=concat_dim, out=result)
 
-    handle = CollectiveHandle(result, works, finalize)
+    handle = CollectiveHandle(result, works, finalize, what)
     if not async_op:
         handle.wait()
     return handle
@@ -324,7 +353,8 @@ def all_reduce_(t: Tensor, group: dist.ProcessGroup) -> Tensor:
     if comm is not None and t.is_contiguous():
         _mpi.all_reduce_(t, comm)
     elif group_size(group) > 1:
-        dist.all_reduce(t, group=group)
+        with collective_wait("all_reduce", group):
+            dist.all_reduce(t, group=group)
     return t
 
 
@@ -334,7 +364,8 @@ def broadcast_(t: Tensor, group: dist.ProcessGroup, src: int = 0) -> Tensor:
     if comm is not None and t.is_contiguous():
         _mpi.broadcast(t, src, comm)
     elif group_size(group) > 1:
-        dist.broadcast(t, group=group, group_src=src)
+        with collective_wait("broadcast", group):
+            dist.broadcast(t, group=group, group_src=src)
     return t
 
 
@@ -524,7 +555,7 @@ def _async(run: Callable[[Tensor, _Call], Tensor], x: Tensor, call: _Call) -> Co
     out = run(x, call)
     if call.handle is None:  # a group of one: nothing to wait for
         return CollectiveHandle(out)
-    return CollectiveHandle(out, call.handle._works, call.handle._finalize)
+    return CollectiveHandle(out, call.handle._works, call.handle._finalize, call.handle._what)
 
 
 def all_reduce_async(

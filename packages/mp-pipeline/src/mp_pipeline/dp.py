@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from mp_comm.collectives import CollectiveHandle, all_reduce_, all_reduce_async, broadcast_
+from mp_comm.waits import collective_wait
 from mp_pipeline.errors import PipelineTimeoutError
 
 __all__ = ["OverlappedReduction", "agree_any", "broadcast_tensors", "buckets", "reduce_gradients"]
@@ -72,9 +73,10 @@ def agree_any(flags: Sequence[bool], group: dist.ProcessGroup, *, timeout: float
         return []
     t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.uint8)
     if dist.get_world_size(group) > 1:
-        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=timeout is not None)
-        if work is not None:
-            _wait_within(work, timeout or 0.0)
+        with collective_wait("all_reduce", group):  # named in the heartbeat's report if a member stops
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=timeout is not None)
+            if work is not None:
+                _wait_within(work, timeout or 0.0)
     return [bool(x) for x in t.tolist()]
 
 
@@ -271,6 +273,13 @@ class OverlappedReduction:
                             if p.grad is None:
                                 p.grad = torch.zeros_like(p)
                             p.grad.copy_(part.view_as(p.grad))
+
+    def disarm(self) -> None:
+        """Abandon a pass in which no member launched anything (a step taken back to run again)."""
+        with self._lock:
+            if self._handles:
+                raise RuntimeError(f"disarm() after {len(self._handles)} launched buckets: call drain()")
+            self._armed = self._seen = False
 
     def drain(self) -> None:
         """Complete the collectives of a pass that is abandoned (a failed step), on every member."""

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mp_comm.waits import collective_wait
 from mp_tensor.nn.base import is_scaled_batch_parameter
 
 __all__ = ["gradient_group", "reduce_gradients"]
@@ -49,7 +50,8 @@ def reduce_gradients(
         scaled = is_scaled_batch_parameter(p)
         group = rdp_group if scaled else dp_group
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(p.grad, group=group)
+            with collective_wait("all_reduce", group):
+                dist.all_reduce(p.grad, group=group)
         if average:
             divisor = (rdp_size if prescaled_batch else rdp_size * tp_size) if scaled else dp_size
             if divisor > 1:

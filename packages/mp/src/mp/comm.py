@@ -16,6 +16,7 @@ from mp.errors import CommGroupConfigError
 from mp.ranks import process_group
 from mp.state import state
 from mp_comm import GroupKind
+from mp_comm.waits import collective_wait
 
 
 class CommGroup(enum.Enum):
@@ -75,7 +76,9 @@ def _object_device() -> torch.device:
 
 def barrier(group: CommGroup = CommGroup.WORLD) -> None:
     """Wait until every process of this process's `group` has reached the barrier."""
-    dist.barrier(group=process_group(_kind(group)))
+    pg = process_group(_kind(group))
+    with collective_wait("barrier", pg):
+        dist.barrier(group=pg)
 
 
 def dp_barrier() -> None:
@@ -132,7 +135,9 @@ def allgather(obj: Any, group: CommGroup) -> list[Any]:
     """Every member's object, in group-rank order (the i-th from the i-th rank of the group)."""
     kind = _kind(group)
     out: list[Any] = [None] * state.require()[2].size(kind)
-    dist.all_gather_object(out, obj, group=process_group(kind))
+    pg = process_group(kind)
+    with collective_wait("all_gather_object", pg):
+        dist.all_gather_object(out, obj, group=pg)
     return out
 
 

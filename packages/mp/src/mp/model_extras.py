@@ -28,6 +28,7 @@ from torch import nn
 from mp.errors import SMPRuntimeError, SMPUnsupportedError, SMPValidationError
 from mp.state import state
 from mp_comm import GroupKind
+from mp_comm.waits import collective_wait
 
 if TYPE_CHECKING:
     from mp.model import DistributedModel
@@ -203,7 +204,8 @@ class JoinState:
     def count_active(self, me: int) -> int:
         """How many replicas still run steps (``me`` is 1 on an active one, 0 on a joined one)."""
         t = torch.tensor([me], dtype=torch.int64)
-        dist.all_reduce(t, group=self.group)
+        with collective_wait("all_reduce", self.group):
+            dist.all_reduce(t, group=self.group)
         return int(t.item())
 
     def step_started(self, model: DistributedModel) -> None:
@@ -225,7 +227,8 @@ def _shadow_step(model: DistributedModel) -> None:
 def _sync_final(model: DistributedModel, group: dist.ProcessGroup, joined_at: int) -> None:
     """Parameters and buffers from the replica that ran the most steps (the lowest dp rank of a tie)."""
     counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(counts, torch.tensor([joined_at], dtype=torch.int64), group=group)
+    with collective_wait("all_gather", group):
+        dist.all_gather(counts, torch.tensor([joined_at], dtype=torch.int64), group=group)
     values = [int(c.item()) for c in counts]
     src = dist.get_global_rank(group, values.index(max(values)))
     tensors = [p.data for p in model._local_params()]
@@ -233,7 +236,8 @@ def _sync_final(model: DistributedModel, group: dist.ProcessGroup, joined_at: in
     with torch.no_grad():
         for t in tensors:
             flat = t.contiguous()
-            dist.broadcast(flat, src=src, group=group)
+            with collective_wait("broadcast", group):
+                dist.broadcast(flat, src=src, group=group)
             if flat.data_ptr() != t.data_ptr():
                 t.copy_(flat)
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mp_comm.collectives import all_gather, all_reduce
+from mp_comm.waits import collective_wait
 from mp_tensor.atp.errors import ShardingError
 from mp_tensor.atp.mesh import DeviceMesh, mesh_coords
 
@@ -223,5 +224,6 @@ def to_global(local: Tensor, spec: Sequence[Placement], mesh: DeviceMesh) -> Ten
                 t = all_reduce(t, group)
             else:
                 t = t.detach().clone()
-                dist.all_reduce(t, op=REDUCE_OPS[p.op], group=group)
+                with collective_wait("all_reduce", group):
+                    dist.all_reduce(t, op=REDUCE_OPS[p.op], group=group)
     return t

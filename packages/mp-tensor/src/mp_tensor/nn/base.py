@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from mp_comm.waits import collective_wait
 from mp_tensor.context import TPContext, current_context
 
 __all__ = [
@@ -194,7 +195,8 @@ class DistributedModule(nn.Module):
             assert self.tp.group is not None
             dim = spec.split_dim % value.dim()
             parts = [torch.empty_like(value) for _ in range(self.tp.size)]
-            dist.all_gather(parts, value.detach().contiguous(), group=self.tp.group)
+            with collective_wait("all_gather", self.tp.group):
+                dist.all_gather(parts, value.detach().contiguous(), group=self.tp.group)
             out[name] = torch.cat(parts, dim=dim)
         return out
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mp_comm.waits import collective_wait
 from mp_tensor.context import TPContext
 from mp_tensor.dist_ops import enter, leave
 from mp_tensor.errors import DistTransformerConfigError
@@ -33,7 +34,8 @@ class _ShardedLayerNorm(torch.autograd.Function):
     ) -> Tensor:
         xf = x.float()
         moments = torch.stack((xf.sum(-1), (xf * xf).sum(-1)), dim=-1)
-        dist.all_reduce(moments, group=group)
+        with collective_wait("all_reduce", group):
+            dist.all_reduce(moments, group=group)
         mean = (moments[..., 0] / n).unsqueeze(-1)
         rstd = torch.rsqrt(((moments[..., 1] / n).unsqueeze(-1) - mean * mean).clamp_min(0.0) + eps)
         y = ((xf - mean) * rstd).to(x.dtype)
@@ -52,7 +54,8 @@ class _ShardedLayerNorm(torch.autograd.Function):
         dyf = dy.float()
         dxhat = dyf * weight.float() if weight is not None else dyf
         sums = torch.stack(((dxhat).sum(-1), (dxhat * xhat).sum(-1)), dim=-1)
-        dist.all_reduce(sums, group=ctx.group)
+        with collective_wait("all_reduce", ctx.group):
+            dist.all_reduce(sums, group=ctx.group)
         n = ctx.n
         dx = rstd * (dxhat - (sums[..., 0] / n).unsqueeze(-1) - xhat * (sums[..., 1] / n).unsqueeze(-1))
         reduce_dims = tuple(range(dy.dim() - 1))
