@@ -7,6 +7,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointLayoutError",
     "CheckpointMissingError",
+    "CheckpointWriteError",
     "UntrustedCheckpointError",
 ]
 
@@ -21,6 +22,10 @@ class CheckpointMissingError(CheckpointError):
 
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint file exists but is truncated, empty or damaged (size or checksum mismatch)."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint file failed (a full disk, a quota, a file size limit, an I/O error)."""
 
 
 class CheckpointLayoutError(CheckpointError):

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import shutil
 import uuid
 from typing import Any
 
 import torch
 
+from mp_memory.checkpoint.errors import CheckpointWriteError
 from mp_memory.checkpoint.faults import fault_point
 from mp_memory.checkpoint.zipcheck import PartRecord, directory_record
 
@@ -47,10 +49,72 @@ def fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
+# What torch's zip writer says when a write fails (it hides the OSError: "basic_ios::clear: iostream
+# error", "PytorchStreamWriter failed writing file data/0: file write failed").
+_WRITE_FAILED = ("iostream error", "failed writing", "file write failed", "unexpected pos")
+
+
+def _tensor_bytes(obj: Any, seen: set[int] | None = None) -> int:
+    """The bytes of the distinct tensor storages in ``obj`` (nested dicts, lists, tuples)."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        if storage.data_ptr() in seen:
+            return 0
+        seen.add(storage.data_ptr())
+        return int(storage.nbytes())
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_tensor_bytes(v, seen) for v in obj)
+    return 0
+
+
+def write_error(exc: BaseException, path: str, rank: int, nbytes: int) -> CheckpointWriteError | None:
+    """The readable error for a failed write of about ``nbytes`` to ``path`` (None when ``exc`` is not a
+    write failure: an unpicklable object, say): the path, the rank, the bytes and the space left."""
+    if not isinstance(exc, OSError) and not (
+        isinstance(exc, RuntimeError) and any(m in str(exc) for m in _WRITE_FAILED)
+    ):
+        return None
+    folder = os.path.dirname(path) or "."
+    try:
+        free: int | None = shutil.disk_usage(folder).free
+        space = f"{free:,} bytes free"
+    except OSError as usage_error:
+        free, space = None, f"free space unknown ({usage_error})"
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, RuntimeError):  # torch's writer hides the OSError: say what likely caused it
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if free is not None and free < nbytes + (1 << 20):
+            reason = f"the filesystem is full (torch: {reason})"
+        elif limit != resource.RLIM_INFINITY and limit < nbytes + (1 << 20):
+            reason = f"the file size limit (ulimit -f) is {limit:,} bytes (torch: {reason})"
+        else:
+            reason = f"torch's writer failed ({reason})"
+    return CheckpointWriteError(
+        f"rank {rank} could not write checkpoint file {path!r}: {reason} (about {nbytes:,} bytes to "
+        f"write; {space} in {folder!r}). Fix: free space there or choose another folder (check the quota "
+        "and `ulimit -f` too); the checkpoints saved before this one are untouched."
+    )
+
+
 def write_part(obj: Any, path: str, rank: int, **torch_save_args: Any) -> PartRecord:
     """``torch.save(obj)`` to ``path`` (a temporary or staging name) durably; return its record (size
     and the CRC-32 of the zip directory, whose per-record CRC-32s torch's writer computed). Removes
-    ``path`` on failure."""
+    ``path`` on failure; a failed write (a full disk) raises CheckpointWriteError."""
+    try:
+        record = _write_part(obj, path, rank, **torch_save_args)
+    except (OSError, RuntimeError) as exc:
+        readable = write_error(exc, path, rank, _tensor_bytes(obj))
+        if readable is None:
+            raise
+        raise readable from exc
+    fault_point("part-written", rank)
+    return record
+
+
+def _write_part(obj: Any, path: str, rank: int, **torch_save_args: Any) -> PartRecord:
     try:
         torch.save(obj, path, **torch_save_args)
         if os.environ.get("MP_CHECKPOINT_FAULT") == f"part-half:{rank}":
@@ -59,13 +123,11 @@ def write_part(obj: Any, path: str, rank: int, **torch_save_args: Any) -> PartRe
             fault_point("part-half", rank)
         with open(path, "rb") as fh:
             os.fsync(fh.fileno())
-        record = directory_record(path)
+        return directory_record(path)
     except BaseException:
         if os.path.exists(path):
             os.remove(path)
         raise
-    fault_point("part-written", rank)
-    return record
 
 
 def publish_file(path: str, target: str) -> None:
@@ -78,10 +140,15 @@ def write_text(target: str, text: str, rank: int) -> None:
     """Write a small text file atomically and durably (``newest``, manifests)."""
     path = tmp_name(target, rank)
     try:
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            readable = write_error(exc, path, rank, len(text.encode()))
+            assert readable is not None  # every OSError is a write failure
+            raise readable from exc
         os.replace(path, target)
         fsync_dir(os.path.dirname(target))
     finally:
