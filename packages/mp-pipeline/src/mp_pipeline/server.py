@@ -164,6 +164,7 @@ class Server(InPlace, Handoffs, TPOrder):
             raise
         finally:
             self._shutdown()
+            self._driver = None  # the driver refers to this server: freed now, not by a full gc pass
         return self.results
 
     def _start(self, driver: Driver, task: Task) -> None:
