@@ -7,6 +7,11 @@ followed by an all-gather of the slices. ``_skip_allgather`` says the indices ar
 (no gather); ``_skip_scatter_and_merge`` returns the ``sharded`` layout ``[T*B, ..., D/T]`` instead
 (what the transformer modules take in "memory" mode).
 
+Models often look one index tensor up in several tables (NCF: the user ids in its MLP and its GMF
+table). The gathered indices of the last gathered tensor are kept (per thread), so the second lookup of
+the same tensor object, unmodified (same ``_version``), in the same group costs no collective. The
+decision depends only on tensor identity, which the same code reproduces on every rank of the group.
+
 ``vocab_parallel=True`` (smp's, Megatron's vocab-parallel embedding) splits the rows instead: rank j
 holds rows ``[j*V/T, (j+1)*V/T)``, looks up the gathered indices that fall in its rows (zeros for the
 others), and a reduce-scatter over the samples (an all-reduce with ``prescaled_batch``; a reduce-scatter
@@ -15,7 +20,11 @@ over the channels with ``_skip_scatter_and_merge``) sums the parts.
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -26,6 +35,38 @@ from mp_tensor.errors import DistEmbeddingConfigError, TPInputError
 from mp_tensor.nn.base import DistributedModule, ParamInit, ParamSpec, set_param_init, set_param_spec
 
 __all__ = ["DistributedEmbedding"]
+
+
+class _LastGather(threading.local):
+    """The last index tensor this thread gathered (weakly), its version and group, and the result."""
+
+    ids: weakref.ref[Tensor] | None = None
+    version: int = -1
+    group: dist.ProcessGroup | None = None
+    gathered: Tensor | None = None
+
+
+_last = _LastGather()
+
+
+def _gathered_ids(ids: Tensor, ctx: TPContext) -> Tensor:
+    """The TP group's indices (``gather_samples``), reusing the last gather of this very tensor."""
+    if not ctx.distributed or ctx.prescaled_batch:
+        return ids
+    if ids.is_inference():  # no version counter: cannot tell whether it changed
+        return gather_samples(ids, ctx)
+    if (
+        _last.gathered is not None
+        and _last.ids is not None
+        and _last.ids() is ids
+        and _last.version == ids._version
+        and _last.group is ctx.group
+    ):
+        return _last.gathered
+    gathered = gather_samples(ids, ctx)
+    _last.ids, _last.version = weakref.ref(ids), ids._version
+    _last.group, _last.gathered = ctx.group, gathered
+    return gathered
 
 
 def _check_vocab_parallel(
@@ -150,8 +191,7 @@ class DistributedEmbedding(DistributedModule):
                 "DistributedEmbedding got a 0-dimensional index; tensor parallelism across data-parallel "
                 "ranks needs a leading sample dimension. Pass ids of shape [N, ...]."
             )
-        all_ids = ids if self.skip_allgather else gather_samples(ids, ctx)
-        assert all_ids is not None
+        all_ids = ids if self.skip_allgather else _gathered_ids(ids, ctx)
         if self.vocab_parallel:
             assert ctx.group is not None
             part = self.lookup_rows(all_ids)
