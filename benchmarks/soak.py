@@ -8,6 +8,12 @@ Growth is measured after the warm-up (``--warmup`` steps: first partitioning, fi
 allocator pools): (last - first) / first over the samples that follow it, per rank; the target is
 < 2% for RSS and none for threads and descriptors.
 
+To tell a leak from the allocator keeping freed memory, each sample also records glibc malloc's own
+account (mallinfo2): the bytes in use, and the freed bytes it holds without returning them to the
+system; with ``--trim`` the rank then calls ``malloc_trim(0)`` (which returns those free pages) and
+samples RSS again (``rss_trimmed_mb``). A leak grows the bytes in use; fragmentation grows the free
+bytes held, and trimming takes it back.
+
 Run: ``python benchmarks/soak.py`` (starts itself under ``mpiexec -n 4``; 2,000 steps take a few
 minutes on 2 cores); ``--steps 200 --sample-every 10`` for a smoke run. Results go to
 benchmarks/results/soak.json and .md, and soak.png when matplotlib is installed.
@@ -16,6 +22,7 @@ benchmarks/results/soak.json and .md, and soak.png when matplotlib is installed.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -32,14 +39,45 @@ RESULTS = HERE / "results"
 TARGET_RSS_GROWTH = 0.02
 
 
-def sample() -> dict[str, float]:
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                     "fordblks", "keepcost")
+    ]  # fmt: skip
+
+
+def _libc() -> Any:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        return libc
+    except (OSError, AttributeError):  # not glibc >= 2.33
+        return None
+
+
+LIBC = _libc()
+
+
+def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
-        rss_pages = int(f.read().split()[1])
-    return {
-        "rss_mb": rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**20,
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def sample(trim: bool) -> dict[str, float]:
+    row = {
+        "rss_mb": _rss_mb(),
         "threads": len(os.listdir("/proc/self/task")),
         "fds": len(os.listdir("/proc/self/fd")),
     }
+    if LIBC is not None:
+        info = LIBC.mallinfo2()
+        row["malloc_in_use_mb"] = (info.uordblks + info.hblkhd) / 2**20  # heap chunks and mmapped ones
+        row["malloc_free_mb"] = info.fordblks / 2**20  # freed, still held by the allocator
+        if trim:
+            LIBC.malloc_trim(0)
+            row["rss_trimmed_mb"] = _rss_mb()
+    return row
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]] | None:
@@ -81,7 +119,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]] | None:
                 num_kept_partial_checkpoints=2,
             )
         if step % args.sample_every == 0:
-            samples.append({"step": step, "seconds": time.monotonic() - start, **sample()})
+            samples.append({"step": step, "seconds": time.monotonic() - start, **sample(args.trim)})
     gathered = smp.allgather(samples, smp.WORLD)  # also: every rank is past its last save
     if smp.rank() == 0:
         shutil.rmtree(folder, ignore_errors=True)
@@ -96,12 +134,21 @@ def growth(rows: list[dict[str, Any]], key: str, warmup: int) -> float:
     return (after[-1] - after[0]) / after[0]
 
 
+def mb_change(rows: list[dict[str, Any]], key: str, warmup: int) -> float:
+    after = [r[key] for r in rows if r["step"] > warmup and key in r]
+    return after[-1] - after[0] if len(after) >= 2 else 0.0
+
+
 def report(per_rank: list[list[dict[str, Any]]], args: argparse.Namespace) -> None:
     RESULTS.mkdir(exist_ok=True)
+    keys = ("rss_mb", "threads", "fds", "rss_trimmed_mb")
     summary = [
         {
             "rank": rank,
-            **{f"{k}_growth": growth(rows, k, args.warmup) for k in ("rss_mb", "threads", "fds")},
+            **{f"{k}_growth": growth(rows, k, args.warmup) for k in keys if rows and k in rows[-1]},
+            "rss_mb_change": mb_change(rows, "rss_mb", args.warmup),
+            "malloc_in_use_mb_change": mb_change(rows, "malloc_in_use_mb", args.warmup),
+            "malloc_free_mb_change": mb_change(rows, "malloc_free_mb", args.warmup),
             "rss_mb_last": rows[-1]["rss_mb"] if rows else 0.0,
         }
         for rank, rows in enumerate(per_rank)
@@ -119,18 +166,25 @@ def report(per_rank: list[list[dict[str, Any]]], args: argparse.Namespace) -> No
         "flat": ok,
     }
     (RESULTS / "soak.json").write_text(json.dumps(doc, indent=1))
+    trimmed = "rss_trimmed_mb_growth" in summary[0]
     lines = [
-        f"# Soak: pp=2 x dp=2, {args.steps} steps, checkpoint every {args.checkpoint_every}",
+        f"# Soak: pp=2 x dp=2, {args.steps} steps, checkpoint every {args.checkpoint_every}"
+        + (", malloc_trim(0) at each sample" if trimmed else ""),
         "",
-        f"Growth after step {args.warmup} (target: RSS < {TARGET_RSS_GROWTH:.0%}, threads and fds 0).",
+        f"Growth after step {args.warmup} (target: RSS < {TARGET_RSS_GROWTH:.0%}, threads and fds 0); "
+        "what glibc malloc holds over the same steps: in use, and freed but kept.",
         "",
-        "| rank | RSS growth | RSS last (MB) | threads growth | fds growth |",
-        "|---|---|---|---|---|",
+        "| rank | RSS growth | RSS (MB) | malloc in use (MB) | malloc free, kept (MB) | "
+        + ("RSS after trim | " if trimmed else "")
+        + "RSS last (MB) | threads | fds |",
+        "|---|---|---|---|---|" + ("---|" if trimmed else "") + "---|---|---|",
     ]
     for s in summary:
         lines.append(
-            f"| {s['rank']} | {s['rss_mb_growth']:+.2%} | {s['rss_mb_last']:.0f} | "
-            f"{s['threads_growth']:+.0%} | {s['fds_growth']:+.0%} |"
+            f"| {s['rank']} | {s['rss_mb_growth']:+.2%} | {s['rss_mb_change']:+.1f} | "
+            f"{s['malloc_in_use_mb_change']:+.1f} | {s['malloc_free_mb_change']:+.1f} | "
+            + (f"{s['rss_trimmed_mb_growth']:+.2%} | " if trimmed else "")
+            + f"{s['rss_mb_last']:.0f} | {s['threads_growth']:+.0%} | {s['fds_growth']:+.0%} |"
         )
     lines += ["", f"Flat: {'yes' if ok else 'no'}."]
     (RESULTS / "soak.md").write_text("\n".join(lines) + "\n")
@@ -162,6 +216,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--trim", action="store_true", help="malloc_trim(0) after each sample")
     args = parser.parse_args()
     if not under_mpi():
         return relaunch(__file__, 4)
