@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from mp_memory.errors import PrecisionError
 from mp_memory.loss_scaler import LossScaler
@@ -48,10 +49,12 @@ def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
 
 
 def has_overflow(tensors: list[torch.Tensor]) -> bool:
-    """Whether any tensor holds an inf or NaN."""
+    """Whether any tensor holds an inf or NaN (of a sharded ``DTensor``, this rank's shard only: the
+    caller agrees on the verdict over the ranks)."""
     if not tensors:
         return False
-    return bool(torch.stack([(~torch.isfinite(t)).any() for t in tensors]).any())
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return bool(torch.stack([(~torch.isfinite(t)).any() for t in local]).any())
 
 
 class Bit16Optimizer:

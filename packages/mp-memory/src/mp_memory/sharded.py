@@ -13,6 +13,11 @@ smp's sdp_* keys map onto FSDP2 as follows:
 - ``sdp_max_live_parameters``: how many blocks are all-gathered ahead (FSDP2's explicit forward and
   backward prefetch), so that the root's parameters plus the blocks gathered at once stay within it.
 - ``sdp_gradient_clipping``: clip by the global L2 norm over all shards (DTensor gradients), 0 = off.
+
+Half precision (``param_dtype``): the sharded parameters are kept in fp32 and are their own master
+weights; FSDP2's ``MixedPrecisionPolicy`` all-gathers them in the half dtype for forward and backward and
+reduce-scatters the gradients in fp32. The small (persistent) parameters stay in the half dtype, as the
+rest of the model, and get fp32 masters from the fp16/bf16 optimizer.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from mp_memory.errors import MemorySaverError
@@ -36,10 +41,12 @@ __all__ = [
     "ShardedDataParallel",
     "ShardingConfig",
     "ShardingError",
+    "as_like",
     "block_modules",
     "clip_grad_norm",
     "load_local_optimizer_state",
     "local_optimizer_state",
+    "local_part",
     "state_bytes",
 ]
 
@@ -63,6 +70,9 @@ class ShardingConfig:
     max_live_parameters: int | None = None
     """Parameters gathered at once (root + blocks); None keeps FSDP2's one-block prefetch."""
     device_type: str = "cpu"
+    param_dtype: torch.dtype | None = None
+    """fp16/bf16: the dtype forward and backward compute in (the sharded fp32 parameters are cast to it
+    when gathered; gradients are reduced in fp32). None: the parameters' own dtype."""
 
 
 def block_modules(model: nn.Module) -> list[nn.Module]:
@@ -137,11 +147,20 @@ class ShardedDataParallel:
             p for p in _unique_params([module]) if p.numel() < config.persistence_threshold
         ]
         ignored = set(self.persistent)
+        policy = MixedPrecisionPolicy()
+        if config.param_dtype is not None:  # the sharded parameters are the fp32 masters (module docstring)
+            policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=torch.float32)
+            with torch.no_grad():
+                for p in _unique_params([module]):
+                    if p not in ignored and p.is_floating_point():
+                        p.data = p.data.float()
         self.blocks: list[FSDPModule] = []
         for block in block_modules(module):
             if any(p not in ignored for p in block.parameters()):
-                self.blocks.append(fully_shard(block, mesh=self.mesh, ignored_params=ignored))
-        self.root: FSDPModule = fully_shard(module, mesh=self.mesh, ignored_params=ignored)
+                self.blocks.append(
+                    fully_shard(block, mesh=self.mesh, ignored_params=ignored, mp_policy=policy)
+                )
+        self.root: FSDPModule = fully_shard(module, mesh=self.mesh, ignored_params=ignored, mp_policy=policy)
         self._set_prefetch()
         log.info(
             "sharded data parallelism: %d blocks + root over a %s mesh; %d small parameters kept whole",
@@ -192,12 +211,12 @@ class ShardedDataParallel:
         if not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([g.reshape(-1).float() for g in grads])  # half gradients are summed in fp32
         dist.all_reduce(flat, group=self.group)
         flat.div_(dist.get_world_size(self.group))
         offset = 0
         for p, g in zip(params, grads, strict=True):
-            p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
+            p.grad = flat[offset : offset + g.numel()].view_as(g).to(dtype=g.dtype, copy=True)
             offset += g.numel()
 
     def full_state_dict(self) -> dict[str, Any]:
@@ -205,7 +224,13 @@ class ShardedDataParallel:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
-        return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+        half = self.config.param_dtype  # the model's dtype, as without sharding (the masters: optimizer)
+        return {
+            k: (v.detach().cpu().to(half) if half is not None and v.is_floating_point() else v.detach().cpu())
+            if isinstance(v, torch.Tensor)
+            else v
+            for k, v in sd.items()
+        }
 
     def load_full_state_dict(self, sd: dict[str, Any], strict: bool = True) -> Any:
         """Load a full state (each rank keeps its shards)."""
@@ -255,6 +280,32 @@ class ShardedDataParallel:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_part(value: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's piece of ``value``, a full tensor of ``like``'s global shape, as ``like`` holds it
+    (no communication: every rank holds the full value)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if tuple(value.shape) != tuple(like.shape):
+        raise ShardingError(
+            f"a full tensor of shape {tuple(value.shape)} for a sharded parameter of shape "
+            f"{tuple(like.shape)}. Fix: load a state saved from the same model"
+        )
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+    return value[index]
+
+
+def as_like(value: torch.Tensor, like: torch.Tensor, *, full: bool) -> torch.Tensor:
+    """``value`` (a full tensor when ``full``, else this rank's shard) in ``like``'s form: a DTensor
+    sharded as ``like`` when it is one, on its device."""
+    if not isinstance(like, DTensor) or value.dim() == 0:
+        return value.to(like.device)
+    local = local_part(value, like) if full else value
+    return DTensor.from_local(
+        local.to(like.device), like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
+    )
 
 
 def local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

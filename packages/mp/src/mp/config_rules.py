@@ -229,13 +229,9 @@ _NOT_BUILT: tuple[tuple[str, Callable[[ModelParallelConfig], object], str], ...]
     ),
     (
         "sharded_data_parallel_degree",
-        lambda c: (
-            c.sharded_data_parallel_degree > 1
-            and (c.precision != "fp32" or c.delayed_parameter_initialization)
-        ),
-        "shards parameters, gradients and optimizer state over that many ranks; mp builds that for fp32 "
-        "training of a model built eagerly, not together with 'fp16'/'bf16' or "
-        "'delayed_parameter_initialization'",
+        lambda c: c.sharded_data_parallel_degree > 1 and c.delayed_parameter_initialization,
+        "shards parameters, gradients and optimizer state over that many ranks; mp builds that for a "
+        "model built eagerly, not together with 'delayed_parameter_initialization'",
     ),
     (
         "task_level_activation_loading_horizon",

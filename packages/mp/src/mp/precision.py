@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from mp.errors import IncompatibleCheckpointFoundError, SMPCheckpointError, SMPValidationError
 from mp.optimizer import clip_by_global_norm
@@ -35,6 +36,7 @@ from mp_comm import GroupKind
 from mp_memory.errors import PrecisionError
 from mp_memory.loss_scaler import make_loss_scaler
 from mp_memory.precision import HALF_DTYPES, Bit16Optimizer
+from mp_memory.sharded import as_like
 
 __all__ = ["DistributedBit16Optimizer", "bit16_optimizer", "half_dtype"]
 
@@ -56,6 +58,21 @@ def _agree(flag: bool) -> bool:
 
 def _cpu(v: Any) -> Any:
     return v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+
+
+def _shard_of(v: Any) -> Any:
+    """A tensor to save locally: a sharded DTensor's shard on this rank."""
+    return _cpu(v.to_local() if isinstance(v, DTensor) else v)
+
+
+def _gathered(v: Any) -> Any:
+    """A tensor to save in a full state: a sharded DTensor gathered whole (collective)."""
+    return _cpu(v.full_tensor() if isinstance(v, DTensor) else v)
+
+
+def _model_sharding() -> Any:
+    """The model's sharded data parallelism (mp.sharded), or None."""
+    return getattr(state.model, "_sharded", None)
 
 
 class DistributedBit16Optimizer(Bit16Optimizer):
@@ -105,6 +122,11 @@ class DistributedBit16Optimizer(Bit16Optimizer):
         self._ready("clip_master_grads")
         if self.prepare_grads():
             return torch.tensor(float("inf"))
+        sharded = _model_sharding()
+        if sharded is not None:  # DTensor gradients: the global norm over every shard (mp.sharded)
+            from mp.sharded import clip_sharded
+
+            return clip_sharded(sharded, max_norm, norm_type)
         pairs = [(p, m.grad) for p, m in self.pairs() if m.grad is not None]
         return clip_by_global_norm(pairs, max_norm, norm_type)
 
@@ -128,7 +150,13 @@ class DistributedBit16Optimizer(Bit16Optimizer):
 
     def local_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """This rank's masters, optimizer state and loss scaler, by parameter name."""
+        return self._collect(full=False)
+
+    def _collect(self, *, full: bool) -> dict[str, Any]:
+        """Under sharded data parallelism the sharded masters and their state are this rank's shards, or
+        (``full``) gathered whole: collective then, in the same order on every rank."""
         self._ready("local_state_dict")
+        save = _gathered if full else _shard_of
         names = self._names()
         store = self._store()
         groups, states, masters = [], {}, {}
@@ -136,11 +164,18 @@ class DistributedBit16Optimizer(Bit16Optimizer):
             gnames = [names[id(m)] for m in g["params"]]
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": gnames})
             for m, n in zip(g["params"], gnames, strict=True):
-                masters[n] = _cpu(m)
+                masters[n] = save(m)
                 if m in store:
-                    states[n] = {k: _cpu(v) for k, v in store[m].items()}
+                    states[n] = {k: save(v) for k, v in store[m].items()}
         zero = self._zero_params()
-        extra = {} if zero is None else {"_mp_zero_param_names": [names[id(m)] for m in zero]}
+        extra: dict[str, Any] = {}
+        if zero is not None:
+            extra["_mp_zero_param_names"] = [names[id(m)] for m in zero]
+        sharded = _model_sharding()
+        if sharded is not None and not full:
+            from mp.sharded import layout_of
+
+            extra["_mp_sdp_layout"] = layout_of(sharded)
         return {
             **extra,
             "_smp_is_partial": True,
@@ -162,7 +197,7 @@ class DistributedBit16Optimizer(Bit16Optimizer):
                 "Save optimizer.local_state_dict() (smp.save(..., partial=True) or "
                 "smp.save_checkpoint(partial=True))"
             )
-        sd = self.local_state_dict()
+        sd = self._collect(full=True)
         del sd["_smp_is_partial"]
         model = state.model
         if model is None or model._pp == 1:
@@ -227,6 +262,12 @@ class DistributedBit16Optimizer(Bit16Optimizer):
                 "shard_optimizer_state with this layout: load a local_state_dict() saved with the same "
                 "layout, partition and data-parallel size"
             )
+        full = not sd.get("_smp_is_partial", False)
+        sharded = _model_sharding()
+        if sharded is not None and not full:
+            from mp.sharded import check_layout
+
+            check_layout(sharded, sd.get("_mp_sdp_layout"), "fp16/bf16 optimizer")
         store = self._store()
         pair_of = {id(m): p for p, m in self.pairs()}
         with torch.no_grad():
@@ -234,12 +275,13 @@ class DistributedBit16Optimizer(Bit16Optimizer):
                 group.update({k: v for k, v in saved.items() if k != "params"})
                 for m in group["params"]:
                     n = names[id(m)]
-                    m.copy_(masters[n])
-                    pair_of[id(m)].copy_(m)
+                    m.copy_(as_like(masters[n], m, full=full))
+                    if pair_of[id(m)] is not m:
+                        pair_of[id(m)].copy_(m)
                     store.pop(m, None)
                     if n in states:
                         store[m] = {
-                            k: v.to(m.device) if isinstance(v, torch.Tensor) else v
+                            k: as_like(v, m, full=full) if isinstance(v, torch.Tensor) else v
                             for k, v in states[n].items()
                         }
         self.loss_scaler.load_state_dict(sd["loss_scaler"])

@@ -21,6 +21,7 @@ from torch import nn
 from mp.errors import IncompatibleCheckpointFoundError, SMPUnsupportedError, SMPValidationError
 from mp.state import state
 from mp_comm import GroupKind
+from mp_memory.precision import HALF_DTYPES, Bit16Optimizer
 from mp_memory.sharded import (
     ShardedDataParallel,
     ShardingConfig,
@@ -30,7 +31,16 @@ from mp_memory.sharded import (
     local_optimizer_state,
 )
 
-__all__ = ["partial_file_names", "refuse_under_sharding", "shard_model", "shard_optimizer", "sharding_of"]
+__all__ = [
+    "check_layout",
+    "clip_sharded",
+    "layout_of",
+    "partial_file_names",
+    "refuse_under_sharding",
+    "shard_model",
+    "shard_optimizer",
+    "sharding_of",
+]
 
 _LAYOUT_KEY = "_smp_layout"  # the checkpoint files' layout entry (mp_memory.checkpoint)
 
@@ -68,6 +78,7 @@ def shard_model(module: nn.Module) -> ShardedDataParallel | None:
         if cfg.sdp_max_live_parameters == 1_000_000_000
         else cfg.sdp_max_live_parameters,
         device_type="cuda" if "cuda" in devices else "cpu",
+        param_dtype=HALF_DTYPES.get(cfg.precision),
     )
     try:
         return ShardedDataParallel(module, config, state.process_groups[GroupKind.DP])
@@ -91,32 +102,54 @@ def partial_file_names(model: Any) -> tuple[str, str, bool] | None:
 def local_state_dict(sharding: ShardedDataParallel) -> dict[str, Any]:
     out: dict[str, Any] = dict(sharding.local_state_dict())
     out["_smp_is_partial"] = True
-    out[_LAYOUT_KEY] = _layout(sharding)
+    out[_LAYOUT_KEY] = layout_of(sharding)
     return out
 
 
 def load_local_state_dict(sharding: ShardedDataParallel, sd: dict[str, Any]) -> None:
-    _check_layout(sharding, sd.pop(_LAYOUT_KEY, None), "model")
+    check_layout(sharding, sd.pop(_LAYOUT_KEY, None), "model")
     try:
         sharding.load_local_state_dict(sd)
     except ShardingError as exc:
         raise IncompatibleCheckpointFoundError(str(exc)) from None
 
 
-def _layout(sharding: ShardedDataParallel) -> dict[str, int]:
+def layout_of(sharding: ShardedDataParallel) -> dict[str, int]:
+    """The sharding degree and this rank's shard index (saved with partial states, checked on load)."""
     _, world, topo = state.require()
     degree = sharding.config.degree
     return {"sdp_degree": degree, "sdp_shard": topo.rank_in_group(GroupKind.DP, world.rank) % degree}
 
 
-def _check_layout(sharding: ShardedDataParallel, saved: Any, what: str) -> None:
-    here = _layout(sharding)
+def check_layout(sharding: ShardedDataParallel, saved: Any, what: str) -> None:
+    """Refuse a partial state saved for another shard (IncompatibleCheckpointFoundError)."""
+    here = layout_of(sharding)
     if saved != here:
         raise IncompatibleCheckpointFoundError(
             f"the partial {what} state holds the shards of {saved!r} (sharded_data_parallel_degree and shard "
             f"index); this rank holds {here}. Fix: load it with the degree it was saved with, or save and "
             "load the full state (model.state_dict(), optimizer.state_dict(), or partial=False)"
         )
+
+
+def clip_targets(sharding: ShardedDataParallel) -> list[torch.Tensor]:
+    """What smp clips under sharding: the whole model's gradient, in fp16/bf16 that of the fp32 masters
+    (the sharded parameters are their own masters; the small unsharded ones have separate ones)."""
+    params: list[torch.Tensor] = list(sharding.module.parameters())
+    registered = state.optimizer
+    if isinstance(registered, Bit16Optimizer) and registered.masters_ready:
+        master = {id(p): m for p, m in registered.pairs()}
+        params = [master.get(id(p), p) for p in params]
+    return params
+
+
+def clip_sharded(sharding: ShardedDataParallel, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``clip_master_grads`` under sharding: the global L2 norm over every shard (collective)."""
+    if norm_type != 2.0:
+        raise SMPValidationError(
+            f"clip_master_grads(norm_type={norm_type!r}) under sharded data parallelism: expected 2.0"
+        )
+    return clip_grad_norm(clip_targets(sharding), max_norm).float()
 
 
 @contextlib.contextmanager
@@ -147,19 +180,14 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, sharding: ShardedDataParal
         )
     step = optimizer.step
     max_norm = float(cfg.sdp_gradient_clipping)
-    params = list(sharding.module.parameters())  # smp clips the whole model's gradient
 
     def sharded_step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
         if max_norm > 0:  # smp: under sharded data parallelism the library clips, inside step()
-            clip_grad_norm(params, max_norm)
+            clip_grad_norm(clip_targets(sharding), max_norm)
         return step(closure)
 
     def clip_master_grads(self: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> Any:
-        if norm_type != 2.0:
-            raise SMPValidationError(
-                f"clip_master_grads(norm_type={norm_type!r}) under sharded data parallelism: expected 2.0"
-            )
-        return clip_grad_norm(params, max_norm).float()
+        return clip_sharded(sharding, max_norm, norm_type)
 
     def state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
         with _torch_methods(self):
@@ -168,13 +196,13 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, sharding: ShardedDataParal
     def local_state_dict(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> dict[str, Any]:
         sd = local_optimizer_state(self)
         sd["_smp_is_partial"] = True
-        sd[_LAYOUT_KEY] = _layout(sharding)
+        sd[_LAYOUT_KEY] = layout_of(sharding)
         return sd
 
     def load_state_dict(self: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
         sd = dict(sd)
         if sd.pop("_smp_is_partial", False):
-            _check_layout(sharding, sd.pop(_LAYOUT_KEY, None), "optimizer")
+            check_layout(sharding, sd.pop(_LAYOUT_KEY, None), "optimizer")
             load_local_optimizer_state(self, sd)
             return
         with _torch_methods(self):
