@@ -23,9 +23,10 @@ from torch import nn
 from mp_comm.errors import PeerTimeoutError
 from mp_comm.transport.base import Transport
 from mp_pipeline.context import ExecState, TaskContext, applied, current, task_context
-from mp_pipeline.errors import NotInStepError, PipelineError, collective_mismatch
+from mp_pipeline.errors import FlowChangedError, NotInStepError, PipelineError, collective_mismatch
 from mp_pipeline.fast import FastPlan
 from mp_pipeline.messages import ENTERED_TAG, Entered, StepId, is_pipeline_tag
+from mp_pipeline.posted import Predictions
 from mp_pipeline.remote import Remote
 from mp_pipeline.schedule import Phase, Scheduler, Task
 from mp_pipeline.server import Server
@@ -142,6 +143,8 @@ class StepDriver:
                     out = self.body(mb)
                 if self.plan is not None and self.plan.learning:
                     self.plan.touched(flatten(out)[1])  # the step's results are used
+                elif self.plan is not None and self.plan.learned:
+                    _no_placeholder(flatten(out)[1], mb)
             except ServerClosed:
                 raise
             except BaseException as exc:
@@ -155,6 +158,16 @@ class StepDriver:
             self.scheduler.finished(mb)
 
         return job
+
+
+def _no_placeholder(tensors: Sequence[Any], mb: int) -> None:
+    """A step function that returns an output the plan hands from module to module (a ``meta``
+    placeholder here) reads it after all: a flow change, found before the step's results leave it."""
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors):
+        raise FlowChangedError(
+            f"the step function returned, for microbatch {mb}, a module output that fast mode's plan "
+            "passes straight to the next module (the parent holds only a placeholder for it)"
+        )
 
 
 class PipelineRuntime:
@@ -172,12 +185,14 @@ class PipelineRuntime:
         strict: bool = False,
         record_steps: int | None = None,
         tp_group: tuple[int, ...] = (),
+        retry: bool = False,
     ) -> None:
         """``tp_group``: the global ranks of this rank's tensor-parallel group, whose servers then run in
         lockstep (mp_pipeline.sequence). ``static``: static mode (see mp_pipeline.static), recording
         ``record_steps`` steps (default MP_PIPELINE_STATIC_STEPS or 5) before replaying; ``strict``
         (fast mode, implies static): a flow that changes after the recording raises FlowChangedError
-        instead of falling back."""
+        instead of falling back. ``retry`` (with ``strict``, mp's default): the caller runs a step that
+        failed under the shortcut again after :meth:`relearn` (see :attr:`shortcut_step`)."""
         self.transport = transport
         self.rank = rank
         self.peers = peers
@@ -193,11 +208,28 @@ class PipelineRuntime:
         self.pool = WorkerPool(rank, alive=lambda: not transport.closed)
         """Worker threads kept across steps (closed by :meth:`close`)."""
         self.flow: FlowRecorder | None = None
+        self._record_steps = default_record_steps() if record_steps is None else max(1, record_steps)
         if static or strict:
-            steps = default_record_steps() if record_steps is None else max(1, record_steps)
             # fast mode learns its plan in the first step and follows it from the second: the recording
             # starts there
-            self.flow = FlowRecorder(rank, record_steps=steps, strict=strict, skip_steps=int(strict))
+            # with ``retry`` a changed flow falls back to full messages (exact): only a step the shortcut
+            # cannot finish needs to run again
+            self.flow = FlowRecorder(
+                rank,
+                record_steps=self._record_steps,
+                strict=strict and not retry,
+                skip_steps=int(strict),
+                quiet=retry,
+            )
+        self.retry = retry and strict
+        self._started = 0
+        self._completed = 0
+        """Steps started and completed since the plan was last reset (alike on every rank of the pipeline)."""
+        self.relearned = 0
+        """How many times :meth:`relearn` reset the plan (each after a step that failed under it)."""
+        self._hold = False
+        """The next step runs on the full path and learns nothing (a step run again: its flow is the
+        unusual one, so the plan is learned from the step after it)."""
         self.templates = TemplateStore()
         self._entered: dict[int, list[Entered]] = {}
         """Entered messages that the server took during a step (from ranks that finished it first)."""
@@ -213,7 +245,41 @@ class PipelineRuntime:
     def replaying_static(self) -> bool:
         """Whether the last step came after the recorded ones (the same on every rank of the pipeline,
         unlike whether this rank replays, so a collective may depend on it)."""
-        return self.flow is not None and self._step > self.flow.skip_steps + self.flow.record_steps
+        return self.flow is not None and self._started > self.flow.skip_steps + self.flow.record_steps
+
+    @property
+    def shortcut_step(self) -> bool:
+        """Whether the next step follows the fast-mode plan (learned in an earlier completed step): a
+        step whose failure mp's default retries on the full path. The same on every rank of the pipeline,
+        which count completed steps alike (a failed step fails on all of them)."""
+        return self.remote.shortcut and self._completed >= 1
+
+    def relearn(self) -> None:
+        """Forget the fast-mode plan, the predictions and the recording (every rank of the pipeline at
+        once): the next step (the failed one, run again) runs on the full path, and the plan is learned
+        again from the step after it."""
+        self.remote.plan = FastPlan()
+        self.remote.predictions = Predictions()
+        if self.flow is not None:
+            flow = self.flow
+            self.flow = FlowRecorder(
+                self.rank,
+                record_steps=self._record_steps,
+                strict=flow.strict,
+                skip_steps=flow.skip_steps,
+                quiet=flow.quiet,
+            )
+        self.templates = TemplateStore()
+        self._started = self._completed = 0
+        self.relearned += 1
+        self._hold = True
+
+    def give_up_shortcut(self) -> None:
+        """Run every later step on the full path (a flow that keeps changing)."""
+        self.relearn()
+        self.remote.shortcut = False
+        self.flow = None
+        self._hold = False
 
     def install(self, root: nn.Module, assignment: Mapping[str, int]) -> None:
         self.remote.install(root, assignment)
@@ -282,6 +348,12 @@ class PipelineRuntime:
 
         ``name`` names the step function (every rank of the pipeline must run the same one)."""
         self._step += 1
+        hold, self._hold = self._hold, False
+        flow = None if hold else self.flow
+        if hold:
+            self.remote.shortcut = False
+        else:
+            self._started += 1
         step = StepId(self.model_id, self._step, name)
         server = Server(
             transport=self.transport,
@@ -292,15 +364,15 @@ class PipelineRuntime:
             timeout=self.timeout,
             early=self._early,
             pool=self.pool,
-            flow=self.flow,
+            flow=flow,
             templates=self.templates,
             group=self.tp_group,
             entered=self._entered,
         )
         self.remote.server = server
         self.remote.begin_step(step)
-        if self.flow is not None:
-            self.flow.begin_step()
+        if flow is not None:
+            flow.begin_step()
         completed = False
         recorded = RECORDER.span(
             EventKind.STEP, rank=self.rank, step=step.step, module=STEP_MODULE, microbatch=-1
@@ -320,12 +392,15 @@ class PipelineRuntime:
                 else:
                     results = list(server.serve(None))
             completed = True
+            self._completed += 0 if hold else 1
         finally:
-            if self.flow is not None:
-                self.flow.end_step(completed=completed)
+            if flow is not None:
+                flow.end_step(completed=completed)
             self.remote.end_step(completed=completed)
             self.remote.server = None
             self.remote.saved.clear()
             self.last_stats = dict(server.stats)
             self.transport.set_busy(True)
+            if hold:
+                self.remote.shortcut = True
         return results

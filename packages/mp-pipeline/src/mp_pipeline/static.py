@@ -127,6 +127,8 @@ class FlowRecorder:
     """Fast mode: a mismatch raises FlowChangedError instead of falling back to full messages."""
     skip_steps: int = 0
     """Completed steps to let pass before recording (fast mode: the one its plan is learned from)."""
+    quiet: bool = False
+    """Log turning itself off at info level, not as a warning (mp's default, which did not ask for it)."""
     recorded: list[dict[Key, Template]] = field(default_factory=list)
     replaying: bool = False
     disabled: bool = False
@@ -230,7 +232,8 @@ class FlowRecorder:
 
     def _disable(self, why: str) -> None:
         if not self.disabled:
-            log.warning("rank %d: static mode off from now on: %s", self.rank, why)
+            level = logging.INFO if self.quiet else logging.WARNING
+            log.log(level, "rank %d: static mode off from now on: %s", self.rank, why)
         self.disabled = True
         self.replaying = False
         self.recorded = []
