@@ -1,0 +1,180 @@
+"""State dicts of `DistributedModel`: this rank's part (``local_state_dict``), the full gathered state
+(``state_dict``), and loading either, checking that a partial state fits this run's layout.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from mp.errors import IncompatibleCheckpointFoundError
+from mp.model_partition import PartitionMixin
+from mp.partition_file import check_assignment
+from mp.sharded import load_local_state_dict as load_sharded_local_state_dict
+from mp.sharded import local_state_dict as sharded_local_state_dict
+from mp.state import state
+from mp.state_dicts import full_state_dict, layout_of, load_full_state_dict, local_layout_check
+from mp_comm import GroupKind
+
+if TYPE_CHECKING:
+    from mp.model import DistributedModel
+    from mp_memory.sharded import ShardedDataParallel
+
+__all__ = ["StateDictMixin"]
+
+
+_FULL_STATE_FIX = (
+    "save the full model.state_dict() (smp.save(..., partial=False)), which loads under any layout"
+)
+
+
+class StateDictMixin(PartitionMixin):
+    """The smp state-dict API of the wrapped model (mixed into DistributedModel)."""
+
+    _sharded: ShardedDataParallel | None
+
+    if TYPE_CHECKING:  # defined by DistributedModel
+
+        def distributed_modules(self) -> Iterator[nn.Module]: ...
+
+        def register_post_partition_hook(self, hook: Callable[..., Any]) -> RemovableHandle | None: ...
+
+    def _whole(self) -> DistributedModel:
+        """This object as the DistributedModel it always is (mp.state_dicts reads all of it)."""
+        return cast("DistributedModel", self)
+
+    def local_state_dict(self, *args: Any, cast_to_cpu: bool = True, **kwargs: Any) -> dict[str, Any]:
+        """This rank's part of the model's state (its stage, its TP shards), with ``_smp_is_partial``,
+        the partition (``_smp_partition``, pp > 1) and, with TP shards, the layout (``_smp_layout``)."""
+        if self._sharded is not None:  # this rank's shards (mp.sharded)
+            return sharded_local_state_dict(self._sharded)
+        out: dict[str, Any] = OrderedDict()
+        for key, value in self.module.state_dict(keep_vars=False).items():
+            if self._owner(key) != self._pp_rank:
+                continue
+            out[key] = value.detach().cpu() if cast_to_cpu and isinstance(value, torch.Tensor) else value
+        out["_smp_is_partial"] = True
+        if self._pp > 1 and self._assignment:
+            # The partition travels with the parts: loaded before the first step of another run, it
+            # replaces that run's own partitioning (which could differ: traced times vary).
+            out["_smp_partition"] = dict(self._assignment)
+        layout = layout_of(self._whole())
+        if layout["split"]:  # TP shards: which tp_rank's they are, so no other rank loads them
+            out["_smp_layout"] = layout
+        return out
+
+    def state_dict(  # type: ignore[override]
+        self,
+        *args: Any,
+        destination: Any = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        cast_to_cpu: bool = True,
+        gather_to_rank0: bool = True,
+    ) -> dict[str, Any]:
+        """The full state of the user's model on every rank: the original module's key names (a
+        Hugging Face model's own, even under tensor parallelism) and full tensors, TP shards and
+        pipeline stages gathered. Collective over the TP and pipeline groups: call it on every rank
+        (or every ``rdp_rank() == 0`` rank, as smp asks). ``keep_vars`` returns the live tensors when
+        nothing needs gathering (pp = 1 or not yet partitioned, no TP)."""
+        gathers = any(True for _ in self.distributed_modules()) or (self._partitioned and self._pp > 1)
+        if keep_vars and not gathers:
+            return OrderedDict((prefix + k, v) for k, v in self.module.state_dict(keep_vars=True).items())
+        merged: dict[str, Any]
+        if self._sharded is None:
+            merged = full_state_dict(self._whole(), cast_to_cpu)
+        else:
+            merged = self._sharded.full_state_dict()
+        out: dict[str, Any] = destination if destination is not None else OrderedDict()
+        out.update((prefix + k, v) for k, v in merged.items())
+        return out
+
+    def load_state_dict(  # type: ignore[override]
+        self,
+        state_dict: Any,
+        strict: bool = True,
+        translate_function: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        same_partition_load: bool = True,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """Load a full (``state_dict``) or partial (``local_state_dict``) state; keys with or without
+        ``module.``; ``translate_function`` is applied to the state first.
+
+        A full state loads under any layout: each rank keeps its own TP shards and its stage. A partial
+        state must be this rank's part under the layout it was saved with (else
+        IncompatibleCheckpointFoundError); ``same_partition_load`` (pp > 1) makes this run use the
+        partition it was saved with. Before partitioning (pp > 1) a partial state loads into the whole
+        module now and is checked, on every pipeline rank, once the model is partitioned."""
+        sd = dict(state_dict)
+        if translate_function is not None:
+            sd = dict(translate_function(sd))
+        partial = bool(sd.pop("_smp_is_partial", False))
+        saved_partition = sd.pop("_smp_partition", None)
+        saved_layout = sd.pop("_smp_layout", None)
+        if sd and all(k.startswith("module.") for k in sd):
+            sd = {k[len("module.") :]: v for k, v in sd.items()}
+        if self._sharded is not None:
+            if partial:
+                sd["_smp_layout"] = saved_layout  # the shard layout, checked by mp.sharded
+                return load_sharded_local_state_dict(self._sharded, sd)
+            return self._sharded.load_full_state_dict(sd, strict)
+        if not partial:
+            return load_full_state_dict(self._whole(), sd, strict)
+        if isinstance(saved_layout, dict):
+            local_layout_check(self._whole(), saved_layout)
+        if not self._partitioned and self._pp > 1:
+            if saved_partition is not None and same_partition_load:
+                self._pin_partition(saved_partition)
+            loaded = set(sd)
+            if strict:
+                self.register_post_partition_hook(lambda m, _opt: m._check_partial_keys(loaded, True))
+            return self.module.load_state_dict(sd, strict=False)
+        if strict:
+            self._check_partial_keys(set(sd), False)
+        return self.module.load_state_dict(sd, strict=False)
+
+    def _module_paths(self) -> Iterator[str]:
+        """The paths of the wrapped model's modules (what a partition assigns)."""
+        return (name for name, _ in self.module.named_modules())
+
+    def _pin_partition(self, saved: Any) -> None:
+        """Use the partition a partial state was saved with, after checking that it fits this model."""
+        self._pinned = check_assignment(
+            saved,
+            self._module_paths(),
+            self._pp,
+            source="the partial state's '_smp_partition' entry",
+            fix="load it into the model and layout it was saved with, or " + _FULL_STATE_FIX,
+            error=IncompatibleCheckpointFoundError,
+        )
+
+    def _check_partial_keys(self, loaded: set[str], collective: bool) -> None:
+        """Raise IncompatibleCheckpointFoundError unless ``loaded`` is exactly this rank's part;
+        ``collective``: agree over the pipeline group so that every pipeline rank raises."""
+        local = {k for k in self.module.state_dict(keep_vars=True) if self._owner(k) == self._pp_rank}
+        missing, unexpected = sorted(local - loaded), sorted(loaded - local)
+        problem = None
+        if missing or unexpected:
+            problem = (
+                f"pp_rank {self._pp_rank} of {self._pp}: the partial state lacks {len(missing)} of this "
+                f"rank's keys {missing[:5]} and has {len(unexpected)} keys of other ranks {unexpected[:5]}"
+            )
+        problems: list[Any] = [problem]
+        if collective and self._pp > 1:
+            problems = [None] * self._pp
+            dist.all_gather_object(problems, problem, group=state.process_groups[GroupKind.PP])
+        found = [p for p in problems if p is not None]
+        if found:
+            raise IncompatibleCheckpointFoundError(
+                "a partial state dict (local_state_dict) does not match this layout: "
+                + "; ".join(found)
+                + ". It was saved with another pipeline_parallel_degree or partition: load it with the "
+                "layout it was saved with, or " + _FULL_STATE_FIX
+            )
