@@ -53,7 +53,8 @@ def tests(session: nox.Session) -> None:
     """The whole suite, every package installed editable with the CPU torch pinned."""
     _install_all(session)
     args = session.posargs or ["tests"]
-    session.run("python", "-m", "pytest", *args, env={"MP_TEST_SUITE": "full"})
+    # the 25 slowest tests in the log: the suite runs on a CI budget (~20 min on 2 cores)
+    session.run("python", "-m", "pytest", "--durations=25", *args, env={"MP_TEST_SUITE": "full"})
 
 
 def _make_package_session(dist: str) -> None:
