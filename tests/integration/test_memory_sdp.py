@@ -98,9 +98,16 @@ def _config(sdp: int, **extra: Any) -> dict[str, Any]:
     }
 
 
-def _setup(config: dict[str, Any], seed: int = 0) -> tuple[Any, Any, Any]:
+def _delayed_build(seed: int = 0) -> Stack:
+    """_build on the meta device (smp.delay_param_initialization): materialized by DistributedModel."""
+    torch.manual_seed(seed)
+    with smp.delay_param_initialization():
+        return Stack()
+
+
+def _setup(config: dict[str, Any], seed: int = 0, delayed: bool = False) -> tuple[Any, Any, Any]:
     smp.init(config)
-    model = smp.DistributedModel(_build(seed))
+    model = smp.DistributedModel(_delayed_build(seed) if delayed else _build(seed))
     opt = smp.DistributedOptimizer(_optimizer(model.parameters()))
 
     @smp.step
@@ -120,8 +127,8 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-6 + 1e-5 * abs(b)
 
 
-def _train(world: Any, config: dict[str, Any]) -> dict[str, Any]:
-    model, opt, train_step = _setup(config)
+def _train(world: Any, config: dict[str, Any], delayed: bool = False) -> dict[str, Any]:
+    model, opt, train_step = _setup(config, delayed=delayed)
     clip = float(config.get("sdp_gradient_clipping", 1.0))
     losses, grads = [], {}
     for step in range(STEPS):

@@ -134,9 +134,8 @@ class ShardedDataParallel:
         self.config = config
         self.group = group
         self.module = module
-        with torch.no_grad():
-            for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t.data, src=dist.get_global_rank(group, 0), group=group)
+        self._source = dist.get_global_rank(group, 0)
+        self._broadcast([b for b in module.buffers() if not b.is_meta])
         if config.replicas > 1:
             self.mesh: DeviceMesh = init_device_mesh(
                 config.device_type, (config.replicas, config.degree), mesh_dim_names=("replicate", "shard")
@@ -147,26 +146,95 @@ class ShardedDataParallel:
             p for p in _unique_params([module]) if p.numel() < config.persistence_threshold
         ]
         ignored = set(self.persistent)
-        policy = MixedPrecisionPolicy()
+        self._policy = MixedPrecisionPolicy()
         if config.param_dtype is not None:  # the sharded parameters are the fp32 masters (module docstring)
-            policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=torch.float32)
-            with torch.no_grad():
-                for p in _unique_params([module]):
-                    if p not in ignored and p.is_floating_point():
-                        p.data = p.data.float()
+            self._policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=torch.float32)
+        units = [b for b in block_modules(module) if any(p not in ignored for p in b.parameters())]
         self.blocks: list[FSDPModule] = []
-        for block in block_modules(module):
-            if any(p not in ignored for p in block.parameters()):
-                self.blocks.append(
-                    fully_shard(block, mesh=self.mesh, ignored_params=ignored, mp_policy=policy)
-                )
-        self.root: FSDPModule = fully_shard(module, mesh=self.mesh, ignored_params=ignored, mp_policy=policy)
+        self.peak_unsharded = 0
+        """Delayed initialization: the most parameter elements materialized whole at once."""
+        if any(p.is_meta for p in module.parameters()):
+            self._materialize_and_shard(units)
+        else:
+            self._set_dtypes(list(_unique_params([module])))
+            self._broadcast(list(_unique_params([module])))
+            self.blocks = [self._shard(b) for b in units]
+        self.root: FSDPModule = self._shard(module)
         self._set_prefetch()
         log.info(
             "sharded data parallelism: %d blocks + root over a %s mesh; %d small parameters kept whole",
             len(self.blocks),
             "x".join(str(s) for s in self.mesh.shape),
             len(self.persistent),
+        )
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        """Rank 0's values on every rank (every replica starts equal, as under smp's data parallelism)."""
+        with torch.no_grad():
+            for t in tensors:
+                dist.broadcast(t.data, src=self._source, group=self.group)
+
+    def _set_dtypes(self, params: list[nn.Parameter]) -> None:
+        """Half precision: the parameters to shard back to fp32 (exact: they were cast from it)."""
+        if self.config.param_dtype is None:
+            return
+        whole = set(self.persistent)
+        with torch.no_grad():
+            for p in params:
+                if p not in whole and p.is_floating_point():
+                    p.data = p.data.float()
+
+    def _shard(self, module: nn.Module) -> FSDPModule:
+        return fully_shard(
+            module, mesh=self.mesh, ignored_params=set(self.persistent), mp_policy=self._policy
+        )
+
+    def _materialize_and_shard(self, units: list[nn.Module]) -> None:
+        """A model on the meta device (delayed initialization): its parameters are materialized in module
+        order, each unit sharded as soon as its last parameter is initialized, so at most the root's
+        parameters and one block exist whole at once. Each module's own init runs as in eager
+        construction (``mp_memory.delayed_init.materialize``), in fp32 then rounded to the half dtype
+        like a model built eagerly and cast, so the values equal eager initialization under the same
+        seed wherever the model draws its random numbers in module order (see docs/memory.md)."""
+        from mp_memory.delayed_init import materialize
+
+        real = [t for t in [*self.module.parameters(), *self.module.buffers()] if not t.is_meta]
+        device = real[0].device if real else torch.device(self.config.device_type)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        half = self.config.param_dtype
+        whole = set(self.persistent)
+        with torch.no_grad():
+            for p in _unique_params([self.module]):
+                if p.is_meta and p.is_floating_point():
+                    p.data = p.data.float()
+        owner: dict[int, int] = {}  # parameter id -> index of the unit holding it
+        for i, unit in enumerate(units):
+            for p in unit.parameters():
+                owner.setdefault(id(p), i)
+        runs: list[tuple[int, list[nn.Parameter]]] = []  # (unit index or -1 for the root, parameters)
+        for p in _unique_params(m for m in self.module.modules()):
+            u = owner.get(id(p), -1)
+            if not runs or runs[-1][0] != u:
+                runs.append((u, []))
+            runs[-1][1].append(p)
+        last_run = {u: k for k, (u, _) in enumerate(runs)}
+        live = 0
+        for k, (u, params) in enumerate(runs):
+            ids = {id(p) for p in params}
+            live += materialize(self.module, lambda p, ids=ids: id(p) in ids, device)  # type: ignore[misc]
+            self.peak_unsharded = max(self.peak_unsharded, live)
+            with torch.no_grad():
+                for p in params:
+                    if half is not None and p.is_floating_point():  # as built in fp32, cast to half
+                        p.data = p.data.to(half) if p in whole else p.data.to(half).float()
+            self._broadcast(list(params))
+            if u >= 0 and last_run[u] == k:
+                self.blocks.append(self._shard(units[u]))
+                live -= sum(p.numel() for p in units[u].parameters() if p not in whole)
+        log.info(
+            "delayed initialization under sharding: %d parameter elements at most whole at once",
+            self.peak_unsharded,
         )
 
     def _set_prefetch(self) -> None:

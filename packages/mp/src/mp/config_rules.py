@@ -228,12 +228,6 @@ _NOT_BUILT: tuple[tuple[str, Callable[[ModelParallelConfig], object], str], ...]
         "the gradients of each transformer block as one bucket and has no bucket-size setting",
     ),
     (
-        "sharded_data_parallel_degree",
-        lambda c: c.sharded_data_parallel_degree > 1 and c.delayed_parameter_initialization,
-        "shards parameters, gradients and optimizer state over that many ranks; mp builds that for a "
-        "model built eagerly, not together with 'delayed_parameter_initialization'",
-    ),
-    (
         "task_level_activation_loading_horizon",
         lambda c: c.task_level_activation_loading_horizon is not None,
         "sets a per-task loading horizon for offloaded activations",

@@ -69,7 +69,7 @@ def shard_model(module: nn.Module) -> ShardedDataParallel | None:
             "so that each shard group's all-gather stays within a node and only replicas talk across nodes. "
             f"Fix: set 'sharded_data_parallel_degree' to a divisor of {info.local_size}"
         )
-    devices = {p.device.type for p in module.parameters()}
+    devices = {t.device.type for t in [*module.parameters(), *module.buffers()]}  # "meta": delayed init
     config = ShardingConfig(
         degree=degree,
         replicas=dp // degree,
