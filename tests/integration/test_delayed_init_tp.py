@@ -139,7 +139,8 @@ def test_delayed_tp_materializes_its_shards_and_trains_like_eager(
         assert sorted(equal["state"]) == sorted(eager["state"]), r
         for key, value in eager["state"].items():
             torch.testing.assert_close(
-                equal["state"][key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"rank {r} {key}: {m}"
-            )
+                equal["state"][key], value, rtol=1e-5, atol=1e-6,
+                msg=lambda m, key=key, r=r: f"rank {r} {key}: {m}",
+            )  # fmt: skip
     if pp > 1:
         assert {res["pp_rank"] for res in results} == {0, 1}
