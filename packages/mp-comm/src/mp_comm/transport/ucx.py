@@ -9,23 +9,10 @@ endpoint to a peer is opened the first time this rank sends to it, and announces
 stream, so that the peer can name whoever goes away. UCX calls are made by the transport's progress
 thread only; it sleeps on the worker's event descriptor (and a pipe that `send` writes to) when idle.
 
-Tags are 64 bits: kind (2) | source rank (22) | wire counter (24) | tensor index (16). A message is
-a header (kind HEADER, matched from any source by a tag probe that removes it: UCX's matched probe)
-followed by one DATA message per tensor payload that is not inline.
-
-Device payloads (by default the device types in `UCXConfig.buffered_devices`, i.e. CUDA) sent to
-another node (or to any peer, per `UCXConfig.buffered_peers`) go through persistent buffers with a
-handshake (D2DAllocatorThread's role): the header asks, the receiver
-reserves room in its persistent receive buffer and answers with a CTRL message naming the outcome,
-and only then does the sender send those payloads. The outcomes, agreed by both sides because the
-receiver decides and the sender obeys:
-
-* ``B`` buffered: the payload lands in the receiver's persistent buffer, then is copied to the tensor;
-* ``F`` fallback: no room, and both ranks have a fallback transport (MPI): the payloads go over it;
-* ``D`` direct: no room and no fallback: UCX receives straight into the tensor (registering it).
-
-Across nodes (or always, per `UCXConfig.stage_sends`) the sender also copies a device payload into
-its persistent send buffer before sending, when there is room.
+The transport is built in layers, one mechanism each: its wire (tags, control messages) in
+ucx_wire, endpoints and their authentication in ucx_endpoints, payloads and the device-to-device
+handshake through persistent buffers in ucx_payloads, the receiving side in ucx_receiving; this
+module holds the lifecycle, the progress thread and the sending side.
 """
 
 from __future__ import annotations
@@ -36,45 +23,45 @@ import logging
 import os
 import select
 import socket
-import struct
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import torch
 
-from mp_comm.buffers import BufferManager, Region
+from mp_comm.buffers import BufferManager
 from mp_comm.errors import (
-    MessageDecodeError,
     MessageEncodeError,
     PeerTimeoutError,
     TransportClosedError,
     TransportError,
     TransportUnavailableError,
 )
-from mp_comm.message import (
-    DeviceMap,
-    Header,
-    TensorMeta,
-    byte_view,
-    decode_header,
-    decode_object,
-    default_device_map,
-    numpy_bytes,
-)
+from mp_comm.message import DeviceMap, default_device_map
 from mp_comm.teardown import Stage, at_exit
 from mp_comm.transport import auth
 from mp_comm.transport.base import Mailbox, MessageTransport, OrderCounter, Outgoing, TransportConfig
 from mp_comm.transport.bootstrap import Bootstrap, bootstrap_for_world
+from mp_comm.transport.ucx_receiving import UCXReceiving
 from mp_comm.transport.ucx_setup import (
     UCXConfig,
     foreign_ucx,
     import_ucxx,
     preload_before_mpi,
     ucx_available,
+)
+from mp_comm.transport.ucx_wire import (
+    _CTRL,
+    _HEADER,
+    FALLBACK_CHANNEL,
+    MAX_RANKS,
+    MAX_TENSORS,
+    _Incoming,
+    _RecvOp,
+    _SendOp,
+    _tag,
 )
 
 __all__ = [
@@ -90,60 +77,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-_HEADER, _DATA, _CTRL = 0, 1, 2
-_CTRL_WIRE = struct.Struct("<q")  # a control message: the wire counter, then the decision's letters
-_KIND_MASK: Final = 3 << 62
-MAX_RANKS: Final = 1 << 22
-MAX_TENSORS: Final = (1 << 16) - 1
-FALLBACK_CHANNEL: Final = 1
-"""The fallback transport's internal channel that carries the payloads the D2D path could not take."""
-
-
-def _tag(kind: int, source: int, wire: int, index: int = 0) -> int:
-    return (kind << 62) | (source << 40) | ((wire & 0xFFFFFF) << 16) | index
-
-
-def _tag_source(tag: int) -> int:
-    return (tag >> 40) & (MAX_RANKS - 1)
-
-
-def _tag_wire(tag: int) -> int:
-    return (tag >> 16) & 0xFFFFFF
-
-
-@dataclass(slots=True)
-class _SendOp:
-    out: Outgoing
-    modes: bytes
-    reqs: list[Any] = field(default_factory=list)
-    keep: list[Any] = field(default_factory=list)
-    regions: list[tuple[BufferManager, Region]] = field(default_factory=list)
-    awaiting: bool = False
-    fallback: Any = None  # the fallback transport's SendHandle
-    ready: Any = None  # CUDA event the payloads must wait for
-
-
-@dataclass(slots=True)
-class _RecvOp:
-    source: int
-    header: Header
-    metas: tuple[TensorMeta, ...]
-    tensors: list[torch.Tensor]
-    reqs: list[Any] = field(default_factory=list)
-    keep: list[Any] = field(default_factory=list)
-    landing: list[tuple[int, BufferManager, Region]] = field(default_factory=list)
-    fallback_index: tuple[int, ...] = ()
-    waiting_fallback: bool = False
-
-
-@dataclass(slots=True)
-class _Incoming:
-    ep: Any
-    hello: Any
-    hello_buf: Any
-    rank: int = -1
-
 
 _OPEN: weakref.WeakSet[UCXTransport] = weakref.WeakSet()
 
@@ -163,7 +96,7 @@ def _abort_at_exit() -> None:
 at_exit(Stage.DEVICE_TRANSPORT, _abort_at_exit)
 
 
-class UCXTransport(MessageTransport):
+class UCXTransport(UCXReceiving):
     """Point-to-point messages over UCX. Collective to create and to close, through `bootstrap`."""
 
     name = "ucx"
@@ -329,14 +262,6 @@ class UCXTransport(MessageTransport):
             with contextlib.suppress(BlockingIOError):
                 os.write(self._wake_w, b"x")
 
-    def _on_fallback(self, source: int, header: Header, tensors: list[torch.Tensor]) -> None:
-        # Runs on the fallback transport's progress thread: hand over to ours.
-        wire = int(header.tag[1]) if isinstance(header.tag, tuple) else -1
-        payloads = decode_object(header.body, tensors)  # a list of tensors, duplicates kept
-        assert isinstance(payloads, list)
-        self._fallback_in.append((source, wire, payloads))
-        self._wake()
-
     def close(self, timeout: float | None = None) -> None:
         """Collective: finish this rank's sends, meet the other ranks, then close every endpoint."""
         if self._closed:
@@ -458,82 +383,6 @@ class UCXTransport(MessageTransport):
         worked |= self._check_hellos()
         return worked
 
-    # endpoints
-
-    def _on_connect(self, conn_request: Any) -> None:
-        ep = self._listener.create_endpoint_from_conn_request(conn_request, self.ucx_config.error_handling)
-        buf = np.zeros(auth.HELLO_BYTES, dtype=np.uint8)
-        entry = _Incoming(ep, None, buf)
-        ep.set_close_callback(self._on_incoming_closed, cb_args=(entry,))
-        entry.hello = ep.stream_recv(self._array(buf))
-        self._incoming.append(entry)
-
-    def _on_incoming_closed(self, entry: _Incoming, *_: Any) -> None:
-        if not self._closing:
-            self._ep_errors.append((entry.rank, "its connection to this rank closed"))
-
-    def _on_outgoing_closed(self, rank: int, *_: Any) -> None:
-        if not self._closing:
-            self._ep_errors.append((rank, "this rank's connection to it closed"))
-
-    def _endpoint(self, rank: int) -> Any:
-        ep = self._eps.get(rank)
-        if ep is None:
-            host, port = self._peers[rank]
-            ep = self._ucx.UCXEndpoint.create(self._worker, host, port, self.ucx_config.error_handling)
-            ep.set_close_callback(self._on_outgoing_closed, cb_args=(rank,))
-            hello = np.frombuffer(bytearray(auth.hello(self._secret, self.rank)), dtype=np.uint8)
-            self._ep_keep.append((ep.stream_send(self._array(hello)), hello))
-            self._eps[rank] = ep
-        return ep
-
-    def _check_hellos(self) -> bool:
-        worked = False
-        if not self._ready:
-            return worked  # the secret that checks them comes with the addresses
-        for entry in self._incoming:
-            if entry.rank < 0 and entry.hello is not None and entry.hello.completed:
-                entry.hello.check_error()
-                rank = auth.open_hello(self._secret, entry.hello_buf.tobytes())
-                entry.hello = None
-                worked = True
-                if rank is None or not 0 <= rank < self.size:
-                    self.rejected += 1
-                    log.error(
-                        "rank %d: refused a connection that did not introduce itself with the job's secret "
-                        "(a process outside the job reached this rank's UCX port)",
-                        self.rank,
-                    )
-                    continue
-                entry.rank = rank
-        return worked
-
-    def _handle_ep_errors(self) -> bool:
-        if not self._ep_errors:
-            return False
-        while self._ep_errors:
-            rank, why = self._ep_errors.popleft()
-            if rank < 0:
-                log.warning(
-                    "rank %d: a connection from a rank that had not introduced itself closed", self.rank
-                )
-                continue
-            error = self._lost(rank, why)
-            log.error("%s", error)
-            self.mailbox.fail_peer(rank, error)
-            for op in [*self._sends, *self._deferred]:
-                if op.out.dest == rank:
-                    op.out.handle._fail(error)
-            for op in self._sends:
-                if op.out.dest == rank:
-                    for manager, region in op.regions:
-                        manager.release(region)
-            self._sends = [op for op in self._sends if op.out.dest != rank]
-            self._deferred = [op for op in self._deferred if op.out.dest != rank]
-            self._awaiting = {k: v for k, v in self._awaiting.items() if k[0] != rank}
-            self._eps.pop(rank, None)
-        return True
-
     # sending
 
     def _post_sends(self) -> bool:
@@ -574,54 +423,6 @@ class UCXTransport(MessageTransport):
             return
         self._sends.append(op)
 
-    def _payload_array(self, t: torch.Tensor) -> Any:
-        return self._array(numpy_bytes(t) if t.device.type == "cpu" else byte_view(t))
-
-    def _send_payload(self, op: _SendOp, ep: Any, i: int, *, staged: bool) -> None:
-        t = op.out.tensors[i]
-        src = byte_view(t)
-        if staged:
-            manager = self._buffer(self._send_buffers, t.device, self.ucx_config.send_buffer_bytes)
-            region = manager.reserve(src.numel()) if manager is not None else None
-            if region is not None:
-                view = manager.view(region)  # type: ignore[union-attr]
-                self._land([(view, src)])
-                op.regions.append((manager, region))  # type: ignore[arg-type]
-                src = view
-        payload = numpy_bytes(src) if src.device.type == "cpu" else src
-        op.keep.append(payload)
-        op.reqs.append(
-            ep.tag_send(self._array(payload), self._ucx.UCXXTag(_tag(_DATA, self.rank, op.out.wire, i)))
-        )
-
-    def _handshake(self, dest: int) -> bool:
-        return self.ucx_config.buffered_peers == "all" or not self._same_node[dest]
-
-    def _staging(self, dest: int) -> bool:
-        policy = self.ucx_config.stage_sends
-        return policy == "always" or (policy == "cross-node" and not self._same_node[dest])
-
-    def _on_ctrl(self, source: int, wire: int, decision: str) -> None:
-        op = self._awaiting.pop((source, wire), None)
-        if op is None:
-            log.error(
-                "rank %d: a D2D answer from rank %d for a message it does not wait for", self.rank, source
-            )
-            return
-        op.awaiting = False
-        held = [i for i, m in enumerate(op.modes) if m == ord("H")]
-        if decision == "F":
-            assert self._fallback is not None
-            self.stats["d2d_fallback"] += 1
-            payload = [op.out.tensors[i] for i in held]
-            op.fallback = self._fallback.send_channel(payload, source, FALLBACK_CHANNEL, tag=("d2d", wire))
-            return
-        self.stats["d2d_buffered" if decision == "B" else "d2d_direct"] += 1
-        ep = self._endpoint(source)
-        stage = self._staging(source)
-        for i in held:
-            self._send_payload(op, ep, i, staged=stage)
-
     def _finish_sends(self) -> bool:
         done: list[_SendOp] = []
         for op in self._sends:
@@ -650,181 +451,6 @@ class UCXTransport(MessageTransport):
         self._ctrl_reqs = [(r, b) for r, b in self._ctrl_reqs if not r.completed]
         self._ep_keep = [(r, b) for r, b in self._ep_keep if not r.completed]
         return bool(done)
-
-    # receiving
-
-    def _probe(self, kind: int) -> bool:
-        ucx = self._ucx
-        worked = False
-        for _ in range(64):
-            probe = self._worker.tag_probe(ucx.UCXXTag(kind << 62), ucx.UCXXTagMask(_KIND_MASK), True)
-            if not probe.matched:
-                break
-            worked = True
-            tag = int(probe.sender_tag.value)
-            buf = np.empty(int(probe.length), dtype=np.uint8)
-            req = self._worker.tag_recv_with_handle(self._array(buf), probe)
-            source = _tag_source(tag)
-            if kind == _HEADER:
-                self._headers.setdefault(source, collections.deque()).append((req, buf, tag))
-            else:
-                while not req.completed:  # control messages are a few bytes, already here
-                    self._worker.progress()
-                req.check_error()
-                ctrl = auth.unseal(self._secret, tag, buf.tobytes())
-                if ctrl is None or len(ctrl) < _CTRL_WIRE.size:
-                    self._refuse(source, "control message")
-                    continue
-                (wire,) = _CTRL_WIRE.unpack_from(ctrl)
-                self._on_ctrl(source, int(wire), ctrl[_CTRL_WIRE.size :].decode("ascii", "replace"))
-        return worked
-
-    def _finish_headers(self) -> bool:
-        worked = False
-        for source in list(self._headers):
-            queue = self._headers[source]
-            while queue and queue[0][0].completed:
-                req, buf, tag = queue.popleft()
-                worked = True
-                try:
-                    req.check_error()
-                    header = auth.unseal(self._secret, tag, buf.tobytes())
-                    if header is None:  # checked before anything is unpickled
-                        self._refuse(source, "message header")
-                        continue
-                    self._start_recv(source, decode_header(header, source=source))
-                except MessageDecodeError as exc:
-                    log.error("rank %d: %s", self.rank, exc)
-                    self.mailbox.fail_peer(source, exc)
-                except Exception as exc:
-                    error = self._wrap_error("receiving a header", exc, source)
-                    self.mailbox.fail_peer(source, error)
-            if not queue:
-                del self._headers[source]
-        return worked
-
-    def _start_recv(self, source: int, header: Header) -> None:
-        prepared = self._prepare_arrival(source, header)
-        if prepared is None:
-            return
-        metas, tensors = prepared
-        modes: bytes = header.extra[0] if header.extra else b""
-        peer_can_fallback = bool(header.extra[1]) if len(header.extra) > 1 else False
-        op = _RecvOp(source, header, metas, tensors)
-        held = [i for i, m in enumerate(modes) if m == ord("H")]
-        for i, m in enumerate(modes):
-            if m == ord("E"):
-                self._post_recv(op, i, self._payload_array(tensors[i]))
-        if held:
-            decision = self._land_or_fallback(op, held, peer_can_fallback)
-            self._send_ctrl(source, header.wire & 0xFFFFFF, decision)
-        self._recvs.append(op)
-
-    def _land_or_fallback(self, op: _RecvOp, held: list[int], peer_can_fallback: bool) -> str:
-        """Reserve persistent-buffer room for the held payloads: the outcome both sides then follow."""
-        by_device: dict[torch.device, list[int]] = {}
-        for i in held:
-            by_device.setdefault(op.tensors[i].device, []).append(i)
-        reserved: list[tuple[int, BufferManager, Region]] = []
-        ok = True
-        for device, index in by_device.items():
-            manager = self._buffer(self._recv_buffers, device, self.ucx_config.recv_buffer_bytes)
-            regions = None if manager is None else manager.reserve_all([op.metas[i].nbytes for i in index])
-            if regions is None:
-                ok = False
-                break
-            reserved += [(i, manager, r) for i, r in zip(index, regions, strict=True)]  # type: ignore[misc]
-        if ok:
-            for i, manager, region in reserved:
-                op.landing.append((i, manager, region))
-                view = manager.view(region)
-                self._post_recv(op, i, self._array(numpy_bytes(view) if view.device.type == "cpu" else view))
-            return "B"
-        for _, manager, region in reserved:
-            manager.release(region)
-        if peer_can_fallback and self._fallback is not None:
-            op.fallback_index = tuple(held)
-            op.waiting_fallback = True
-            self._fallback_wait[(op.source, op.header.wire & 0xFFFFFF)] = op
-            return "F"
-        for i in held:
-            self._post_recv(op, i, self._payload_array(op.tensors[i]))
-        return "D"
-
-    def _post_recv(self, op: _RecvOp, i: int, array: Any) -> None:
-        op.keep.append(array)
-        tag = self._ucx.UCXXTag(_tag(_DATA, op.source, op.header.wire, i))
-        op.reqs.append(self._worker.tag_recv(array, tag))
-
-    def _send_ctrl(self, dest: int, wire: int, decision: str) -> None:
-        tag = _tag(_CTRL, self.rank, wire)
-        raw = auth.seal(self._secret, tag, _CTRL_WIRE.pack(wire) + decision.encode("ascii"))
-        buf = np.frombuffer(bytearray(raw), dtype=np.uint8)
-        req = self._endpoint(dest).tag_send(self._array(buf), self._ucx.UCXXTag(tag))
-        self._ctrl_reqs.append((req, buf))
-
-    def _refuse(self, claimed: int, what: str) -> None:
-        # Not the job's: dropped unread. The rank it claims to come from is not failed (it may be fine).
-        self.rejected += 1
-        log.error(
-            "rank %d: dropped a %s that claims to come from rank %d but does not carry the job's MAC "
-            "(a process outside the job reached this rank's UCX port)",
-            self.rank,
-            what,
-            claimed,
-        )
-
-    def _take_fallbacks(self) -> bool:
-        worked = False
-        while self._fallback_in:
-            source, wire, tensors = self._fallback_in.popleft()
-            worked = True
-            op = self._fallback_wait.pop((source, wire), None)
-            if op is None:
-                log.error("rank %d: fallback payloads from rank %d for an unknown message", self.rank, source)
-                continue
-            for i, t in zip(op.fallback_index, tensors, strict=True):
-                op.tensors[i] = t.to(op.tensors[i].device) if t.device != op.tensors[i].device else t.detach()
-            op.waiting_fallback = False
-        return worked
-
-    def _finish_recvs(self) -> bool:
-        done: list[_RecvOp] = []
-        for op in self._recvs:
-            if op.waiting_fallback or not all(r.completed for r in op.reqs):
-                continue
-            done.append(op)
-            try:
-                for r in op.reqs:
-                    r.check_error()
-                # UCX completes a receive once its bytes are in place (CUDA copies included).
-                if op.landing:
-                    self._land([(byte_view(op.tensors[i]), m.view(region)) for i, m, region in op.landing])
-            except Exception as exc:
-                error = self._wrap_error(f"receiving tag {op.header.tag!r}", exc, op.source)
-                self.mailbox.fail_peer(op.source, error)
-                self._arrival_failed(op.source, op.header, error)
-            else:
-                self._arrived(op.source, op.header, op.tensors, op.metas)
-            finally:
-                for _, manager, region in op.landing:
-                    manager.release(region)
-        for op in done:
-            self._recvs.remove(op)
-        return bool(done)
-
-    # persistent buffers
-
-    def _buffer(
-        self, table: dict[str, BufferManager], device: torch.device, capacity: int
-    ) -> BufferManager | None:
-        if capacity <= 0:
-            return None
-        key = str(device)
-        manager = table.get(key)
-        if manager is None:
-            manager = table[key] = BufferManager(capacity, device, alignment=self.ucx_config.buffer_alignment)
-        return manager
 
     # shutdown
 
