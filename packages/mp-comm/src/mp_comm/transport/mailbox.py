@@ -21,7 +21,7 @@ from mp_comm.errors import PeerTimeoutError
 from mp_comm.message import Tag
 
 if TYPE_CHECKING:
-    from mp_comm.transport.base import TransportConfig
+    from mp_comm.transport.config import TransportConfig
 
 __all__ = ["ANY_SOURCE", "ANY_TAG", "Arrival", "Mailbox"]
 
