@@ -4,16 +4,17 @@
 count, and brings up torch.distributed (gloo on CPU; NCCL for CUDA tensors with gloo beside it for
 CPU objects). The user never provides MASTER_ADDR/MASTER_PORT under MPI: rank 0 opens a TCPStore on
 a free port and shares the port over MPI.
+
+Where this process sits (its launcher, rank and host, `WorldInfo`) is worked out in
+:mod:`mp_comm.world_info`, re-exported here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import enum
 import logging
 import os
-import socket
 import sys
 import time
 import weakref
@@ -26,11 +27,30 @@ import torch.distributed as dist
 
 from mp_comm.errors import WorldError
 from mp_comm.teardown import Stage, at_exit
+from mp_comm.world_info import (  # noqa: F401 (tests import _check_launched_size, _placement, _usable_cores here)
+    Launcher,
+    WorldInfo,
+    _check_launched_size,
+    _env_int,
+    _mpi_coordinates,
+    _placement,
+    _set_thread_count,
+    _usable_cores,
+    detect_launcher,
+)
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Launcher",
+    "World",
+    "WorldInfo",
+    "detect_launcher",
+    "init_world",
+    "mpi_comm_of",
+]
 
 log = logging.getLogger(__name__)
 
-# Environment variables that MPI launchers set in every rank (MPICH/hydra, Open MPI, PMIx, Intel MPI).
-_MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 _REPORT_GRACE = 1.0  # seconds for the launcher to forward a dying rank's traceback before MPI_Abort
 
@@ -57,78 +77,6 @@ def mpi_comm_of(group: dist.ProcessGroup | None) -> Any | None:
     if comm is None or not comm:  # a freed communicator is MPI_COMM_NULL, which is falsy
         return None
     return comm
-
-
-class Launcher(enum.Enum):
-    """How this process was started."""
-
-    MPI = "mpi"
-    TORCHRUN = "torchrun"
-    SINGLE = "single"
-
-
-@dataclass(frozen=True)
-class WorldInfo:
-    """Where this process sits in the world."""
-
-    rank: int
-    size: int
-    local_rank: int
-    """Rank among the processes on this host."""
-    local_size: int
-    """Number of processes on this host."""
-    node: int
-    """Index of this host, in the order of the lowest global rank on each host."""
-    num_nodes: int
-    launcher: Launcher
-    host_cpus: int = 0
-    """CPUs the world's processes on this host may run on, together (0: unknown; then this process's)."""
-    bound: bool = False
-    """Whether the launcher bound the processes on this host to CPU sets of their own (mp-launch does)."""
-
-    @property
-    def oversubscribed(self) -> bool:
-        """Whether this host runs more of the world's processes than they have cores."""
-        return self.local_size > (self.host_cpus or _usable_cores())
-
-
-def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher:
-    """MPI if an MPI launcher's variables are present, torchrun if RANK/WORLD_SIZE are, else single."""
-    env = os.environ if environ is None else environ
-    if any(var in env for var in _MPI_RANK_VARS):
-        return Launcher.MPI
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return Launcher.TORCHRUN
-    return Launcher.SINGLE
-
-
-def _cpus() -> set[int]:
-    try:
-        return os.sched_getaffinity(0)
-    except AttributeError:  # not Linux
-        return set(range(os.cpu_count() or 1))
-
-
-def _usable_cores() -> int:
-    return len(_cpus())
-
-
-def _placement(masks: Sequence[Sequence[int]]) -> tuple[int, bool]:
-    """(CPUs of all, whether bound) from the CPU sets of a host's processes: bound when the sets are
-    disjoint (a launcher gave each process its own), as opposed to all sharing the same ones."""
-    union = set().union(*map(set, masks))
-    return len(union), len(masks) > 1 and sum(len(m) for m in masks) == len(union)
-
-
-def _set_thread_count(info: WorldInfo, environ: Mapping[str, str]) -> None:
-    # Several ranks on one host each defaulting to all cores oversubscribe the host badly; a rank the
-    # launcher bound to cores of its own sees just those, its share already.
-    if "OMP_NUM_THREADS" in environ or "MP_NUM_THREADS" in environ:
-        if "MP_NUM_THREADS" in environ:
-            torch.set_num_threads(int(environ["MP_NUM_THREADS"]))
-        return
-    cores = _usable_cores()
-    torch.set_num_threads(max(1, cores if info.bound else cores // max(1, info.local_size)))
 
 
 def _free_port_store(
@@ -290,73 +238,6 @@ def _choose_backend(requested: str | None, local_size: int = 1) -> tuple[str, to
         # NCCL carries CUDA tensors, gloo carries CPU tensors and pickled objects, in one group.
         return "cpu:gloo,cuda:nccl", torch.device("cuda", torch.cuda.current_device())
     return "gloo", torch.device("cpu")
-
-
-def _mpi_coordinates() -> tuple[Any, WorldInfo, str]:
-    from mp_comm.transport.ucx_setup import preload_before_mpi
-
-    preload_before_mpi()  # UCX's libraries before MPICH's bundled older copy (no-op without ucxx)
-    try:
-        from mpi4py import MPI
-    except ImportError as exc:  # pragma: no cover - mpi4py is a declared dependency
-        raise WorldError(
-            "this process was started by an MPI launcher but mpi4py cannot be imported "
-            f"({exc}); install it with `pip install mpi4py mpich`."
-        ) from exc
-    comm = MPI.COMM_WORLD.Dup()
-    rank, size = comm.Get_rank(), comm.Get_size()
-    _check_launched_size(size, os.environ, MPI.Get_library_version())
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    local_rank, local_size = local.Get_rank(), local.Get_size()
-    leader = local.bcast(rank, root=0)
-    host_cpus, bound = _placement(local.allgather(sorted(_cpus())))
-    local.Free()
-    leaders = sorted(set(comm.allgather(leader)))
-    info = WorldInfo(
-        rank=rank,
-        size=size,
-        local_rank=local_rank,
-        local_size=local_size,
-        node=leaders.index(leader),
-        num_nodes=len(leaders),
-        launcher=Launcher.MPI,
-        host_cpus=host_cpus,
-        bound=bound,
-    )
-    host = "127.0.0.1" if len(leaders) == 1 else socket.gethostbyname(socket.gethostname())
-    return comm, info, host
-
-
-_LAUNCHED_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
-
-
-def _check_launched_size(size: int, env: Mapping[str, str], library: str) -> None:
-    """Refuse a world smaller than the launcher started: mpi4py then loaded another MPI library than
-    the one whose mpiexec started the job (a system Open MPI beside the mpich wheel, say), and every
-    process runs alone, so the job's first collective would wait forever."""
-    for name in _LAUNCHED_SIZE_VARS:
-        raw = env.get(name, "")
-        if raw.isdigit() and int(raw) != size:
-            lib = library.strip().splitlines()[0] if library.strip() else "unknown"
-            raise WorldError(
-                f"the launcher started {raw} processes ({name}={raw}) but MPI.COMM_WORLD has {size}: "
-                f"mpi4py loaded a different MPI library ({lib}) than the one whose mpiexec started the "
-                "job, so each process runs alone. Fix: start the job with the mpiexec of the MPI that "
-                "mpi4py uses (the mpich wheel's sits beside this Python), or point mpi4py at the "
-                "launcher's library, e.g. MPI4PY_LIBMPI=/path/to/libmpi.so.12 MPI4PY_MPIABI=mpich."
-            )
-
-
-def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
-    raw = env.get(name)
-    if raw is None:
-        if default is None:
-            raise WorldError(f"{name} is not set; torchrun sets it. Start the job with torchrun or mpiexec.")
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise WorldError(f"{name}={raw!r} is not an integer; expected the value torchrun sets.") from None
 
 
 def init_world(
