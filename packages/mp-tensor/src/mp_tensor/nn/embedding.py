@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from mp_comm import collectives as col
 from mp_tensor.context import TPContext
-from mp_tensor.dist_ops import gather_samples, leave
+from mp_tensor.dist_ops import gather_samples
 from mp_tensor.errors import DistEmbeddingConfigError, TPInputError
 from mp_tensor.nn.base import DistributedModule, ParamInit, ParamSpec, set_param_init, set_param_spec
 
@@ -67,6 +67,25 @@ def _gathered_ids(ids: Tensor, ctx: TPContext) -> Tensor:
     _last.ids, _last.version = weakref.ref(ids), ids._version
     _last.group, _last.gathered = ctx.group, gathered
     return gathered
+
+
+def _merge_channels(parts: Tensor, t: int) -> Tensor:
+    """``[T*N, ..., D/T]`` in rank-major blocks (block j: channels j) -> ``[N, ..., D]``."""
+    return parts.unflatten(0, (t, parts.shape[0] // t)).movedim(0, -2).flatten(-2)
+
+
+def _to_local(local: Tensor, ctx: TPContext) -> Tensor:
+    """This rank's channels of the TP group's samples -> this rank's samples, every channel.
+
+    The ``sharded`` -> ``local`` move of ``dist_ops.leave``, with both collectives on contiguous dim-0
+    blocks and the channels merged by a local copy. MPI's strided datatypes along the channel
+    dimension cost 4-12x more here on an embedding's narrow rows (benchmarks/results/tensor_ncf.md):
+    the backward all-to-all and the prescaled all-gather.
+    """
+    assert ctx.group is not None
+    if ctx.prescaled_batch:
+        return _merge_channels(col.all_gather(local, 0, ctx.group), ctx.size)
+    return _merge_channels(col.all_to_all(local, 0, 0, ctx.group), ctx.size)
 
 
 def _check_vocab_parallel(
@@ -203,7 +222,7 @@ class DistributedEmbedding(DistributedModule):
         local = self.lookup(all_ids)
         if self.skip_scatter_and_merge:
             return local
-        return leave(local, ctx, "sharded")
+        return _to_local(local, ctx)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, " + super().extra_repr()
