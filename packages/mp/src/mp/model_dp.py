@@ -16,6 +16,7 @@ from torch import nn
 from mp.errors import SMPRuntimeError
 from mp.model_extras import reduce_with_hook
 from mp.model_partition import _PLACEHOLDER, PartitionMixin
+from mp.sparse_grads import reduce_sparse_gradients, sparse_grad_parameters
 from mp.state import state
 from mp_comm import GroupKind
 from mp_comm.world import mpi_comm_of
@@ -117,6 +118,8 @@ class DataParallelMixin(PartitionMixin):
         if not self._overlap_enabled or group is None:
             return None
         params = [p for p in self._local_params() if p.requires_grad]
+        if sparse_grad_parameters(self.module):  # sparse gradients cannot join the buckets
+            return None
         # Replicas may launch a bucket at different moments relative to the step's agreement (agree_any,
         # gloo on CPU tensors), so the buckets must travel on another channel than it: MPI for CPU
         # tensors, NCCL for CUDA ones. Otherwise (torchrun on CPU, ranks sharing a GPU) stay synchronous.
@@ -145,6 +148,11 @@ class DataParallelMixin(PartitionMixin):
             hook, hook_state = self._comm_hook
             reduce_with_hook(hook, hook_state, params, dp_group, self._bucket_bytes)
             return
+        sparse_ids = sparse_grad_parameters(self.module)
+        if sparse_ids:  # only the rows the step looked up travel, outside the dense buckets
+            sparse = [p for p in params if id(p) in sparse_ids]
+            params = [p for p in params if id(p) not in sparse_ids]
+            self._reduce_sparse_gradients(sparse, dp_group)
         if cfg.tp == 1:
             reduce_gradients(params, dp_group, bucket_bytes=self._bucket_bytes)
             return
@@ -157,6 +165,18 @@ class DataParallelMixin(PartitionMixin):
         rdp_size = dist.get_world_size(rdp)
         divisor = rdp_size if cfg.prescaled_batch else rdp_size * cfg.tp
         reduce_gradients(scaled, rdp, bucket_bytes=self._bucket_bytes, divisor=divisor)
+
+    def _reduce_sparse_gradients(self, params: list[nn.Parameter], dp_group: dist.ProcessGroup) -> None:
+        """Sparse embedding gradients, over the groups and with the divisors of the dense ones."""
+        cfg = state.require()[0]
+        scaled = [p for p in params if cfg.tp > 1 and is_scaled_batch_parameter(p)]
+        others = [p for p in params if not (cfg.tp > 1 and is_scaled_batch_parameter(p))]
+        if others:
+            reduce_sparse_gradients(others, dp_group, dist.get_world_size(dp_group))
+        if scaled:
+            rdp = state.process_groups[GroupKind.RDP]
+            rdp_size = dist.get_world_size(rdp)
+            reduce_sparse_gradients(scaled, rdp, rdp_size if cfg.prescaled_batch else rdp_size * cfg.tp)
 
     def _sync_replicas(self, *, first: bool) -> None:
         group = state.process_groups.get(GroupKind.DP)
