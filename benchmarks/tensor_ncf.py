@@ -1,45 +1,81 @@
 """Seed 001 §7.3 on CPU: NCF with large embedding tables, tensor parallelism across data-parallel ranks
-versus feeding the same batch to every tp_rank (Megatron-style), at the same global batch size.
+against feeding the same batch to both tp_ranks (Megatron-style), at the same global batch, on the
+user's path: ``smp.init``, ``smp.set_tensor_parallelism`` on the four tables (as examples/ncf_tp.py),
+``smp.DistributedModel``, ``@smp.step``, ``smp.DistributedOptimizer``. The MLP stays data-parallel.
 
-Only the four embedding tables are distributed (DistributedEmbedding, tp=2); the MLP is data-parallel.
-"tp-across-dp": each rank has its own batch of b samples (global 2b). "same-batch": both ranks get the
-same 2b samples (prescaled_batch; global 2b). Runs interleave the two; samples/s = global batch / step.
+* ``tp-across-dp``: ``{"tensor_parallel_degree": 2, "ddp": True}``, each rank its own B samples;
+* ``same-batch``: the same plus ``prescaled_batch`` (``optimize: "speed"``, as smp requires), both
+  ranks the same 2B samples;
+* the same two ``(before)``: DistributedEmbedding as before its two fixes (each lookup gathers its
+  indices; the output exchange on MPI's strided datatypes along the channels).
 
-Run: mpiexec -n 2 python benchmarks/tensor_ncf.py   (writes benchmarks/results/tensor_ncf.{json,md})
+Every mode is first checked against plain PyTorch in one process (the global batch's loss over a few
+steps, with the optimizer). Timing: ``--rounds`` rounds, each mode once per round (order rotated; a
+fresh ``smp.init`` each time), ``--steps`` timed steps after ``--warmup``; step time = the slowest
+rank's; samples/s = global batch / median step. Ratio = median over rounds of same-batch step time /
+TP-across-DP step time in the same round. Then every term of the cost model (_tensor_ncf_cost.py) is
+timed on its own and the predicted and best ratios are reported beside the measured one.
+
+    python benchmarks/tensor_ncf.py [--optimizer sgd|adam] [--sparse] [--rounds 7] [--tag NAME]
+
+starts itself under ``mpiexec -n 2``. Writes benchmarks/results/tensor_ncf[_NAME].{json,md}.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import statistics
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
+from _launch import relaunch, rotated, under_mpi
 
-from mp_tensor.context import TPContext
-from mp_tensor.grads import reduce_gradients
-from mp_tensor.nn import DistributedEmbedding
+RESULTS = Path(__file__).resolve().parent / "results"
+RANKS = 2
 
-USERS, ITEMS, MLP_DIM, GMF_DIM = 50_000, 2_000, 128, 32
-GLOBAL_BATCH, STEPS, WARMUP, ROUNDS = 4096, 6, 2, 3
+if __name__ == "__main__" and not under_mpi():
+    sys.exit(relaunch(__file__, RANKS))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tensor_ncf_cost import analytic, measure, predict  # noqa: E402
+
+import mp as smp  # noqa: E402
+import mp_tensor.nn.embedding as embedding_module  # noqa: E402
+from mp_tensor.dist_ops import gather_samples, leave  # noqa: E402
+
+DIMS = {"users": 50_000, "items": 2_000, "mlp_dim": 128, "gmf_dim": 32, "global_batch": 4096}
+MODES = ("tp-across-dp", "same-batch", "tp-across-dp (before)", "same-batch (before)")
+CHECK_STEPS, TOL = 3, 1e-5
 
 
 class NCF(nn.Module):
-    def __init__(self, ctx: TPContext) -> None:
+    """NeuMF: GMF (product of two embeddings) beside an MLP over two embeddings; plain PyTorch."""
+
+    def __init__(self, sparse: bool) -> None:
         super().__init__()
-        self.user_mlp = DistributedEmbedding(USERS, MLP_DIM, tp=ctx)
-        self.item_mlp = DistributedEmbedding(ITEMS, MLP_DIM, tp=ctx)
-        self.user_gmf = DistributedEmbedding(USERS, GMF_DIM, tp=ctx)
-        self.item_gmf = DistributedEmbedding(ITEMS, GMF_DIM, tp=ctx)
+        users, items, d_mlp, d_gmf = (DIMS[k] for k in ("users", "items", "mlp_dim", "gmf_dim"))
+        self.user_mlp = nn.Embedding(users, d_mlp, sparse=sparse)
+        self.item_mlp = nn.Embedding(items, d_mlp, sparse=sparse)
+        self.user_gmf = nn.Embedding(users, d_gmf, sparse=sparse)
+        self.item_gmf = nn.Embedding(items, d_gmf, sparse=sparse)
         self.mlp = nn.Sequential(
-            nn.Linear(2 * MLP_DIM, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 64)
+            nn.Linear(2 * d_mlp, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 64)
         )
-        self.out = nn.Linear(64 + GMF_DIM, 1)
+        self.out = nn.Linear(64 + d_gmf, 1)
+
+    def tables(self) -> list[nn.Embedding]:
+        return [self.user_mlp, self.item_mlp, self.user_gmf, self.item_gmf]
 
     def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
         mlp = self.mlp(torch.cat((self.user_mlp(users), self.item_mlp(items)), -1))
@@ -47,78 +83,238 @@ class NCF(nn.Module):
         return self.out(torch.cat((mlp, gmf), -1)).squeeze(-1)  # type: ignore[no-any-return]
 
 
-def run(mode: str, group: dist.ProcessGroup) -> float:
-    rank = dist.get_rank()
-    prescaled = mode == "same-batch"
-    ctx = TPContext(group=group, prescaled_batch=prescaled)
+def make_opt(args: argparse.Namespace, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=0.05)
+    if args.sparse:  # Adam takes no sparse gradients; SparseAdam only sparse ones
+        raise SystemExit("--optimizer adam with --sparse: use --optimizer sgd")
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def batches(n: int, first: int) -> list[tuple[torch.Tensor, ...]]:
+    """``n`` global batches (users, items, labels), the same on every rank."""
+    out = []
+    for step in range(first, first + n):
+        g = torch.Generator().manual_seed(1000 + step)
+        size = DIMS["global_batch"]
+        u = torch.randint(0, DIMS["users"], (size,), generator=g)
+        i = torch.randint(0, DIMS["items"], (size,), generator=g)
+        out.append((u, i, torch.randint(0, 2, (size,), generator=g).float()))
+    return out
+
+
+@contextlib.contextmanager
+def as_before(enabled: bool) -> Iterator[None]:
+    """With ``enabled``, DistributedEmbedding gathers per lookup and exchanges along the channels."""
+    saved = embedding_module._gathered_ids, embedding_module._to_local
+    if enabled:
+        embedding_module._gathered_ids = gather_samples
+        embedding_module._to_local = lambda local, ctx: leave(local, ctx, "sharded")
+    try:
+        yield
+    finally:
+        embedding_module._gathered_ids, embedding_module._to_local = saved
+
+
+@smp.step
+def train_step(model: Any, users: torch.Tensor, items: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    loss = F.binary_cross_entropy_with_logits(model(users, items), y)
+    model.backward(loss)
+    return loss
+
+
+class Session:
+    """One mode after its own smp.init: the distributed model, its optimizer and this rank's data."""
+
+    def __init__(self, mode: str, args: argparse.Namespace) -> None:
+        self.same = mode.startswith("same-batch")
+        cfg: dict[str, Any] = {"tensor_parallel_degree": RANKS, "ddp": True}
+        if self.same:
+            cfg.update(prescaled_batch=True, optimize="speed")
+        smp.init(cfg)
+        torch.manual_seed(0)
+        model = NCF(args.sparse)
+        for table in model.tables():
+            smp.set_tensor_parallelism(table)  # the tables only; the MLP stays data-parallel
+        self.model = smp.DistributedModel(model)
+        assert sum(1 for _ in self.model.distributed_modules()) == 4
+        self.opt = smp.DistributedOptimizer(make_opt(args, list(self.model.parameters())))
+
+    def mine(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if self.same:
+            return batch
+        n = DIMS["global_batch"] // RANKS
+        return tuple(x[smp.rank() * n : (smp.rank() + 1) * n] for x in batch)
+
+    def step(self, batch: tuple[torch.Tensor, ...], global_loss: bool = False) -> float:
+        """One training step; this rank's loss, or (collective) the global batch's."""
+        loss = float(train_step(self.model, *self.mine(batch)).reduce_mean())
+        self.opt.step()
+        self.opt.zero_grad()
+        if not global_loss or self.same:
+            return loss
+        return sum(smp.allgather(loss, smp.TP_GROUP)) / RANKS
+
+    def timed(self, data: list[tuple[torch.Tensor, ...]], warmup: int) -> list[float]:
+        """Seconds of each step after ``warmup`` (the slowest rank's)."""
+        times = []
+        for k, batch in enumerate(data):
+            dist.barrier()
+            start = time.perf_counter()
+            self.step(batch)
+            elapsed = time.perf_counter() - start
+            if k >= warmup:
+                times.append(elapsed)
+        t = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+
+def plain_losses(args: argparse.Namespace) -> list[float]:
     torch.manual_seed(0)
-    model = NCF(ctx)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    local = GLOBAL_BATCH if prescaled else GLOBAL_BATCH // 2
-    gen = torch.Generator().manual_seed(100 + (0 if prescaled else rank))
-    times = []
-    for step in range(WARMUP + STEPS):
-        users = torch.randint(0, USERS, (local,), generator=gen)
-        items = torch.randint(0, ITEMS, (local,), generator=gen)
-        labels = torch.randint(0, 2, (local,), generator=gen).float()
-        dist.barrier(group)
-        start = time.perf_counter()
-        loss: torch.Tensor = F.binary_cross_entropy_with_logits(model(users, items), labels)
-        opt.zero_grad(set_to_none=False)
+    model = NCF(args.sparse)
+    opt = make_opt(args, list(model.parameters()))
+    losses = []
+    for u, i, y in batches(CHECK_STEPS, 0):
+        loss = F.binary_cross_entropy_with_logits(model(u, i), y)
         loss.backward()  # type: ignore[no-untyped-call]
-        reduce_gradients(
-            model.parameters(), dp_group=group, rdp_group=None, tp_size=2, prescaled_batch=prescaled
-        )
         opt.step()
-        dist.barrier(group)
-        if step >= WARMUP:
-            times.append(time.perf_counter() - start)
-    return GLOBAL_BATCH / statistics.median(times)
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    p.add_argument("--sparse", action="store_true", help="nn.Embedding(sparse=True) (SGD only)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--steps", type=int, default=6, help="timed steps per mode and round")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=15, help="repetitions of each cost-model term")
+    p.add_argument("--tag", default="", help="suffix of the results files")
+    args = p.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method="tcp://127.0.0.1:29571",
-        rank=int(os.environ["PMI_RANK"]),
-        world_size=int(os.environ["PMI_SIZE"]),
+    want = plain_losses(args)
+    checks: dict[str, float] = {}
+    for mode in MODES:
+        session = Session(mode, args)
+        with as_before("before" in mode):
+            got = [session.step(b, global_loss=True) for b in batches(CHECK_STEPS, 0)]
+        checks[mode] = max(abs(a - b) for a, b in zip(got, want, strict=True))
+        smp.reset()
+        if checks[mode] >= TOL:
+            raise SystemExit(f"{mode}: losses {got} differ from plain PyTorch's {want}")
+    data = batches(args.warmup + args.steps, CHECK_STEPS)
+    step_s: dict[str, list[float]] = {m: [] for m in MODES}
+    load = [os.getloadavg()[0]]
+    for r in range(args.rounds):
+        for mode in rotated(MODES, r):
+            session = Session(mode, args)
+            with as_before("before" in mode):
+                step_s[mode].append(statistics.median(session.timed(data, args.warmup)))
+            smp.reset()
+        load.append(os.getloadavg()[0])
+    smp.init({"tensor_parallel_degree": RANKS, "ddp": True})
+    terms = measure(
+        lambda: NCF(args.sparse),
+        lambda ps: make_opt(args, ps),
+        DIMS,
+        sparse=args.sparse,
+        group=smp.get_tp_process_group(),
+        reps=args.reps,
     )
-    group = dist.new_group([0, 1])
-    rates: dict[str, list[float]] = {"tp-across-dp": [], "same-batch": []}
-    for _ in range(ROUNDS):
-        for mode, values in rates.items():
-            values.append(run(mode, group))
-    if dist.get_rank() == 0:
-        med = {m: statistics.median(v) for m, v in rates.items()}
-        result = {
-            "config": {
-                "users": USERS, "items": ITEMS, "mlp_dim": MLP_DIM, "gmf_dim": GMF_DIM,
-                "global_batch": GLOBAL_BATCH, "tp": 2, "ranks": 2, "backend": "gloo", "threads_per_rank": 1,
-            },
-            "samples_per_s": rates,
-            "median_samples_per_s": med,
-            "ratio_tp_across_dp_over_same_batch": med["tp-across-dp"] / med["same-batch"],
-        }  # fmt: skip
-        out = Path(__file__).parent / "results"
-        out.mkdir(exist_ok=True)
-        (out / "tensor_ncf.json").write_text(json.dumps(result, indent=2) + "\n")
-        lines = [
-            "# NCF, embeddings distributed over tp=2 (seed 001 §7.3 on CPU)",
-            "",
-            f"{USERS} users, {ITEMS} items, MLP dim {MLP_DIM}, GMF dim {GMF_DIM}, "
-            f"global batch {GLOBAL_BATCH}, 2 ranks (gloo, 1 thread each), median of interleaved rounds.",
-            "",
-            "| mode | per-rank batch | samples/s |",
-            "|---|---|---|",
-            f"| TP across DP ranks | {GLOBAL_BATCH // 2} | {med['tp-across-dp']:.0f} |",
-            f"| same batch on both tp_ranks | {GLOBAL_BATCH} | {med['same-batch']:.0f} |",
-            "",
-            f"ratio: {result['ratio_tp_across_dp_over_same_batch']:.2f}x",
-        ]
-        (out / "tensor_ncf.md").write_text("\n".join(lines) + "\n")
-        print("\n".join(lines))
-    dist.destroy_process_group()
+    load.append(os.getloadavg()[0])
+    if smp.rank() == 0:
+        report(args, step_s, terms, checks, load)
+    smp.shutdown()
+
+
+def _span(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
+
+
+def paired(step_s: dict[str, list[float]], slow: str, fast: str) -> list[float]:
+    """Per round: ``slow``'s step time over ``fast``'s."""
+    return [a / b for a, b in zip(step_s[slow], step_s[fast], strict=True)]
+
+
+def report(
+    args: argparse.Namespace,
+    step_s: dict[str, list[float]],
+    terms: dict[str, float],
+    checks: dict[str, float],
+    load: list[float],
+) -> None:
+    gb = DIMS["global_batch"]
+    ratios = paired(step_s, "same-batch", "tp-across-dp")
+    before = paired(step_s, "same-batch (before)", "tp-across-dp (before)")
+    fix_tp = paired(step_s, "tp-across-dp (before)", "tp-across-dp")
+    fix_same = paired(step_s, "same-batch (before)", "same-batch")
+    med = {m: statistics.median(v) for m, v in step_s.items()}
+    model = predict(terms)
+    sizes = analytic(DIMS, RANKS)
+    variant = f"{args.optimizer}, {'sparse' if args.sparse else 'dense'} embedding gradients"
+    result = {
+        "config": {**DIMS, "tp": RANKS, "ranks": RANKS, "threads_per_rank": 1, "optimizer": args.optimizer,
+                   "sparse": args.sparse, "rounds": args.rounds, "steps": args.steps},
+        "check_max_loss_diff_vs_plain": checks,
+        "step_s": step_s,
+        "samples_per_s": {m: gb / v for m, v in med.items()},
+        "ratio_per_round": ratios,
+        "ratio_median": statistics.median(ratios),
+        "ratio_before_per_round": before,
+        "speedup_of_the_fixes_per_round": {"tp-across-dp": fix_tp, "same-batch": fix_same},
+        "cost_terms_s": terms,
+        "cost_model": model,
+        "analytic_per_rank_step": sizes,
+        "load_average_1min": load,
+    }  # fmt: skip
+    name = "tensor_ncf" + (f"_{args.tag}" if args.tag else "")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    ms = 1e3
+    d = DIMS
+    lines = [
+        f"# NCF, embeddings over tp=2: TP across DP vs the same batch on both tp_ranks ({variant})",
+        "",
+        f"{d['users']} users, {d['items']} items, MLP dim {d['mlp_dim']}, GMF dim {d['gmf_dim']}, "
+        f"MLP 256-128-64, global batch {gb}; 2 ranks, 1 thread each; smp.init / set_tensor_parallelism "
+        f"/ DistributedModel / smp.step / DistributedOptimizer. {args.rounds} interleaved rounds of "
+        f"{args.steps} steps. Every mode equals plain PyTorch (max loss difference over {CHECK_STEPS} "
+        "steps: " + ", ".join(f"{m} {v:.1e}" for m, v in checks.items()) + "). Load average (1 min) "
+        f"during the run: {min(load):.1f}-{max(load):.1f} on {os.cpu_count()} cores.",
+        "",
+        "| mode | per-rank batch | step ms (median) | samples/s |",
+        "|---|---|---|---|",
+        *(
+            f"| {m} | {gb if m.startswith('same') else gb // RANKS} | {med[m] * ms:.1f} | {gb / med[m]:.0f} |"
+            for m in MODES
+        ),
+        "",
+        f"**Ratio** (same-batch step / TP-across-DP step, per round): **{_span(ratios)}**. Before the "
+        f"embedding's fixes: {_span(before)}. The fixes sped up TP across DP {_span(fix_tp)} and the "
+        f"same-batch baseline {_span(fix_same)} (median, range over rounds).",
+        "",
+        "## Analytic, per rank and step",
+        "",
+        "| quantity | TP across DP | same batch |",
+        "|---|---|---|",
+        *(f"| {k} | {v['tp-across-dp']:,.0f} | {v['same-batch']:,.0f} |" for k, v in sizes.items()),
+        "",
+        "## Cost model (each term timed on its own, both ranks at once; ms per step)",
+        "",
+        "| term | ms |",
+        "|---|---|",
+        *(f"| {k} | {v * ms:.2f} |" for k, v in terms.items()),
+        "",
+        "| model | value |",
+        "|---|---|",
+        *(f"| {k} | {v * ms:.1f} ms |" for k, v in model.items() if not k.startswith("ratio")),
+        *(f"| {k} | {v:.2f}x |" for k, v in model.items() if k.startswith("ratio")),
+    ]
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":
