@@ -94,8 +94,8 @@ NOTES: dict[str, tuple[Status, str]] = {
         "built",
         "False leaves a sharded (sdp or shard_optimizer_state) optimizer state unloaded",
     ),
-    "delay_param_initialization": ("differs", "not with tensor_parallel_degree > 1 (smp.init refuses it)"),
-    "model_creation": ("differs", "delayed init not with tensor_parallel_degree > 1 (smp.init refuses it)"),
+    "delay_param_initialization": ("built", "with pp and tp: each rank materializes its stage and TP shards"),
+    "model_creation": ("built", "delayed init with pp and tp: each rank materializes its stage and shards"),
     # -- tensor parallelism, activation checkpointing
     "checkpoint": ("built", "smp's patches.checkpoint.checkpoint"),
     "patches.checkpoint.checkpoint": ("differs", "not importable by this path: use smp.checkpoint"),
