@@ -56,6 +56,6 @@ def test_a_failed_write_names_the_file_rank_bytes_and_free_space(tmp_path: Path)
         assert text.startswith(f"{kind}: rank {rank} could not write checkpoint file "), text
         assert f"{tmp_path}{os.sep}{file}" in text, text
         assert reason in text, text
-        assert f"about {nbytes} bytes to write" in text and "bytes free in" in text, text
+        assert f"at least {nbytes} bytes to write" in text and "bytes free in" in text, text
         assert "Fix: free space there or choose another folder" in text, text
     assert sorted(os.listdir(tmp_path)) == [], os.listdir(tmp_path)  # nothing torn left behind

@@ -71,7 +71,7 @@ def _tensor_bytes(obj: Any, seen: set[int] | None = None) -> int:
 
 
 def write_error(exc: BaseException, path: str, rank: int, nbytes: int) -> CheckpointWriteError | None:
-    """The readable error for a failed write of about ``nbytes`` to ``path`` (None when ``exc`` is not a
+    """The readable error for a failed write of at least ``nbytes`` to ``path`` (None when ``exc`` is not a
     write failure: an unpicklable object, say): the path, the rank, the bytes and the space left."""
     if not isinstance(exc, OSError) and not (
         isinstance(exc, RuntimeError) and any(m in str(exc) for m in _WRITE_FAILED)
@@ -93,7 +93,7 @@ def write_error(exc: BaseException, path: str, rank: int, nbytes: int) -> Checkp
         else:
             reason = f"torch's writer failed ({reason})"
     return CheckpointWriteError(
-        f"rank {rank} could not write checkpoint file {path!r}: {reason} (about {nbytes:,} bytes to "
+        f"rank {rank} could not write checkpoint file {path!r}: {reason} (at least {nbytes:,} bytes to "
         f"write; {space} in {folder!r}). Fix: free space there or choose another folder (check the quota "
         "and `ulimit -f` too); the checkpoints saved before this one are untouched."
     )
