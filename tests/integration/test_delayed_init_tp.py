@@ -10,6 +10,7 @@ its pipeline stage's parameters and, of those, its own tensor-parallel shards.
   first step), training equals the eager-built TP model's: losses and the gathered state dict after the
   steps, rtol 1e-5.
 - At tp=2 and at tp=2 x pp=2.
+- What a shard draws again (mp_tensor's ``ParamInit``) is what its module's constructor drew, sliced.
 """
 
 from __future__ import annotations
@@ -144,3 +145,33 @@ def test_delayed_tp_materializes_its_shards_and_trains_like_eager(
             )  # fmt: skip
     if pp > 1:
         assert {res["pp_rank"] for res in results} == {0, 1}
+
+
+def test_each_shard_init_draws_what_its_constructor_drew() -> None:
+    """mp_tensor's ParamInit (what delayed initialization draws again) reproduces the constructors' values
+    from the same random state, and a shard is its slice of the full draw."""
+    from mp_tensor.context import TPContext
+    from mp_tensor.nn.base import ParamInit, param_init
+    from mp_tensor.nn.embedding import DistributedEmbedding
+    from mp_tensor.nn.linear import LinearShard
+
+    ctx = TPContext(group=None)
+    builds = {
+        "uniform": lambda: LinearShard(ctx, 6, 10, weight_split=1),
+        "normal": lambda: LinearShard(ctx, 6, 10, weight_split=0, use_normal=True, initializer_range=0.1),
+        "embedding": lambda: DistributedEmbedding(9, 4, padding_idx=2, initializer_range=0.3, tp=ctx),
+    }
+    for kind, build in builds.items():
+        torch.manual_seed(11)
+        module = build()
+        torch.manual_seed(11)
+        for name, p in module.named_parameters():
+            init = param_init(p)
+            assert init is not None, (kind, name)
+            assert torch.equal(init.draw(), p.detach()), (kind, name)
+    torch.manual_seed(5)
+    full = torch.empty(4, 6).normal_(0.0, 0.5)
+    for rank in range(2):
+        torch.manual_seed(5)
+        shard = ParamInit((4, 6), "normal", 0.5, 1, rank, 2).draw()
+        assert torch.equal(shard, full[:, rank * 3 : rank * 3 + 3])
