@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -213,12 +213,13 @@ def branch_change(world: Any, mode: str) -> dict[str, Any]:
             "pipeline_parallel_degree": 2,
             "microbatches": 2,
             "static_mode": mode == "static",
-            "fast_mode": mode == "fast",
+            # "auto": unset, mp's default (the fast-mode shortcut, with a changed step run again)
+            "fast_mode": None if mode == "auto" else mode == "fast",
             "auto_partition": False,
             "default_partition": 0,
         }
     )
-    steps = RECORD_STEPS + 2 + (mode == "fast")  # fast mode records from the second step
+    steps = RECORD_STEPS + 2 + (mode != "static")  # fast mode records from the second step
 
     def data(s: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids, target = batch("reuse", s, 0)
@@ -262,17 +263,28 @@ def branch_change(world: Any, mode: str) -> dict[str, Any]:
     diff = None
     if error is None:
         diff = first_difference(model.state_dict(), ref.state_dict())
-    return {"rank": smp.rank(), "error": error, "losses": losses, "ref_losses": ref_losses, "params": diff}
+    assert model._runtime is not None
+    relearned = model._runtime.relearned
+    return {
+        "rank": smp.rank(),
+        "error": error,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "params": diff,
+        "relearned": relearned,
+    }
 
 
-@pytest.mark.parametrize("mode", ["static", "fast"])
+@pytest.mark.parametrize("mode", ["static", "fast", "auto"])
 def test_a_branch_change_after_the_recording(worlds: Any, mode: str) -> None:
     """Fast mode: NotSupportedByFastModeError on every rank (no hang); static mode: falls back to full
-    messages and still trains exactly like plain PyTorch."""
+    messages and still trains exactly like plain PyTorch, and so does mp's default (fast_mode unset),
+    whose shortcut this branch leaves intact (no step has to run again)."""
     results = worlds.run(2, branch_change, mode, timeout=180)
     replay = RECORD_STEPS + 1  # the step whose branch differs from the recording
     for r in results:
         want = r["ref_losses"]
+        assert r["relearned"] == 0, r
         if mode == "fast":
             assert r["error"] is not None, f"rank {r['rank']}: no error"
             assert r["error"][0] == replay, r["error"]
@@ -309,11 +321,20 @@ class Chain(torch.nn.Module):
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def plain_sgd(ref: torch.nn.Module, data: Batches, microbatches: int) -> list[float]:
-    """The losses of plain PyTorch training ``ref`` (MSE, SGD) on ``data`` split into microbatches."""
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+def plain_sgd(
+    ref: torch.nn.Module,
+    data: Batches,
+    microbatches: int,
+    before: Callable[[int], None] | None = None,
+    lr: float = 0.1,
+) -> list[float]:
+    """The losses of plain PyTorch training ``ref`` (MSE, SGD) on ``data`` split into microbatches
+    (``before(step)`` runs before each step)."""
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
     losses = []
-    for x, y in data:
+    for s, (x, y) in enumerate(data):
+        if before is not None:
+            before(s)
         total = 0.0
         for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
             loss = torch.nn.functional.mse_loss(ref(xs), ys) / microbatches
@@ -326,16 +347,22 @@ def plain_sgd(ref: torch.nn.Module, data: Batches, microbatches: int) -> list[fl
 
 
 def fast_trainer(
-    net: torch.nn.Module, pp: int, owners: dict[str, int], microbatches: int
+    net: torch.nn.Module,
+    pp: int,
+    owners: dict[str, int],
+    microbatches: int,
+    *,
+    fast_mode: bool | None = True,
+    lr: float = 0.1,
 ) -> tuple[Any, Any, Any]:
     """``net`` under fast mode (children named in ``owners`` on those pp_ranks, the rest on 0), its SGD
-    optimizer and an MSE training step."""
+    optimizer and an MSE training step. ``fast_mode=None``: mp's default (the shortcut, with retries)."""
     with record_steps(RECORD_STEPS):
         smp.init(
             {
                 "pipeline_parallel_degree": pp,
                 "microbatches": microbatches,
-                "fast_mode": True,
+                "fast_mode": fast_mode,
                 "auto_partition": False,
                 "default_partition": 0,
             }
@@ -343,7 +370,7 @@ def fast_trainer(
         for name, owner in owners.items():
             smp.set_partition(getattr(net, name), owner)
         model = DistributedModel(net)
-        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
 
     @step
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -547,3 +574,47 @@ def test_fast_mode_refuses_a_handed_output_sent_elsewhere(worlds: Any, rewire: s
         assert r["error"][0] == rewire_at, r["error"]
         assert "'fast_mode' to False" in r["error"][1], r["error"][1]
         assert r["losses"] == pytest.approx(r["ref_losses"][:rewire_at], rel=1e-5, abs=1e-6), r
+
+
+def relay_auto(world: Any, changes: dict[int, str]) -> dict[str, Any]:
+    """The relay under mp's default config, rewired in the steps named in ``changes``."""
+    microbatches, steps = 2, 10
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 6, generator=g), torch.randn(8, generator=g)) for _ in range(steps)]
+    ref = Relay()
+    rewire = lambda s: setattr(ref, "rewire", changes.get(s, ""))  # noqa: E731
+    ref_losses = plain_sgd(ref, data, microbatches, rewire, lr=0.01)  # 0.1 diverges within 10 steps
+    net = Relay()
+    model, opt, train_step = fast_trainer(net, 4, RELAY_OWNERS, microbatches, fast_mode=None, lr=0.01)
+    losses, posted = [], []
+    for s, (x, y) in enumerate(data):
+        net.rewire = changes.get(s, "")
+        losses.append(train_step(x, y).reduce_mean().item())
+        opt.step()
+        opt.zero_grad()
+        assert model._runtime is not None
+        posted.append(model._runtime.last_stats["posted"])
+    assert model._runtime is not None
+    return {
+        "rank": smp.rank(),
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "params": first_difference(model.state_dict(), ref.state_dict()),
+        "posted": posted,
+        "relearned": model._runtime.relearned,
+    }
+
+
+def test_the_default_config_runs_a_step_again_when_the_shortcut_cannot_finish_it(worlds: Any) -> None:
+    """mp's default config follows fast mode's plan; a step that hands an output elsewhere (step 2) or to
+    two consumers (step 6) cannot finish under it, so every rank takes it back and runs it again on the
+    full path: no error, training stays exactly plain PyTorch's, and the plan is learned again."""
+    results = worlds.run(4, relay_auto, {2: "elsewhere", 6: "twice"}, timeout=240)
+    for r in results:
+        assert r["params"] is None, f"rank {r['rank']}: {r['params']}"
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6), r
+        assert r["relearned"] == 2, r
+    # the step run again and the next (the plan learned anew) go on the full path; rank 0 posts again
+    # from the step after those (its calls' responses then carried no data): steps 5 and 9
+    posted = results[0]["posted"]
+    assert [p > 0 for p in posted] == [False] * 5 + [True] + [False] * 3 + [True], posted

@@ -194,9 +194,11 @@ class ModelParallelConfig:
     (the DeepSpeed convention smp's implementation followed). An int is accepted."""
 
     # ----------------------------------------------------------------------- static graph
-    fast_mode: bool = _key(False, KeySpec(kind="bool", example="false"))
-    """Internal smp key: for a static graph, send tensors child-to-child rather than through the
-    parent. A graph change then raises NotSupportedByFastModeError. No rule ties it to other keys."""
+    fast_mode: bool | None = _key(None, KeySpec(kind="bool", nullable=True, example="true"))
+    """Internal smp key: send tensors child-to-child rather than through the parent. True: smp's fast
+    mode, where a step whose flow changed raises NotSupportedByFastModeError. None (mp's default,
+    unless ``static_mode`` is set): the same shortcut, and a step whose flow changed is taken back and
+    run again on the full path (mp.step_retry). False: every output returns through the parent."""
     static_mode: bool = _key(False, KeySpec(kind="bool", example="false"))
     """Internal smp key: for a static graph, skip the request/response exchange and post receives
     early. No rule ties it to other keys."""

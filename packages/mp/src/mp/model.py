@@ -35,30 +35,28 @@ from mp.errors import (
     BwdExecutionNotInStepFnError,
     FwdExecutionNotInStepFnError,
     MultipleDistributedModelError,
-    NotSupportedByFastModeError,
     SMPValidationError,
 )
 from mp.memory_report import install_memory_trace
 from mp.model_dp import DataParallelMixin
 from mp.model_extras import JoinState, check_constructor_args, join, register_comm_hook
 from mp.model_partition import _PLACEHOLDER
+from mp.model_retry import RetryMixin
 from mp.model_state import StateDictMixin
 from mp.offload import install_offloading
 from mp.precision import half_dtype
 from mp.sharded import refuse_under_sharding, shard_model
 from mp.state import state
+from mp.step_retry import ShortcutRetry
 from mp.tensor_api import replace_tp_modules
 from mp_comm import GroupKind, LoopbackTransport, Router, Transport, TransportConfig, World
 from mp_memory.precision import cast_floats
 from mp_partition import PartitionPlan, StepTimer
 from mp_pipeline import (
-    FlowChangedError,
     PipelineRuntime,
     Scheduler,
     TaskContext,
-    agree_any,
     capture,
-    caused_by,
     current,
     pipelined_backward,
     task_context,
@@ -110,7 +108,7 @@ def _pipeline_transport(world: World) -> Transport:
     return transport
 
 
-class DistributedModel(DataParallelMixin, StateDictMixin):
+class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
     """The smp model wrapper (reference §2.1); ``module`` is the user's model."""
 
     def __init__(
@@ -191,7 +189,11 @@ class DistributedModel(DataParallelMixin, StateDictMixin):
         self._overlap_enabled = overlapping_allreduce and cfg.tp == 1 and self._dp_size > 1
         self._overlap: OverlappedReduction | None = None
         self._microbatches = 1
-        self._fast_mode = cfg.fast_mode
+        self._fast_mode = cfg.fast_mode is True
+        # fast_mode unset (mp's default, unless static_mode is set): fast mode's shortcut, and a step
+        # whose flow changed is taken back and run again on the full path (mp.model_retry)
+        auto = cfg.fast_mode is None and not cfg.static_mode
+        self._retry = ShortcutRetry() if auto and self._pp > 1 else None
         # sharded_data_parallel_degree > 1: FSDP2 shards the model now and reduces its gradients itself
         self._sharded = shard_model(self.module)
         if self._sharded is not None:
@@ -206,8 +208,9 @@ class DistributedModel(DataParallelMixin, StateDictMixin):
                 rank=world.rank,
                 peers=self._pp_peers,
                 model_id=self._model_id,
-                static=cfg.static_mode or cfg.fast_mode,
-                strict=cfg.fast_mode,
+                static=cfg.static_mode or cfg.fast_mode is True or auto,
+                strict=cfg.fast_mode is True or auto,
+                retry=auto,
                 # TP modules issue collectives in the TP group: its servers run one order of events
                 tp_group=tuple(topo.group(GroupKind.TP, world.rank)) if cfg.tp > 1 else (),
             )
@@ -280,7 +283,7 @@ class DistributedModel(DataParallelMixin, StateDictMixin):
     def _run_step(
         self, func: Callable[..., Any], inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]
     ) -> list[Any]:
-        cfg, _, _ = state.require()
+        state.require()
 
         def body(mb: int) -> Any:
             args, kwargs = inputs[mb]
@@ -301,6 +304,29 @@ class DistributedModel(DataParallelMixin, StateDictMixin):
         self._microbatches = len(inputs)
         if self._join is not None:  # model.join(): count the replicas still running (mp.model_extras)
             self._join.step_started(self)
+        # mp's default pipeline: a step that fails under fast mode's plan runs again (mp.model_retry)
+        snapshot = self._before_attempt(flatten(inputs)[1])
+        results, error, did_backward = self._attempt(func, body, inputs, exec_state)
+        again = self._repeat_step(snapshot, error)
+        if again is not None:
+            results, error, did_backward = self._attempt(func, body, inputs, exec_state)
+            if error is not None:
+                error.add_note(f"(raised on the full path, where the step ran again after: {again!r})")
+        self._after_step(error, did_backward)
+        self._step_count += 1
+        if self._step_count == 1:
+            self._run_hooks(self._post_step_hooks)
+        return results
+
+    def _attempt(
+        self,
+        func: Callable[..., Any],
+        body: Callable[[int], Any],
+        inputs: list[tuple[tuple[Any, ...], dict[str, Any]]],
+        exec_state: Any,
+    ) -> tuple[list[Any], BaseException | None, bool]:
+        """Run the step's microbatches once: (results, the error or None, whether a backward ran)."""
+        cfg, _, _ = state.require()
         if self._reduces_this_step():
             overlap = self._overlap_reduction()
             if overlap is not None:
@@ -336,34 +362,7 @@ class DistributedModel(DataParallelMixin, StateDictMixin):
         did_backward = self._backward_calls > calls_before or (
             self._runtime is not None and self._runtime.remote.backward_requests > remote_before
         )
-        self._after_step(error, did_backward)
-        self._step_count += 1
-        if self._step_count == 1:
-            self._run_hooks(self._post_step_hooks)
-        return results
-
-    def _fast_mode_check(self, error: BaseException | None) -> BaseException | None:
-        """Fast mode: a flow that changed after the recording fails the step on every pipeline rank with
-        NotSupportedByFastModeError. A change found while sending aborted the step everywhere already;
-        one found only at its end (recorded messages left unsent) is agreed on over the pipeline."""
-        assert self._runtime is not None
-        if self._runtime.replaying_static:  # on every pipeline rank alike: the collective is safe
-            group = state.process_groups.get(GroupKind.PP)
-            mismatch = self._runtime.flow_mismatch if error is None else None
-            changed = mismatch is not None
-            if group is not None:
-                changed = agree_any([changed], group)[0]
-            if changed and error is None:
-                error = FlowChangedError(mismatch or "another rank of the pipeline sent other messages")
-        if error is not None and caused_by(error, FlowChangedError):
-            fast = NotSupportedByFastModeError(
-                f"the execution flow of the step changed after static mode recorded it: {error}. Fast "
-                "mode needs the same flow in every step: set 'fast_mode' to False (with static_mode the "
-                "runtime then falls back to full messages when the flow changes)."
-            )
-            fast.__cause__ = error
-            return fast
-        return error
+        return results, error, did_backward
 
     def _enter_collective(self, what: str) -> None:
         """Before a collective over the pipeline between steps: a clear error, not a hang, when a rank

@@ -37,9 +37,8 @@ __all__ = ["StepSnapshot", "changed_buffers"]
 
 
 def _rng_state() -> tuple[Any, ...]:
-    cuda = (
-        torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    )
+    initialized = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    cuda = torch.cuda.get_rng_state_all() if initialized else None
     numpy = sys.modules.get("numpy")
     return (
         torch.get_rng_state(),
