@@ -12,7 +12,9 @@ Jobs (``--job``):
   variant (TP across DP: each rank its half of the batch), the DTensor peers and the single-process
   variants (the peers and the single process need only the process group smp.init made);
 * ``speed-prescaled``: the same with ``"prescaled_batch": True`` (both ranks the whole batch);
-* ``memory``: ``"optimize": "memory"`` (TP across DP; smp's config refuses prescaled_batch there).
+* ``memory``: ``"optimize": "memory"`` (TP across DP; smp's config refuses prescaled_batch there);
+* ``speed-spin``: the ``speed`` config in processes started with ``MP_COMM_WAIT=spin`` (MPI's own busy
+  wait for mp's collectives instead of the default yield-then-sleep wait; read once per process).
 
 The DTensor peer is the same ``GPT2LMHeadModel`` class with the same weights under
 ``parallelize_module``. HF GPT-2's projections are ``Conv1D`` (weight ``[in, out]``), which
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,6 +72,7 @@ JOBS: dict[str, dict[str, Any]] = {
     "speed": {"tensor_parallel_degree": TP, "optimize": "speed"},
     "speed-prescaled": {"tensor_parallel_degree": TP, "optimize": "speed", "prescaled_batch": True},
     "memory": {"tensor_parallel_degree": TP, "optimize": "memory"},
+    "speed-spin": {"tensor_parallel_degree": TP, "optimize": "speed"},  # started with MP_COMM_WAIT=spin
 }
 
 
@@ -84,6 +88,8 @@ def gpt2_config(a: argparse.Namespace) -> GPT2Config:
         embd_pdrop=0.0,
         attn_pdrop=0.0,
         use_cache=False,
+        bos_token_id=0,  # inside the small vocabulary
+        eos_token_id=0,
     )
 
 
@@ -102,7 +108,8 @@ def data(a: argparse.Namespace) -> Tensor:
 class Variant:
     key: str
     step: Callable[[Tensor], Tensor]
-    """One training step (forward, backward, AdamW) on a global batch; returns the global mean loss."""
+    """One training step (forward, backward, AdamW) on a global batch; returns the mean loss over the
+    samples this rank was fed (the global batch, or its half under TP across DP)."""
     state: Callable[[bool], dict[str, Tensor]]
     """The full weights (True: their gradients) in Hugging Face's names and layout, shards gathered
     (collective for the distributed variants)."""
@@ -333,6 +340,10 @@ def build(job: str, a: argparse.Namespace) -> list[Variant]:
         variants += [mp_variant("mp-speed", a, prescaled=False)]
     elif job == "speed-prescaled":
         variants += [mp_variant("mp-speed-prescaled", a, prescaled=True)]
+    elif job == "speed-spin":
+        if os.environ.get("MP_COMM_WAIT") != "spin":
+            raise SystemExit("the speed-spin job runs with MP_COMM_WAIT=spin")
+        variants += [mp_variant("mp-speed-spin", a, prescaled=False)]
     else:
         variants += [mp_variant("mp-memory", a, prescaled=False)]
     return variants

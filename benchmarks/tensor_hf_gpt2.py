@@ -12,6 +12,9 @@ gloo, one thread per rank, bound to cores as ``mp-launch`` binds them. Variants:
 * **mp speed, prescaled** (``mp-speed-prescaled``): the same with ``"prescaled_batch": True``, both
   ranks fed the whole batch;
 * **mp memory** (``mp-memory``): ``"optimize": "memory"``, halves of the batch;
+* **mp speed, spin** (``mp-speed-spin``): mp speed in processes started with ``MP_COMM_WAIT=spin``
+  (MPI's busy wait in mp's collectives instead of the default yield-then-sleep wait), to show what the
+  wait policy is worth with and without competing processes;
 * **DTensor** (``dtensor-blocks``, ``dtensor-vocab``): the same model class with the same weights under
   ``torch.distributed.tensor.parallel.parallelize_module``, both ranks fed the whole batch. HF GPT-2's
   ``Conv1D`` projections (weight ``[in, out]``) are not accepted by ``ColwiseParallel`` /
@@ -24,7 +27,7 @@ gloo, one thread per rank, bound to cores as ``mp-launch`` binds them. Variants:
   the faster of the two;
 * **single process**, 1 thread and 2 threads (the cores the ranks share).
 
-mp needs one ``smp.init`` config per process, so the variants live in three 2-rank jobs started at once
+mp needs one ``smp.init`` config per process, so the variants live in four 2-rank jobs started at once
 and driven in turn through named pipes (an idle job sleeps in a blocking read). Before timing, each
 variant trains ``--check-steps`` steps on its own batches and its global losses and final weights (HF
 names and layout, shards gathered) are checked against plain HF training in one process.
@@ -64,8 +67,9 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 WORKER = HERE / "_tensor_hf_gpt2_worker.py"
 RANKS = 2
-JOBS = ("speed", "speed-prescaled", "memory")
-OURS = ("mp-speed", "mp-speed-prescaled", "mp-memory")
+JOBS = ("speed", "speed-prescaled", "memory", "speed-spin")
+JOB_ENV = {"speed-spin": {"MP_COMM_WAIT": "spin"}}
+OURS = ("mp-speed", "mp-speed-prescaled", "mp-memory", "mp-speed-spin")
 PEERS = ("dtensor-blocks", "dtensor-vocab")
 CONDITIONS = ("quiet", "loaded")
 LABELS = {
@@ -76,6 +80,7 @@ LABELS = {
     "mp-speed": "mp speed (TP across DP, batch/2 per rank)",
     "mp-speed-prescaled": "mp speed, prescaled_batch",
     "mp-memory": "mp memory (TP across DP)",
+    "mp-speed-spin": "mp speed, MP_COMM_WAIT=spin",
 }
 
 
@@ -87,7 +92,7 @@ class Job:
         self.pipes = [ctl / f"{name}.{r}" for r in range(RANKS)]
         for p in self.pipes:
             os.mkfifo(p)
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", **JOB_ENV.get(name, {}))
         cmd = [exe, "-n", str(RANKS), *bind, sys.executable, str(WORKER)]
         cmd += ["--job", name, "--ctl", str(ctl), "--model", json.dumps(model)]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
@@ -230,6 +235,8 @@ def analyse(args: argparse.Namespace, m: dict[str, Any]) -> dict[str, Any]:
                 row["over_dtensor_blocks"] = paired(s, times["dtensor-blocks"])
                 row["over_dtensor_vocab"] = paired(s, times["dtensor-vocab"])
                 row["over_best_dtensor"] = paired(s, best_peer)
+            if v == "mp-speed" and "mp-speed-spin" in times:
+                row["over_spin"] = paired(s, times["mp-speed-spin"])
             rows.append(row)
         out[cond] = rows
     return out
@@ -237,6 +244,26 @@ def analyse(args: argparse.Namespace, m: dict[str, Any]) -> dict[str, Any]:
 
 def _cell(p: dict[str, Any]) -> str:
     return f"**{p['median']:.2f}** ({p['q1']:.2f}-{p['q3']:.2f}), {p['rounds_faster']}/{p['rounds']}"
+
+
+def summary_table(rows: dict[str, Any]) -> list[str]:
+    """mp's variants against the best DTensor plan and one process, both conditions (docs/tensor.md)."""
+    lines = [
+        "| mp variant | quiet: vs best DTensor | loaded: vs best DTensor | quiet: vs 1 proc (1 thr, 2 thr) "
+        "| loaded: vs 1 proc (1 thr, 2 thr) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    by_key = {cond: {r["variant"]: r for r in rows[cond]} for cond in CONDITIONS}
+    for v in OURS:
+        if v not in by_key["quiet"]:
+            continue
+        q, ld = by_key["quiet"][v], by_key["loaded"][v]
+        cells = [_cell(q["over_best_dtensor"]), _cell(ld["over_best_dtensor"])]
+        cells += [
+            f"{r['over_single_1t']['median']:.2f}, {r['over_single_2t']['median']:.2f}" for r in (q, ld)
+        ]
+        lines.append(f"| {LABELS[v]} | {' | '.join(cells)} |")
+    return [*lines, ""]
 
 
 def markdown(args: argparse.Namespace, m: dict[str, Any], rows: dict[str, Any]) -> str:
@@ -248,8 +275,10 @@ def markdown(args: argparse.Namespace, m: dict[str, Any], rows: dict[str, Any]) 
         f"{args.vocab}, seq {args.seq}), float32, forward + backward + AdamW; global batch {args.batch} x "
         f"{args.seq} tokens; 2 ranks on gloo, 1 thread each, {os.cpu_count()} cores. {args.rounds} rounds, "
         f"each running the quiet and the loaded condition (order alternating), every variant {args.steps} "
-        "steps per condition in a rotated order. *Loaded*: one busy `python` spin loop per core, pinned "
-        "nowhere. Ratios: per round, the other's step time over this variant's (> 1: this one faster), "
+        "step(s) per condition in a rotated order. *Quiet*: no process of this benchmark's beside the "
+        "ranks (the host's other jobs ran on: see the load average below). *Loaded*: one busy `python` "
+        "spin loop per core, pinned nowhere. Ratios: per round, the other's step time over this "
+        "variant's (> 1: this one faster), "
         "median (q1-q3) over rounds, then the rounds this one was faster. *best DTensor*: per round the "
         "faster DTensor plan.",
         "",
@@ -259,6 +288,7 @@ def markdown(args: argparse.Namespace, m: dict[str, Any], rows: dict[str, Any]) 
         "meaning, not the absolute numbers.",
         "",
     ]
+    lines += summary_table(rows)
     for cond in CONDITIONS:
         lines += [
             f"## {cond}",
@@ -278,6 +308,13 @@ def markdown(args: argparse.Namespace, m: dict[str, Any], rows: dict[str, Any]) 
                 f"{' | '.join(peers)} | {r['over_single_1t']['median']:.2f} | "
                 f"{r['over_single_2t']['median']:.2f} |"
             )
+        spin = next((r["over_spin"] for r in rows[cond] if "over_spin" in r), None)
+        if spin is not None:
+            lines += [
+                "",
+                "mp speed with the default wait (`MP_COMM_WAIT=yield`) over the same with `spin`: "
+                f"{_cell(spin)} rounds faster ({spin['verdict']}, sign test p = {spin['sign_test_p']:.3f}).",
+            ]
         lines.append("")
     lines += [
         f"Checked before timing, against plain Hugging Face training in one process on the same batches: "
@@ -312,7 +349,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1, help="timed steps per variant per condition")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="tensor_hf_gpt2", help="results file stem")
+    parser.add_argument("--render", action="store_true", help="rewrite the markdown from the JSON only")
     args = parser.parse_args()
+    if args.render:
+        saved = json.loads((RESULTS / f"{args.out}.json").read_text())
+        args = argparse.Namespace(**{**saved["args"], "render": True})
+        m = {
+            "checks": saved["checks"],
+            "variants": list(saved["step_seconds"]["quiet"]),
+            "times": saved["step_seconds"],
+            "seconds": saved["seconds_timed"],
+            "load": saved["load_average"],
+        }
+        (RESULTS / f"{args.out}.md").write_text(markdown(args, m, analyse(args, m)))
+        return
     m = measure(args)
     rows = analyse(args, m)
     data = {
