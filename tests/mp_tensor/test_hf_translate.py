@@ -129,7 +129,7 @@ def test_encoder_translates_into_a_working_distributed_transformer(family: str) 
     )
 
 
-def test_families_without_a_layout_raise() -> None:
+def test_gpt_j_and_neo_translations_refuse_a_foreign_state_dict() -> None:
     for fn, family in (
         (gptj.translate_hf_gptj_state_dict_to_smdistributed_gptj, "gptj"),
         (gptj.translate_state_dict_to_hf_gptj, "gptj"),

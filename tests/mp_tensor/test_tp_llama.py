@@ -105,7 +105,7 @@ def _llama_case(world: Any, impl: str, prescaled: bool, extra: dict[str, Any]) -
         torch.manual_seed(0)
         ref = _model(impl=impl, **extra)
         torch.manual_seed(0)
-        with tensor_parallelism():
+        with tensor_parallelism(whole_stack=False):  # the blocks, not smp's whole GPT-J (test_tp_stack_gpt)
             tp_model = _model(impl=impl, **extra)
         tp_model, log = _replace(tp_model, ctx)
         gen = torch.Generator().manual_seed(5)

@@ -35,9 +35,12 @@ from mp_tensor.registry import Registration, Registry
 
 __all__ = [
     "ENCODERS",
+    "GPTJ_MODEL",
+    "GPTNEO_MODEL",
     "MODEL",
     "WHOLE_STACK_MODELS",
     "GPT2DistributedLMHead",
+    "HFDistributedLMHead",
     "registrations",
     "whole_stack_registry",
     "whole_stack_requested",
@@ -79,18 +82,67 @@ def check(module: nn.Module, tp_size: int) -> str | None:
     return gpt2.check(blocks[0], tp_size)
 
 
-class GPT2DistributedLMHead(DistributedTransformerLMHead):
-    """A ``DistributedTransformerLMHead`` standing in for a Hugging Face ``GPT2LMHeadModel`` (see the
-    module docstring); ``config`` is the original model's."""
+class HFDistributedLMHead(DistributedTransformerLMHead):
+    """A ``DistributedTransformerLMHead`` standing in for a Hugging Face causal LM (see the module
+    docstring): called with the model's arguments, returning its output type; ``config`` is the
+    original model's. Subclasses name the family and build the LM head's arguments from the config."""
 
     main_input_name = "input_ids"
     accepts_loss_kwargs = False  # the Trainer passes no num_items_in_batch: the loss is a mean
+    family = "GPT-2"
+    output_class = "CausalLMOutputWithCrossAttentions"
 
-    def __init__(self, config: Any, *, tp: TPContext | None = None, **overrides: Any) -> None:
-        kwargs = {**gpt2_lm_head_kwargs(config), **overrides}
+    def __init__(self, config: Any, kwargs: Mapping[str, Any], *, tp: TPContext | None = None) -> None:
+        kwargs = dict(kwargs)
         kwargs.pop("whole_stack", None)
         super().__init__(tp=tp, **kwargs)
         self.__dict__["config"] = config  # not a module: kept out of the state dict and of .children()
+
+    def hf_forward(  # noqa: PLR0917
+        self,
+        input_ids: Tensor | None,
+        cache: Any,
+        attention_mask: Tensor | None,
+        token_type_ids: Tensor | None,
+        position_ids: Tensor | None,
+        inputs_embeds: Tensor | None,
+        labels: Tensor | None,
+        logits_to_keep: int | Tensor,
+        return_dict: bool | None,
+        kwargs: Mapping[str, Any],
+        encoder_hidden_states: Tensor | None = None,
+    ) -> Any:
+        """The Hugging Face call, served by the LM head."""
+        who = f"the distributed {self.family} (smp's DistributedTransformerLMHead)"
+        _refuse(
+            who,
+            input_ids,
+            cache,
+            token_type_ids,
+            inputs_embeds,
+            encoder_hidden_states,
+            logits_to_keep,
+            kwargs,
+        )
+        assert input_ids is not None
+        # Hugging Face's mask marks the positions to attend with 1; smp's marks the masked ones.
+        masked = None if attention_mask is None else (attention_mask == 0).to(torch.long)
+        logits = super().forward((input_ids, masked, None, position_ids, None))
+        loss = None
+        if labels is not None:
+            loss = _causal_lm_loss(logits, labels)
+        if return_dict is False or (return_dict is None and not getattr(self.config, "return_dict", True)):
+            return (logits,) if loss is None else (loss, logits)
+        from transformers import modeling_outputs
+
+        return getattr(modeling_outputs, self.output_class)(loss=loss, logits=logits)
+
+
+class GPT2DistributedLMHead(HFDistributedLMHead):
+    """A ``DistributedTransformerLMHead`` standing in for a Hugging Face ``GPT2LMHeadModel``."""
+
+    def __init__(self, config: Any, *, tp: TPContext | None = None, **overrides: Any) -> None:
+        super().__init__(config, {**gpt2_lm_head_kwargs(config), **overrides}, tp=tp)
 
     def forward(  # type: ignore[override]  # noqa: PLR0917
         self,
@@ -109,25 +161,14 @@ class GPT2DistributedLMHead(DistributedTransformerLMHead):
         **kwargs: Any,
     ) -> Any:
         """``GPT2LMHeadModel.forward``'s arguments; returns ``CausalLMOutputWithCrossAttentions``."""
-        _refuse(
-            input_ids, cache, token_type_ids, inputs_embeds, encoder_hidden_states, logits_to_keep, kwargs
-        )
-        assert input_ids is not None
-        ids = input_ids
-        # Hugging Face's mask marks the positions to attend with 1; smp's marks the masked ones.
-        masked = None if attention_mask is None else (attention_mask == 0).to(torch.long)
-        logits = super().forward((ids, masked, None, position_ids, None))
-        loss = None
-        if labels is not None:
-            loss = _causal_lm_loss(logits, labels)
-        if return_dict is False or (return_dict is None and not getattr(self.config, "return_dict", True)):
-            return (logits,) if loss is None else (loss, logits)
-        from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
-
-        return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits)
+        return self.hf_forward(
+            input_ids, cache, attention_mask, token_type_ids, position_ids, inputs_embeds, labels,
+            logits_to_keep, return_dict, kwargs, encoder_hidden_states,
+        )  # fmt: skip
 
 
 def _refuse(  # noqa: PLR0917
+    who: str,
     input_ids: Tensor | None,
     cache: Any,
     token_type_ids: Tensor | None,
@@ -136,8 +177,7 @@ def _refuse(  # noqa: PLR0917
     logits_to_keep: int | Tensor,
     kwargs: Mapping[str, Any],
 ) -> None:
-    """The calls the distributed GPT-2 cannot serve, refused by name."""
-    who = "the distributed GPT-2 (smp's DistributedTransformerLMHead)"
+    """The calls the distributed model cannot serve, refused by name."""
     if input_ids is None or inputs_embeds is not None:
         raise TPInputError(
             f"{who} got input_ids=None (inputs_embeds given: {inputs_embeds is not None}); it embeds token "
@@ -150,7 +190,7 @@ def _refuse(  # noqa: PLR0917
             "use_cache=False, or build the model with whole_stack=False."
         )
     if token_type_ids is not None:
-        raise TPInputError(f"{who} got token_type_ids; GPT-2's token types are not mapped. Pass None.")
+        raise TPInputError(f"{who} got token_type_ids; token types are not mapped. Pass None.")
     if encoder_hidden_states is not None:
         raise TPInputError(f"{who} got encoder_hidden_states; cross attention is not mapped. Pass None.")
     if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
@@ -169,7 +209,7 @@ def _causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     ``prescaled_batch`` they are the TP group's (identical) samples, as are the labels."""
     if labels.shape[0] != logits.shape[0]:
         raise TPInputError(
-            f"the distributed GPT-2 got labels for {labels.shape[0]} samples and input_ids for "
+            f"the distributed language model got labels for {labels.shape[0]} samples and input_ids for "
             f"{logits.shape[0]}; pass labels of the same batch."
         )
     shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].to(logits.device)
@@ -209,7 +249,11 @@ ENCODERS = (
 )
 """Replaced whole by mp_tensor.hf.stack_bert (smp's ``encoder.seq_layers``)."""
 
-WHOLE_STACK_MODELS = frozenset({MODEL, *ENCODERS})
+GPTJ_MODEL = "transformers.models.gptj.modeling_gptj.GPTJForCausalLM"
+GPTNEO_MODEL = "transformers.models.gpt_neo.modeling_gpt_neo.GPTNeoForCausalLM"
+"""Replaced whole by mp_tensor.hf.stack_gpt (smp's GPT-J / GPT-Neo DistributedTransformerLMHead)."""
+
+WHOLE_STACK_MODELS = frozenset({MODEL, *ENCODERS, GPTJ_MODEL, GPTNEO_MODEL})
 """The models replaced whole, also at tp=1."""
 
 

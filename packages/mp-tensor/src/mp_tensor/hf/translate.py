@@ -8,8 +8,7 @@ functions convert between that layout and Hugging Face's (both unsharded), exact
   head is tied to the word embedding, as in smp). :func:`gpt2_lm_head_kwargs` builds the matching module.
 - BERT / RoBERTa (any model holding an ``encoder``) <-> the same keys with ``encoder.layer.<i>`` as a
   :class:`DistributedTransformer` (``encoder.seq_layers.<i>.*``); every other key is unchanged.
-- GPT-J and GPT-Neo: mp keeps Hugging Face's keys for them (smp's layout is not built); their
-  functions raise :class:`HFTranslationError` saying so.
+- GPT-J and GPT-Neo: :mod:`mp_tensor.hf.translate_gpt`.
 
 ``max_seq_len`` (to Hugging Face) adds the buffers that transformers < 4.31 saved in its state dicts
 (GPT-2's causal ``attn.bias``/``attn.masked_bias``, BERT's ``embeddings.position_ids``); current
@@ -19,7 +18,7 @@ transformers keeps them out of the state dict, so leave it None there.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -35,7 +34,6 @@ __all__ = [
     "gpt2_from_smp",
     "gpt2_lm_head_kwargs",
     "gpt2_to_smp",
-    "unsupported",
 ]
 
 _GPT2_BLOCK = {
@@ -232,21 +230,3 @@ def _encoder(
         mapped = _map_layer(family, i, block, names)
         out.update({f"{pre}{container}.{i}.{k}": v for k, v in mapped.items()})
     return out
-
-
-# ------------------------------------------------------------------------------------- not built here
-
-
-def unsupported(family: str) -> Callable[..., dict[str, Tensor]]:
-    """A translate function for a family mp has no transformer-level layout for: it raises."""
-
-    def translate(state_dict: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> dict[str, Tensor]:
-        raise _fail(
-            family,
-            f"mp does not build smp's distributed-transformer layout for {family}: its {family} blocks keep "
-            "Hugging Face's parameter names (distributed whole, or Linear by Linear), so a state dict from "
-            "mp needs no translation; save and load the model's state_dict() as it is. A checkpoint "
-            "written by smp itself in that layout cannot be read.",
-        )
-
-    return translate

@@ -1,10 +1,39 @@
-"""``smp.nn.huggingface.gptj``: smp's GPT-J translations. mp keeps Hugging Face's parameter names for
-GPT-J blocks (smp's distributed-transformer layout is not built), so both functions raise
-:class:`mp_tensor.errors.HFTranslationError` saying so."""
+"""``smp.nn.huggingface.gptj``: HF GPT-J <-> ``DistributedTransformerLMHead`` state dicts (full), the layout
+of the distributed GPT-J that ``smp.tensor_parallelism()`` builds (:mod:`mp_tensor.hf.translate_gpt`)."""
 
-from mp_tensor.hf.translate import unsupported
+from __future__ import annotations
 
-__all__ = ["translate_hf_gptj_state_dict_to_smdistributed_gptj", "translate_state_dict_to_hf_gptj"]
+from collections.abc import Mapping
 
-translate_state_dict_to_hf_gptj = unsupported("gptj")
-translate_hf_gptj_state_dict_to_smdistributed_gptj = unsupported("gptj")
+from torch import Tensor
+
+from mp_tensor.hf.stack_gpt import gptj_lm_head_kwargs
+from mp_tensor.hf.translate_gpt import gptj_from_smp, gptj_to_smp
+
+__all__ = [
+    "gptj_lm_head_kwargs",
+    "translate_hf_gptj_state_dict_to_smdistributed",
+    "translate_hf_gptj_state_dict_to_smdistributed_gptj",
+    "translate_state_dict_to_hf_gptj",
+]
+
+
+def translate_state_dict_to_hf_gptj(
+    state_dict: Mapping[str, Tensor], max_seq_len: int | None = None
+) -> dict[str, Tensor]:
+    """A ``DistributedTransformerLMHead`` state dict -> an HF ``GPTJForCausalLM`` one. ``max_seq_len``
+    adds the causal-mask buffers older transformers saved (leave None for current transformers)."""
+    return gptj_from_smp(state_dict, max_seq_len)
+
+
+def translate_hf_gptj_state_dict_to_smdistributed_gptj(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """An HF ``GPTJForCausalLM`` state dict -> the ``DistributedTransformerLMHead`` layout."""
+    return gptj_to_smp(state_dict)
+
+
+def translate_hf_gptj_state_dict_to_smdistributed(
+    state_dict: Mapping[str, Tensor], max_seq_len: int | None = None
+) -> dict[str, Tensor]:
+    """smp's older name of :func:`translate_hf_gptj_state_dict_to_smdistributed_gptj` (``max_seq_len``
+    unused, as in smp)."""
+    return gptj_to_smp(state_dict)
