@@ -29,8 +29,9 @@ gloo, one thread per rank, bound to cores as ``mp-launch`` binds them. Variants:
 
 mp needs one ``smp.init`` config per process, so the variants live in four 2-rank jobs started at once
 and driven in turn through named pipes (an idle job sleeps in a blocking read). Before timing, each
-variant trains ``--check-steps`` steps on its own batches and its global losses and final weights (HF
-names and layout, shards gathered) are checked against plain HF training in one process.
+variant trains ``--check-steps`` steps on its own batches; its global losses, first-step gradients and
+final weights (HF names and layout, shards gathered) are checked against plain HF training in one
+process, and the benchmark stops if any differs.
 
 Timing: ``--rounds`` rounds; each round runs the *quiet* and the *loaded* condition (their order
 alternating), and in each every variant ``--steps`` steps in an order rotated per round. *Loaded*: one
