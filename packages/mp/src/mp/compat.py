@@ -159,6 +159,18 @@ NOTES: dict[str, tuple[Status, str]] = {
     # -- smp.nn
     "nn.FlashAttentionLayer(triton_flash_attention)": ("differs", "True raises (no Triton kernel)"),
     "nn.FlashAttentionLayer(use_alibi)": ("differs", "True raises (no ALiBi)"),
+    "nn.DistributedTransformerLayer(use_alibi)": (
+        "built",
+        "on torch's SDPA (no Triton kernel); MPT's slopes, each TP rank its heads'",
+    ),
+    "nn.DistributedTransformerLayer(rotary_dim)": (
+        "built",
+        "with rotary_emb_base and gpt_neox_type_rotary (GPT-J or GPT-NeoX pairing); positions 0..S-1",
+    ),
+    "nn.DistributedTransformerLayer(window_size)": (
+        "built",
+        "sliding-window causal attention; needs causal_mask_size; per layer via attention_layers_type",
+    ),
     "nn.FlashAttentionLayer": (
         "differs",
         "torch's scaled_dot_product_attention; triton_flash_attention and ALiBi raise",

@@ -114,6 +114,10 @@ class DistributedTransformerLayer(DistributedModule):
         pre_layernorm: bool = False,
         post_layernorm: bool = True,
         *,
+        use_alibi: bool = False,
+        alibi_bias_max: float = 8.0,
+        rotary_dim: int | None = None,
+        window_size: int | None = None,
         tp: TPContext | None = None,
         **kwargs: Any,
     ) -> None:
