@@ -194,13 +194,6 @@ class Worlds:
             pool = self._pools[n] = Pool(n)
         return pool.run(fn, *args, timeout=timeout, **kwargs)
 
-    def _dump_stacks(self, ranks: Iterable[int]) -> None:
-        # faulthandler in each stuck rank writes all its threads' stacks to stderr (see _worker.py)
-        for rank in ranks:
-            with contextlib.suppress(ProcessLookupError, KeyError):
-                os.kill(self._pids[rank], signal.SIGUSR1)
-        time.sleep(1.0)
-
     def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
