@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import math
 import os
@@ -108,19 +109,39 @@ class Job:
             sys.stderr.write(f"[{self.name}] {line}")
         raise RuntimeError(f"job {self.name} ended (exit {self.proc.wait()}) before its '{kind}' line")
 
+    def _writer(self, path: Path) -> IO[str]:
+        """The write end of a rank's pipe, once the rank opened it (a plain open would block forever on
+        a job that died before opening it)."""
+        while True:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as exc:  # ENXIO: no reader yet
+                if exc.errno != errno.ENXIO:
+                    raise
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"job {self.name} ended (exit {self.proc.returncode})") from exc
+                time.sleep(0.05)
+                continue
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "w")
+
     def command(self, text: str) -> None:
         if not self.writers:
-            self.writers = [open(p, "w") for p in self.pipes]  # noqa: SIM115  # kept open for the run
+            self.writers = [self._writer(p) for p in self.pipes]  # kept open for the run
         for w in self.writers:
             w.write(text + "\n")
             w.flush()
 
     def close(self) -> None:
-        with contextlib.suppress(BrokenPipeError):
-            self.command("quit")
+        """Tell a job that is being driven to quit; kill one that never got that far."""
+        if self.writers and self.proc.poll() is None:
+            with contextlib.suppress(BrokenPipeError):
+                self.command("quit")
         for w in self.writers:
             with contextlib.suppress(BrokenPipeError):
                 w.close()
+        if not self.writers and self.proc.poll() is None:
+            self.proc.kill()
         self.proc.wait(timeout=120)
 
 
