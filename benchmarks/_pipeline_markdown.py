@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from _pipeline_common import ACTIVE_PLUS3
-from _pipeline_common import STAGES as P
-from _pipeline_probe import GAP_KINDS
+from _pipeline_gpt import GAP_KINDS
+from _pipeline_runners import ACTIVE_PLUS3
+from _pipeline_runners import STAGES as P
 
 __all__ = ["markdown"]
 
@@ -186,10 +186,10 @@ def markdown(p: dict[str, Any]) -> str:
         lines.append(f"| {r['system']} | {r['schedule']} | {r['microbatches']} | {cells[0]} | {cells[1]} |")
     lines += [
         "",
-        "Where a pipelined step's time goes (medians, ms; benchmarks/_pipeline_probe.py): *window* = "
-        "first stage operation's start to last one's end; *no-overhead replay* = the same operations, "
-        "same order and measured durations, with no gap between dependent ones; *sched. eff.* = replay / "
-        "window (what the runtime lost inside the pipeline: messages, thread hand-offs, waiting); "
+        "Where a pipelined step's time goes (medians, ms; StageProbe in benchmarks/_pipeline_gpt.py): "
+        "*window* = first stage operation's start to last one's end; *no-overhead replay* = the same "
+        "operations, same order and measured durations, with no gap between dependent ones; *sched. eff.* = "
+        "replay / window (what the runtime lost inside the pipeline: messages, thread hand-offs, waiting); "
         "*outside* = step − window (step start and end, optimizer); *compute* = stage compute on each "
         "rank and, in brackets, over the single process's compute of the same stages in the same round "
         "(above 1: the stage ran slower inside the pipeline, i.e. the ranks did not get a core each).",

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _pipeline_common import idle_barrier
+from _pipeline_runners import idle_barrier
 from torch import nn
 
 from mp_pipeline.static import default_record_steps

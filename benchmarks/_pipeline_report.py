@@ -10,10 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _pipeline_common import ACTIVE_PLUS3, BOTH_RANKS, Spec
-from _pipeline_common import STAGES as P
+from _pipeline_gpt import GAP_KINDS
 from _pipeline_markdown import markdown
-from _pipeline_probe import GAP_KINDS
+from _pipeline_runners import ACTIVE_PLUS3, BOTH_RANKS, Spec
+from _pipeline_runners import STAGES as P
 
 __all__ = ["report"]
 
@@ -324,7 +324,7 @@ def report(
         "overhead": overhead,
         "records": records,
     }
-    results.mkdir(exist_ok=True)
+    results.mkdir(parents=True, exist_ok=True)
     (results / "pipeline_vs_torch.json").write_text(json.dumps(payload, indent=2) + "\n")
     md = markdown(payload)
     (results / "pipeline_vs_torch.md").write_text(md)
@@ -332,8 +332,8 @@ def report(
 
 
 def rerender(path: Path) -> None:
-    """Rebuild the markdown (and the JSON's derived fields) from a saved JSON: ``python
-    benchmarks/_pipeline_report.py benchmarks/results/pipeline_vs_torch.json``."""
+    """Rebuild the markdown (and the JSON's derived fields) beside a saved JSON (``python
+    benchmarks/pipeline_vs_torch.py --rerender benchmarks/results/pipeline_vs_torch.json``)."""
     d = json.loads(path.read_text())
     specs = [Spec(r["system"], r["schedule"], r["microbatches"], r["threads"]) for r in d["rows"]]
     checks = {
@@ -361,11 +361,3 @@ def rerender(path: Path) -> None:
         elapsed_s=d["elapsed_s"],
         results=path.parent,
     )
-
-
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description=rerender.__doc__)
-    parser.add_argument("json", type=Path, help="benchmarks/results/pipeline_vs_torch.json")
-    rerender(parser.parse_args().json)

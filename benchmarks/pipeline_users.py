@@ -358,7 +358,7 @@ def _build(run: Run, case: Any, base: dict[str, Any], m: int, cut: int) -> dict[
 
 def _time(run: Run, case: Any, m: int, group: int, runners: dict[str, Any]) -> None:
     """``--rounds`` rounds of ``--steps`` timed steps of every runner, in a rotating order."""
-    from _pipeline_common import idle_barrier
+    from _pipeline_runners import idle_barrier
 
     from mp_pipeline.timeline import RECORDER, Timeline
 
@@ -420,7 +420,7 @@ def main() -> None:
         "--mp-config",
         type=json.loads,
         default={},
-        help='extra smp config keys for mp, as JSON (e.g. \'{"fast_mode": true}\'); default: none',
+        help="extra smp config keys for mp, as JSON (e.g. '{\"fast_mode\": true}'); default: none",
     )
     args = parser.parse_args()
     if not under_mpi():

@@ -53,11 +53,11 @@ Pipeline efficiency = ideal / measured step time, with two ideals:
 
 Both assume each rank has a core to itself. Where the time goes instead is measured too:
 
-* benchmarks/_pipeline_probe.py: each stage's compute timed in place by module hooks (the same for every
-  system), replayed without communication to separate what the pipeline runtime loses (messages,
-  hand-offs, waiting) from compute that ran slower than in the single process (cores shared), and each
-  rank's gaps between its consecutive stage operations summed by transition (forward to forward,
-  forward to backward, ...), which say where a runtime's idle time sits;
+* ``StageProbe`` (benchmarks/_pipeline_gpt.py): each stage's compute timed in place by module hooks (the
+  same for every system), replayed without communication to separate what the pipeline runtime loses
+  (messages, hand-offs, waiting) from compute that ran slower than in the single process (cores shared),
+  and each rank's gaps between its consecutive stage operations summed by transition (forward to
+  forward, forward to backward, ...), which say where a runtime's idle time sits;
 * the CPU each rank spends per step (in all, in its main thread, in mp's MPI progress thread);
 * benchmarks/_pipeline_overhead.py: the per-request cost of mp's module server (a remote ``nn.Identity``
   call on a small tensor, FWD and BWD, against the same call held locally) and the raw round trip.
@@ -65,7 +65,9 @@ Both assume each rank has a core to itself. Where the time goes instead is measu
     python benchmarks/pipeline_vs_torch.py [--reps 3 --steps 2 --micro 4 8 --batch 16]
 
 starts itself under ``mpiexec -n 2`` (or ``mpiexec -n 2 python benchmarks/pipeline_vs_torch.py``).
-Writes benchmarks/results/pipeline_vs_torch.json and .md (rank 0).
+Writes benchmarks/results/pipeline_vs_torch.json and .md (rank 0; ``--out`` elsewhere). ``--quick`` runs a
+small model once and writes to a temporary folder; ``--rerender results/pipeline_vs_torch.json`` rebuilds
+the markdown from a saved JSON without running anything.
 """
 
 from __future__ import annotations
@@ -77,13 +79,13 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from _launch import relaunch, rotated, under_mpi
-from _pipeline_common import BOTH_RANKS, Runner, Spec, make_specs, mp_schedules
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -125,11 +127,30 @@ def main() -> None:
     )
     parser.add_argument("--calls", type=int, default=64, help="remote calls per step (overhead part)")
     parser.add_argument("--overhead-reps", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="a small model and one repetition")
+    parser.add_argument(
+        "--quick", action="store_true", help="a small model and one repetition, results in a temporary folder"
+    )
     parser.add_argument(
         "--overhead-only", action="store_true", help="only the module-server overhead (printed, not saved)"
     )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="results folder (default: results/; with --quick a temporary one)",
+    )
+    parser.add_argument(
+        "--rerender",
+        type=Path,
+        metavar="JSON",
+        help="run nothing: rebuild the markdown (and the JSON's derived fields) beside a saved JSON",
+    )
     args = parser.parse_args()
+    if args.rerender is not None:
+        from _pipeline_report import rerender
+
+        rerender(args.rerender)
+        return
     if not under_mpi():
         sys.exit(relaunch(__file__, RANKS))
     if args.quick:
@@ -138,11 +159,18 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
 
     import torch
-    from _pipeline_common import CpuMeter, idle_barrier
-    from _pipeline_gpt import GPT, GPTConfig, make_batch
+    from _pipeline_gpt import GPT, GPTConfig, analyse, make_batch
     from _pipeline_overhead import measure_overhead
-    from _pipeline_probe import analyse
-    from _pipeline_runners import make_runner
+    from _pipeline_runners import (
+        BOTH_RANKS,
+        CpuMeter,
+        Runner,
+        Spec,
+        idle_barrier,
+        make_runner,
+        make_specs,
+        mp_schedules,
+    )
 
     from mp_comm.world import init_world
 
@@ -275,8 +303,9 @@ def main() -> None:
     if rank == 0:
         from _pipeline_report import report
 
+        folder = args.out or (Path(tempfile.mkdtemp(prefix="pipeline_vs_torch_")) if args.quick else RESULTS)
         report(
-            args=vars(args),
+            args={k: v for k, v in vars(args).items() if k not in ("out", "rerender")},
             cfg=asdict(cfg),
             specs=specs,
             records=records,
@@ -295,8 +324,9 @@ def main() -> None:
                 "code": _code_state(),
             },
             elapsed_s=elapsed_main,
-            results=RESULTS,
+            results=folder,
         )
+        print(f"wrote {folder / 'pipeline_vs_torch.json'} and .md")
     comm.Free()
 
 

@@ -1,7 +1,8 @@
-"""Run every benchmark in this folder (`nox -s bench`); each writes JSON and markdown to results/.
+"""Run every benchmark in this folder (`nox -s bench`; `nox -s bench -- NAME ...` runs only those).
 
-Each benchmark is a script that starts whatever processes it needs itself, so this runner only calls
-them one after another and reports which failed.
+A benchmark is a script whose name has no leading underscore (those are its helpers); it starts whatever
+processes it needs itself and writes its results to results/ (comm_cuda_phases prints only; the GPU ones
+exit at once without a GPU), so this runner only calls them one after another and reports which failed.
 """
 
 from __future__ import annotations
