@@ -175,3 +175,22 @@ def test_each_shard_init_draws_what_its_constructor_drew() -> None:
         torch.manual_seed(5)
         shard = ParamInit((4, 6), "normal", 0.5, 1, rank, 2).draw()
         assert torch.equal(shard, full[:, rank * 3 : rank * 3 + 3])
+
+
+def test_a_tensor_parallel_parameter_without_a_recorded_draw_is_refused() -> None:
+    """A parameter of one of mp_tensor's modules (split or not) that does not record its draw (ATP's
+    layers do not) is refused by name rather than initialized as if it were a whole parameter."""
+    from mp.delayed_init import _own_draws
+    from mp_memory.delayed_init import DelayedInitError
+    from mp_tensor.context import TPContext
+    from mp_tensor.nn.linear import LinearShard
+
+    root = torch.nn.Sequential(
+        LinearShard(TPContext(group=None), 4, 6, weight_split=None), torch.nn.Linear(2, 2)
+    )
+    own = _own_draws(root)
+    shard, plain = root[0], root[1]
+    assert own(shard.weight) is not None and own(plain.weight) is None  # recorded; torch's own init
+    del shard.weight.__dict__["_mp_tp_init"]
+    with pytest.raises(DelayedInitError, match=r"shape \(4, 6\).*Fix:"):
+        own(shard.weight)

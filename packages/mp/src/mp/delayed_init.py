@@ -66,21 +66,32 @@ def replacing(module: torch.nn.Module) -> contextlib.AbstractContextManager[None
     return parameters_on_meta() if delayed(module) else contextlib.nullcontext()
 
 
-def _own_draw(p: torch.nn.Parameter) -> Callable[[], torch.Tensor] | None:
-    """A tensor-parallel shard's own initial value (its module's draw, sliced), else None (the module's
-    init applies). A shard whose module does not say how it was drawn is refused: the module's
-    ``reset_parameters`` would initialize the slice as if it were the whole parameter."""
-    init = param_init(p)
-    if init is not None:
-        return init.draw
-    if is_distributed_parameter(p):
-        raise DelayedInitError(
-            f"delayed initialization cannot initialize a tensor-parallel shard of shape {tuple(p.shape)}: "
-            "its distributed module does not record how it draws its full parameter (mp_tensor's "
-            "ParamInit). Fix: build this model without delayed initialization, or record the draw with "
-            "mp_tensor.nn.base.set_param_init in the module's constructor"
-        )
-    return None
+def _own_draws(root: torch.nn.Module) -> Callable[[torch.nn.Parameter], Callable[[], torch.Tensor] | None]:
+    """For ``materialize``: a tensor-parallel shard's own initial value (its module's draw, sliced), else
+    None (the module's init applies). A parameter that is a shard, or that belongs to one of mp_tensor's
+    modules (ATP's layers), and does not say how it was drawn is refused: no other init knows its layout
+    (a ``reset_parameters`` would initialize the slice as if it were the whole parameter)."""
+    ours = {
+        id(p)
+        for m in root.modules()
+        if type(m).__module__.startswith("mp_tensor.")
+        for p in m.parameters(recurse=False)
+    }
+
+    def own(p: torch.nn.Parameter) -> Callable[[], torch.Tensor] | None:
+        init = param_init(p)
+        if init is not None:
+            return init.draw
+        if is_distributed_parameter(p) or id(p) in ours:
+            raise DelayedInitError(
+                f"delayed initialization cannot initialize a tensor-parallel parameter of shape "
+                f"{tuple(p.shape)}: its distributed module does not record how it draws it (mp_tensor's "
+                "ParamInit; ATP's layers do not). Fix: build this model without delayed initialization, "
+                "or record the draw with mp_tensor.nn.base.set_param_init in the module's constructor"
+            )
+        return None
+
+    return own
 
 
 def prepare(model: Any) -> None:
@@ -92,7 +103,7 @@ def prepare(model: Any) -> None:
     device = real[0].device if real else torch.device("cpu")
 
     def hook(m: Any, _optimizer: Any) -> None:
-        n = materialize(m.module, lambda p: not m._is_remote(p), device, own=_own_draw)
+        n = materialize(m.module, lambda p: not m._is_remote(p), device, own=_own_draws(m.module))
         log.info("delayed initialization: %d parameter elements materialized on %s", n, device)
 
     model.register_post_partition_hook(hook)
