@@ -71,7 +71,7 @@ def _gathered_ids(ids: Tensor, ctx: TPContext) -> Tensor:
 
 def _merge_channels(parts: Tensor, t: int) -> Tensor:
     """``[T*N, ..., D/T]`` in rank-major blocks (block j: channels j) -> ``[N, ..., D]``."""
-    return parts.unflatten(0, (t, parts.shape[0] // t)).movedim(0, -2).flatten(-2)
+    return parts.reshape(t, parts.shape[0] // t, *parts.shape[1:]).movedim(0, -2).flatten(-2)
 
 
 def _to_local(local: Tensor, ctx: TPContext) -> Tensor:
