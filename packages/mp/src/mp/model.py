@@ -307,7 +307,7 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
         # mp's default pipeline: a step that fails under fast mode's plan runs again (mp.model_retry)
         snapshot = self._before_attempt(flatten(inputs)[1])
         results, error, did_backward = self._attempt(func, body, inputs, exec_state)
-        again = self._repeat_step(snapshot, error)
+        again, error = self._repeat_step(snapshot, error)
         if again is not None:
             results, error, did_backward = self._attempt(func, body, inputs, exec_state)
             if error is not None:

@@ -26,6 +26,7 @@ from mp.step_retry import ShortcutRetry, StepSnapshot
 from mp_comm import GroupKind
 from mp_pipeline import FlowChangedError, PipelineRuntime, agree_any, caused_by
 from mp_pipeline.dp import OverlappedReduction
+from mp_pipeline.errors import PipelineTimeoutError
 
 __all__ = ["RetryMixin"]
 
@@ -55,42 +56,44 @@ class RetryMixin(PartitionMixin):
 
     def _repeat_step(
         self, snapshot: StepSnapshot | None, error: BaseException | None
-    ) -> BaseException | None:
-        """After an attempt: None when it stands (``error`` then is raised as usual), or the error that
-        made every rank take the step back, in which case the caller runs it again."""
-        retry = self._retry
-        if snapshot is None or retry is None:
-            return None
+    ) -> tuple[BaseException | None, BaseException | None]:
+        """After an attempt: ``(cause, error)``. ``cause`` is not None when every rank took the step back
+        (the caller runs it again); otherwise ``error`` is the attempt's outcome on this rank (raised as
+        usual; a failure elsewhere that cannot be repeated becomes one here too)."""
+        retry, runtime = self._retry, self._runtime
+        if snapshot is None or retry is None or runtime is None:
+            return None, error
         if not snapshot.restorable:  # a step on the full path: only learn which buffers it changes
             if error is None:
                 retry.completed(snapshot, self._local_params())
-            return None
+            return None, error
         group = _agreement_group()
-        failed = error is not None
+        failed, unrepeatable = error is not None, error is not None and not _repeatable(error)
         if group is not None:
-            failed = agree_any([failed], group)[0]
+            agreed = self._agree([failed, unrepeatable], group, error)
+            if agreed is None:
+                return None, error
+            failed, unrepeatable = agreed
         if not failed:
             retry.completed(snapshot, self._local_params())
-            return None
+            return None, None
+        if unrepeatable:  # the ranks disagree about the step itself, or one is stuck: no second run
+            return None, error or self._failed_elsewhere("it cannot run again")
         self._drain_overlap()
         problem = snapshot.restore()
-        stuck = problem is not None
+        stuck: bool | None = problem is not None
         everyone = group if group is not None else state.process_groups.get(GroupKind.PP)
-        if everyone is not None:  # rare (a failed step): every rank of the job is here
-            stuck = agree_any([stuck], everyone)[0]
-        if stuck:  # some rank cannot repeat the step: raise on every rank
-            if error is None:
-                error = SMPRuntimeError(
-                    f"rank {self._rank}: step {self._step_count + 1} failed on another rank under fast "
-                    "mode's plan and could not be run again there; see that rank's error"
-                )
+        if everyone is not None:  # every rank of the job is here: the step failed on all of them
+            agreed = self._agree([problem is not None], everyone, error)
+            stuck = None if agreed is None else agreed[0]
+        if stuck is None or stuck:  # some rank cannot repeat the step: raise on every rank
+            error = error or self._failed_elsewhere("could not be run again there")
             if problem is not None:
                 error.add_note(f"mp could not run this step again on the full path: {problem}")
-            return None
-        assert self._runtime is not None
-        cause = error if error is not None else SMPRuntimeError("the step failed on another rank")
+            return None, error
+        cause = error or self._failed_elsewhere("runs again on the full path")
         if retry.give_up():
-            self._runtime.give_up_shortcut()
+            runtime.give_up_shortcut()
             log.warning(
                 "rank %d: step %d failed under fast mode's plan (%s: %s), the %dth time in %d steps; it "
                 "runs again on the full path, and so do all later steps (set fast_mode: false to skip the "
@@ -103,7 +106,7 @@ class RetryMixin(PartitionMixin):
                 retry.shortcut_steps,
             )
         else:
-            self._runtime.relearn()
+            runtime.relearn()
             log.info(
                 "rank %d: step %d failed under fast mode's plan (%s); it runs again on the full path and "
                 "the plan is learned again",
@@ -111,7 +114,27 @@ class RetryMixin(PartitionMixin):
                 self._step_count + 1,
                 type(cause).__name__,
             )
-        return cause
+        return cause, None
+
+    def _agree(
+        self, flags: list[bool], group: dist.ProcessGroup, error: BaseException | None
+    ) -> list[bool] | None:
+        """OR of ``flags`` over ``group``; None if a member did not come within the pipeline timeout (it
+        is not in this step: its own error, or this one, ends the job)."""
+        assert self._runtime is not None
+        try:
+            return agree_any(flags, group, timeout=self._runtime.timeout)
+        except PipelineTimeoutError:
+            log.warning(
+                "rank %d: a rank did not come to agree on step %d's outcome", self._rank, self._step_count + 1
+            )
+            return None
+
+    def _failed_elsewhere(self, what: str) -> SMPRuntimeError:
+        return SMPRuntimeError(
+            f"rank {self._rank}: step {self._step_count + 1} failed on another rank under fast mode's plan "
+            f"and {what}; see that rank's error"
+        )
 
     def _fast_mode_check(self, error: BaseException | None) -> BaseException | None:
         """Fast mode: a flow that changed after the recording fails the step on every pipeline rank with
@@ -147,6 +170,22 @@ class RetryMixin(PartitionMixin):
             overlap.drain()  # out of place: the local gradients stay as they are
         elif overlap is not None:
             overlap.disarm()
+
+
+_UNREPEATABLE = frozenset(
+    {"PipelineError", "PipelineTimeoutError", "PeerTimeoutError", "NotInStepError", "HeartbeatError"}
+)
+"""Failures that a second run cannot fix: ranks that disagree about the step (a step function or a
+collective called on some ranks only) and ranks that stopped answering."""
+
+
+def _repeatable(error: BaseException) -> bool:
+    """Whether a step that failed with ``error`` (here, or on the rank that ``error`` reports) may run
+    again: an Exception other than the runtime's own disagreements and timeouts."""
+    if not isinstance(error, Exception):
+        return False
+    name = getattr(error, "exc_type", None) or type(error).__name__
+    return name not in _UNREPEATABLE
 
 
 def _agreement_group() -> dist.ProcessGroup | None:
