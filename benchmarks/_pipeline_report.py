@@ -1,4 +1,5 @@
-"""Ratios, bounds, JSON and the markdown table of benchmarks/pipeline_vs_torch.py (rank 0)."""
+"""Ratios, bounds and targets of benchmarks/pipeline_vs_torch.py, saved as JSON with the markdown that
+_pipeline_markdown.py renders from it (rank 0); :func:`rerender` rebuilds both from a saved JSON."""
 
 from __future__ import annotations
 
