@@ -129,22 +129,25 @@ def measure(
         return g.unflatten(-1, (tp, g.shape[-1] // tp)).movedim(-2, 0).flatten(0, 1).contiguous()
 
     t["ids all-gather x2"] = timed(lambda: [col.all_gather(ids, 0, group) for _ in range(2)], reps, group)
-    t["all-to-all fwd x4"] = timed(
-        lambda: [merge(col.all_to_all(x, 0, 0, group)) for x in local], reps, group
-    )
-    t["all-to-all bwd x4"] = timed(
-        lambda: [col.all_to_all(unmerge(g), 0, 0, group) for g in grads], reps, group
-    )
-    t["all-gather fwd x4"] = timed(lambda: [merge(col.all_gather(x, 0, group)) for x in local], reps, group)
-    t["before: all-to-all fwd x4, strided"] = timed(
-        lambda: [col.all_to_all(x, 0, -1, group) for x in local], reps, group
-    )
-    t["before: all-to-all bwd x4, strided"] = timed(
-        lambda: [col.all_to_all(g, -1, 0, group) for g in grads], reps, group
-    )
-    t["before: all-gather fwd x4, strided"] = timed(
-        lambda: [col.all_gather(x, -1, group) for x in local], reps, group
-    )
+    # each exchange and its strided form (before) alternate, so that the load weighs on both alike
+    exchanges = {
+        "all-to-all fwd x4": (
+            lambda: [merge(col.all_to_all(x, 0, 0, group)) for x in local],
+            lambda: [col.all_to_all(x, 0, -1, group) for x in local],
+        ),
+        "all-to-all bwd x4": (
+            lambda: [col.all_to_all(unmerge(g), 0, 0, group) for g in grads],
+            lambda: [col.all_to_all(g, -1, 0, group) for g in grads],
+        ),
+        "all-gather fwd x4": (
+            lambda: [merge(col.all_gather(x, 0, group)) for x in local],
+            lambda: [col.all_gather(x, -1, group) for x in local],
+        ),
+    }
+    for name, (now, strided) in exchanges.items():
+        pairs = [(timed(now, 1, group), timed(strided, 1, group)) for _ in range(reps)]
+        t[name] = statistics.median(a for a, _ in pairs)
+        t[f"before: {name}, strided"] = statistics.median(b for _, b in pairs)
     return t
 
 

@@ -78,9 +78,9 @@ def _to_local(local: Tensor, ctx: TPContext) -> Tensor:
     """This rank's channels of the TP group's samples -> this rank's samples, every channel.
 
     The ``sharded`` -> ``local`` move of ``dist_ops.leave``, with both collectives on contiguous dim-0
-    blocks and the channels merged by a local copy. MPI's strided datatypes along the channel
-    dimension cost 4-12x more here on an embedding's narrow rows (benchmarks/results/tensor_ncf.md):
-    the backward all-to-all and the prescaled all-gather.
+    blocks and the channels merged by a local copy. On an embedding's narrow rows MPI's strided
+    datatypes along the channels cost more here: 1.8x for the prescaled all-gather, 1.1x for the
+    backward all-to-all in benchmarks/tensor_ncf.py's paired timing (4x and 12x at a higher load).
     """
     assert ctx.group is not None
     if ctx.prescaled_batch:
