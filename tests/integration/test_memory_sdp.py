@@ -278,8 +278,8 @@ def test_resume_without_the_sharded_optimizer_state(worlds: Any, tmp_path: Any) 
         assert r["user"] == {"step": 2} and r["diff"] is not None, r
 
 
-def test_bucket_size_and_tensor_parallelism_are_refused() -> None:
-    for extra in ({"sdp_reduce_bucket_size": 1000}, {"tensor_parallel_degree": 2}):
+def test_bucket_size_and_pipeline_parallelism_are_refused() -> None:
+    for extra in ({"sdp_reduce_bucket_size": 1000}, {"pipeline_parallel_degree": 2}):
         with pytest.raises(ValueError) as info:
             smp.init({"sharded_data_parallel_degree": 2, **extra})
         assert next(iter(extra)) in str(info.value), info.value

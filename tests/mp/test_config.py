@@ -423,12 +423,6 @@ RULE_CASES: list[tuple[dict[str, object], str, object, tuple[str, ...]]] = [
         2,
         ("'pipeline_parallel_degree': 2", "set 'pipeline_parallel_degree' to 1"),
     ),
-    (
-        {"sharded_data_parallel_degree": 4, "tensor_parallel_degree": 2},
-        "sharded_data_parallel_degree",
-        4,
-        ("'tensor_parallel_degree': 2", "set 'tensor_parallel_degree' to 1"),
-    ),
 ]
 
 
@@ -444,6 +438,8 @@ def test_deliberate_relaxations_of_smp_rules() -> None:
     assert build(tensor_parallel_degree=4).ddp is False
     assert build(ddp_port=1234).ddp_port == 1234
     assert build(shard_optimizer_state=True).shard_optimizer_state
+    # sharded data parallelism with tensor parallelism (smp >= 1.15 allowed it).
+    assert build(sharded_data_parallel_degree=2, tensor_parallel_degree=2).sdp == 2
     # bf16 without sharded data parallelism; sdp_* keys without sdp; fast and static mode together.
     assert build(bf16=True, fast_mode=True, static_mode=True, sdp_gradient_clipping=0.0).bf16
     validate_world(ModelParallelConfig(), 8, 8, None)  # data parallelism without ddp

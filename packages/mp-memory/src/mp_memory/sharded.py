@@ -14,6 +14,12 @@ smp's sdp_* keys map onto FSDP2 as follows:
   backward prefetch), so that the root's parameters plus the blocks gathered at once stay within it.
 - ``sdp_gradient_clipping``: clip by the global L2 norm over all shards (DTensor gradients), 0 = off.
 
+Tensor parallelism (``TensorParallel``): each TP rank shards its own TP shards (and its copy of the
+other parameters) over the ranks holding the same ones, a ``(tp, shard)`` mesh; gradients are then
+finished as without sharding (TP-group sums for the parameters that saw only this rank's batch), the
+clipping norm counts each TP shard once, and the full state is gathered by the caller's
+``gather_tp_state`` from whole parameters (:meth:`ShardedDataParallel.gathered`).
+
 Half precision (``param_dtype``): the sharded parameters are kept in fp32 and are their own master
 weights; FSDP2's ``MixedPrecisionPolicy`` all-gathers them in the half dtype for forward and backward and
 reduce-scatters the gradients in fp32. The small (persistent) parameters stay in the half dtype, as the
@@ -22,9 +28,9 @@ rest of the model, and get fp32 masters from the fp16/bf16 optimizer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +42,22 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from mp_memory.errors import MemorySaverError
+from mp_memory.sharded_clip import clip_grad_norm
+from mp_memory.sharded_state import (
+    _local,
+    _unique_params,
+    as_like,
+    load_local_optimizer_state,
+    local_optimizer_state,
+    local_part,
+    state_bytes,
+)
 
 __all__ = [
     "ShardedDataParallel",
     "ShardingConfig",
     "ShardingError",
+    "TensorParallel",
     "as_like",
     "block_modules",
     "clip_grad_norm",
@@ -70,6 +87,9 @@ class ShardingConfig:
     max_live_parameters: int | None = None
     """Parameters gathered at once (root + blocks); None keeps FSDP2's one-block prefetch."""
     device_type: str = "cpu"
+    scaled_batch_divisor: int = 1
+    """Tensor parallelism: the extra divisor of a "scaled batch" parameter's gradient (one that already
+    saw the whole TP group's batch: the TP degree, or 1 under ``prescaled_batch``)."""
     param_dtype: torch.dtype | None = None
     """fp16/bf16: the dtype forward and backward compute in (the sharded fp32 parameters are cast to it
     when gathered; gradients are reduced in fp32). None: the parameters' own dtype."""
@@ -107,37 +127,64 @@ def block_modules(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def _unique_params(modules: Iterable[nn.Module]) -> Iterator[nn.Parameter]:
-    seen: set[int] = set()
-    for m in modules:
-        for p in m.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                yield p
+@dataclass(frozen=True)
+class TensorParallel:
+    """The tensor parallelism the sharded model runs inside (each TP rank shards its own TP shards)."""
+
+    group: dist.ProcessGroup
+    split: Callable[[torch.Tensor], bool]
+    """Whether a parameter is one TP shard of a larger one (its gradient norm sums over the TP group)."""
+    scaled_batch: Callable[[torch.Tensor], bool]
+    """Whether a parameter's gradient already covers the TP group's whole batch."""
+    ranks: tuple[tuple[int, ...], ...]
+    """The world's global ranks by (tp_rank, index in the sharding group)."""
 
 
 class ShardedDataParallel:
-    """``module`` wrapped in place by ``fully_shard`` over ``group`` (the data-parallel group, which
-    must be the whole world: sharding composes with neither pipeline nor tensor parallelism here).
+    """``module`` wrapped in place by ``fully_shard`` over ``group``: the data-parallel group, or under
+    tensor parallelism (``tp``) the reduced data-parallel group (the ranks holding the same TP shards);
+    together with the TP group it must span the world (no pipeline parallelism).
 
     Every rank must pass the same model; rank 0's parameters and buffers are broadcast first, so that
     every replica starts equal (as smp's data parallelism does)."""
 
-    def __init__(self, module: nn.Module, config: ShardingConfig, group: dist.ProcessGroup) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        config: ShardingConfig,
+        group: dist.ProcessGroup,
+        tp: TensorParallel | None = None,
+    ) -> None:
         size = dist.get_world_size(group)
-        if config.degree * config.replicas != size or size != dist.get_world_size():
+        tp_size = dist.get_world_size(tp.group) if tp is not None else 1
+        if config.degree * config.replicas != size or size * tp_size != dist.get_world_size():
             raise ShardingError(
                 f"sharded data parallelism over {config.replicas} x {config.degree} ranks needs a data-"
-                f"parallel group of that size spanning the world; got {size} of {dist.get_world_size()} "
-                "ranks. Fix: use pipeline_parallel_degree 1 and tensor_parallel_degree 1"
+                f"parallel group of that size spanning the world with the TP group; got {size} x {tp_size} "
+                f"of {dist.get_world_size()} ranks. Fix: use pipeline_parallel_degree 1"
+            )
+        if tp is not None and (config.replicas > 1 or config.param_dtype is not None):
+            raise ShardingError(
+                "sharded data parallelism with tensor parallelism is built for sharded_data_parallel_degree "
+                f"equal to the reduced data-parallel size, in fp32; got {config.replicas} replicas of "
+                f"{config.degree} ranks, precision {config.param_dtype or 'fp32'}. Fix: set "
+                "sharded_data_parallel_degree to the data-parallel size / tensor_parallel_degree, and train "
+                "in fp32 (or set tensor_parallel_degree to 1)"
             )
         self.config = config
         self.group = group
+        self.tp = tp
         self.module = module
+        self.gather_tp_state: Callable[[], dict[str, Any]] | None = None
         self._source = dist.get_global_rank(group, 0)
         self._broadcast([b for b in module.buffers() if not b.is_meta])
-        if config.replicas > 1:
-            self.mesh: DeviceMesh = init_device_mesh(
+        # attributes set on parameters (a TP shard's layout) survive fully_shard's new parameter objects
+        self._attrs = {n: dict(vars(p)) for n, p in module.named_parameters() if vars(p)}
+        if tp is not None:  # a (tp, shard) mesh over the world, as init_device_mesh makes them
+            full = DeviceMesh(config.device_type, torch.tensor(tp.ranks), mesh_dim_names=("tp", "shard"))
+            self.mesh: DeviceMesh = full["shard"]
+        elif config.replicas > 1:
+            self.mesh = init_device_mesh(
                 config.device_type, (config.replicas, config.degree), mesh_dim_names=("replicate", "shard")
             )
         else:
@@ -160,6 +207,7 @@ class ShardedDataParallel:
             self._broadcast(list(_unique_params([module])))
             self.blocks = [self._shard(b) for b in units]
         self.root: FSDPModule = self._shard(module)
+        self._restore_attrs()
         self._set_prefetch()
         log.info(
             "sharded data parallelism: %d blocks + root over a %s mesh; %d small parameters kept whole",
@@ -167,6 +215,37 @@ class ShardedDataParallel:
             "x".join(str(s) for s in self.mesh.shape),
             len(self.persistent),
         )
+
+    def _restore_attrs(self) -> None:
+        """Give the module's current parameter objects (shards, or whole while gathered) the attributes
+        their originals had."""
+        for name, p in self.module.named_parameters():
+            for k, v in self._attrs.get(name, {}).items():
+                if not hasattr(p, k):
+                    setattr(p, k, v)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """The module holds whole (plain) parameters meanwhile, with their attributes, so that code
+        written for the unsharded module (a TP module's gathered state dict) reads them; collective over
+        the sharding group. FSDP2 is not told: its units stay resharded (as after every step), so its
+        state-dict hooks leave these parameters in place."""
+        whole: dict[int, nn.Parameter] = {}
+        swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+        for module in self.module.modules():
+            for name, p in list(module._parameters.items()):
+                if isinstance(p, DTensor):
+                    if id(p) not in whole:
+                        full = nn.Parameter(p.full_tensor().detach(), requires_grad=p.requires_grad)
+                        full.__dict__.update(vars(p))
+                        whole[id(p)] = full
+                    module._parameters[name] = whole[id(p)]
+                    swapped.append((module, name, p))
+        try:
+            yield
+        finally:
+            for module, name, p in swapped:
+                module._parameters[name] = p
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         """Rank 0's values on every rank (every replica starts equal, as under smp's data parallelism)."""
@@ -270,7 +349,10 @@ class ShardedDataParallel:
 
     def reduce_persistent_grads(self) -> None:
         """Average the gradients of the unsharded (small) parameters over the data-parallel group, in
-        one flat all-reduce. A gradient missing on some ranks counts as zero there."""
+        one flat all-reduce. A gradient missing on some ranks counts as zero there. Under tensor
+        parallelism, also finish the sharded gradients (:meth:`_finish_tp_grads`)."""
+        if self.tp is not None:
+            self._finish_tp_grads()
         if not self.persistent:
             return
         have = torch.tensor([p.grad is not None for p in self.persistent], dtype=torch.int32)
@@ -282,13 +364,62 @@ class ShardedDataParallel:
         flat = torch.cat([g.reshape(-1).float() for g in grads])  # half gradients are summed in fp32
         dist.all_reduce(flat, group=self.group)
         flat.div_(dist.get_world_size(self.group))
+        if self.tp is not None:  # as the sharded ones (_finish_tp_grads)
+            scaled = torch.cat(
+                [
+                    torch.full((g.numel(),), self.tp.scaled_batch(p), dtype=torch.bool, device=flat.device)
+                    for p, g in zip(params, grads, strict=True)
+                ]
+            )
+            tp_sum = torch.where(scaled, torch.zeros_like(flat), flat)
+            dist.all_reduce(tp_sum, group=self.tp.group)
+            flat = torch.where(
+                scaled, flat / self.config.scaled_batch_divisor, tp_sum / dist.get_world_size(self.tp.group)
+            )
         offset = 0
         for p, g in zip(params, grads, strict=True):
             p.grad = flat[offset : offset + g.numel()].view_as(g).to(dtype=g.dtype, copy=True)
             offset += g.numel()
 
+    def _finish_tp_grads(self) -> None:
+        """FSDP2 averaged each sharded gradient over the reduced data-parallel group. A gradient that
+        covers only this rank's batch is summed over the TP group too and divided by the TP degree (the
+        data-parallel average); a "scaled batch" one (it saw the TP group's whole batch) is divided by
+        ``scaled_batch_divisor``."""
+        assert self.tp is not None
+        whole = set(self.persistent)
+        tp_size = dist.get_world_size(self.tp.group)
+        own = [
+            p.grad
+            for p in self.module.parameters()
+            if p not in whole and p.grad is not None and not self.tp.scaled_batch(p)
+        ]
+        scaled = [
+            p.grad
+            for p in self.module.parameters()
+            if p not in whole and p.grad is not None and self.tp.scaled_batch(p)
+        ]
+        with torch.no_grad():
+            if own:
+                local = [_local(g) for g in own]
+                flat = torch.cat([t.reshape(-1) for t in local])
+                dist.all_reduce(flat, group=self.tp.group)
+                flat.div_(tp_size)
+                offset = 0
+                for t in local:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+            if self.config.scaled_batch_divisor != 1:
+                for g in scaled:
+                    _local(g).div_(self.config.scaled_batch_divisor)
+
     def full_state_dict(self) -> dict[str, Any]:
-        """The whole model's state under its own key names, full tensors, on every rank (collective)."""
+        """The whole model's state under its own key names, full tensors, on every rank (collective).
+        Under tensor parallelism, ``gather_tp_state`` (set by the caller) gathers it from the whole
+        parameters (:meth:`gathered`) in the original model's names."""
+        if self.gather_tp_state is not None:
+            with self.gathered():
+                return self.gather_tp_state()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
@@ -302,6 +433,12 @@ class ShardedDataParallel:
 
     def load_full_state_dict(self, sd: dict[str, Any], strict: bool = True) -> Any:
         """Load a full state (each rank keeps its shards)."""
+        if self.tp is not None:
+            raise ShardingError(
+                "loading a full model state under sharded data parallelism with tensor parallelism is not "
+                "built in mp. Fix: resume from a partial checkpoint (smp.save_checkpoint(partial=True)) "
+                "saved with the same layout, or load the full state with sharded_data_parallel_degree 1"
+            )
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         return set_model_state_dict(
@@ -344,99 +481,3 @@ class ShardedDataParallel:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         set_optimizer_state_dict(self.module, optimizer, sd, options=StateDictOptions(full_state_dict=True))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def local_part(value: torch.Tensor, like: DTensor) -> torch.Tensor:
-    """This rank's piece of ``value``, a full tensor of ``like``'s global shape, as ``like`` holds it
-    (no communication: every rank holds the full value)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if tuple(value.shape) != tuple(like.shape):
-        raise ShardingError(
-            f"a full tensor of shape {tuple(value.shape)} for a sharded parameter of shape "
-            f"{tuple(like.shape)}. Fix: load a state saved from the same model"
-        )
-    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
-    index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-    return value[index]
-
-
-def as_like(value: torch.Tensor, like: torch.Tensor, *, full: bool) -> torch.Tensor:
-    """``value`` (a full tensor when ``full``, else this rank's shard) in ``like``'s form: a DTensor
-    sharded as ``like`` when it is one, on its device."""
-    if not isinstance(like, DTensor) or value.dim() == 0:
-        return value.to(like.device)
-    local = local_part(value, like) if full else value
-    return DTensor.from_local(
-        local.to(like.device), like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
-    )
-
-
-def local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """torch's optimizer state dict with every DTensor replaced by this rank's shard."""
-    sd = torch.optim.Optimizer.state_dict(optimizer)
-    state = {
-        i: {k: _local(v).detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-        for i, s in sd["state"].items()
-    }
-    return {"state": state, "param_groups": sd["param_groups"]}
-
-
-def load_local_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
-    """Load what :func:`local_optimizer_state` saved: shards become DTensors like their parameters."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    state: dict[int, Any] = {}
-    for i, s in sd["state"].items():
-        p = params[int(i)]
-        entry: dict[str, Any] = {}
-        for k, v in s.items():
-            entry[k] = v
-            if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim() > 0:
-                entry[k] = DTensor.from_local(
-                    v.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
-                )
-        state[i] = entry
-    torch.optim.Optimizer.load_state_dict(optimizer, {"state": state, "param_groups": sd["param_groups"]})
-
-
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Scale the gradients so that the global L2 norm over every shard is at most ``max_norm``, as
-    ``torch.nn.utils.clip_grad_norm_`` does on the unsharded model; returns that norm (float64).
-    Collective over the mesh of the DTensor gradients: call it on every rank."""
-    grads = [p.grad for p in params if p.grad is not None]
-    sharded = [g for g in grads if isinstance(g, DTensor)]
-    plain = [g for g in grads if not isinstance(g, DTensor)]
-    square = torch.zeros((), dtype=torch.float64)
-    if sharded:
-        norm = torch.nn.utils.get_total_norm(sharded, 2.0)
-        assert isinstance(norm, DTensor)
-        square += norm.full_tensor().double().cpu() ** 2
-    if plain:
-        square += torch.nn.utils.get_total_norm(plain, 2.0).double().cpu() ** 2
-    total = square.sqrt()
-    coef = max_norm / (float(total) + 1e-6)
-    if coef < 1.0 and math.isfinite(coef):
-        with torch.no_grad():
-            for g in grads:
-                g.mul_(coef)
-    return total
-
-
-def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
-    """Bytes this rank holds of parameters, gradients and optimizer state (shards counted locally)."""
-    params = list(_unique_params([module]))
-    out = {
-        "params": sum(_local(p).numel() * p.element_size() for p in params),
-        "grads": sum(_local(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None),
-        "optimizer": 0,
-    }
-    if optimizer is not None:
-        for s in optimizer.state.values():
-            for v in s.values():
-                if isinstance(v, torch.Tensor):
-                    out["optimizer"] += _local(v).numel() * v.element_size()
-    return out

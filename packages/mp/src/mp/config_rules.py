@@ -152,20 +152,16 @@ def check_rules(c: ModelParallelConfig) -> None:
             "remove 'shard_optimizer_state' (sharded data parallelism shards optimizer state itself), or "
             "set 'sharded_data_parallel_degree' to 1",
         )
-    for other, degree in (
-        ("pipeline_parallel_degree", c.pipeline_parallel_degree),
-        ("tensor_parallel_degree", c.tensor_parallel_degree),
-    ):
-        if sdp > 1 and degree > 1:
-            raise _rule_error(
-                "sharded_data_parallel_degree",
-                sdp,
-                f" together with '{other}': {degree}",
-                "sharded_data_parallel_degree > 1 only with pipeline_parallel_degree 1 and "
-                "tensor_parallel_degree 1 (smp >= 1.15 combined it with tensor parallelism; mp does not yet)",
-                f"set '{other}' to 1 to use sharded data parallelism, or set "
-                "'sharded_data_parallel_degree' to 1",
-            )
+    pp = c.pipeline_parallel_degree
+    if sdp > 1 and pp > 1:
+        raise _rule_error(
+            "sharded_data_parallel_degree",
+            sdp,
+            f" together with 'pipeline_parallel_degree': {pp}",
+            "sharded_data_parallel_degree > 1 only with pipeline_parallel_degree 1 (smp's rule)",
+            "set 'pipeline_parallel_degree' to 1 to use sharded data parallelism, or set "
+            "'sharded_data_parallel_degree' to 1",
+        )
 
 
 ATP_PRESETS = ("nvswitch", "dual-nvlink", "pcie")

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mp.errors import IncompatibleCheckpointFoundError, SMPUnsupportedError, SMPValidationError
@@ -26,6 +27,7 @@ from mp_memory.sharded import (
     ShardedDataParallel,
     ShardingConfig,
     ShardingError,
+    TensorParallel,
     clip_grad_norm,
     load_local_optimizer_state,
     local_optimizer_state,
@@ -57,7 +59,9 @@ def shard_model(module: nn.Module) -> ShardedDataParallel | None:
     degree = cfg.sharded_data_parallel_degree
     if degree == 1:
         return None
-    dp = topo.size(GroupKind.DP)
+    # under tensor parallelism each TP rank shards its own TP shards over the ranks holding the same ones
+    kind = GroupKind.RDP if cfg.tp > 1 else GroupKind.DP
+    dp = topo.size(kind)
     info = world.info
     if info.num_nodes > 1 and info.local_size % degree != 0:
         # FSDP2 all-gathers flat over the shard group (consecutive ranks); smp all-gathered within each
@@ -79,11 +83,30 @@ def shard_model(module: nn.Module) -> ShardedDataParallel | None:
         else cfg.sdp_max_live_parameters,
         device_type="cuda" if "cuda" in devices else "cpu",
         param_dtype=HALF_DTYPES.get(cfg.precision),
+        scaled_batch_divisor=1 if cfg.prescaled_batch else cfg.tp,
     )
+    tp = None
+    if cfg.tp > 1:
+        from mp_tensor import is_distributed_parameter, is_scaled_batch_parameter
+
+        tp = TensorParallel(
+            group=state.process_groups[GroupKind.TP],
+            split=is_distributed_parameter,
+            scaled_batch=is_scaled_batch_parameter,
+            ranks=tuple(
+                tuple(topo.rank_of(pp_rank=0, tp_rank=t, rdp_rank=d) for d in range(dp))
+                for t in range(cfg.tp)
+            ),
+        )
     try:
-        return ShardedDataParallel(module, config, state.process_groups[GroupKind.DP])
+        sharding = ShardedDataParallel(module, config, state.process_groups[kind], tp)
     except ShardingError as exc:
         raise SMPValidationError(str(exc)) from None
+    if tp is not None:  # the full state in the original model's names, as without sharding
+        from mp.state_dicts import full_state_dict
+
+        sharding.gather_tp_state = lambda: dict(full_state_dict(state.model, True))
+    return sharding
 
 
 def partial_file_names(model: Any) -> tuple[str, str, bool] | None:
@@ -92,11 +115,11 @@ def partial_file_names(model: Any) -> tuple[str, str, bool] | None:
     sharding = sharding_of(model)
     if sharding is None:
         return None
-    degree = sharding.config.degree
-    dp_rank = state.require()[2].rank_in_group(GroupKind.DP, state.require()[1].rank)
-    shard = dp_rank % degree
-    name = f"sdp{shard}of{degree}"
-    return f"model_{name}.pt", f"optimizer_{name}.pt", dp_rank < degree
+    layout = layout_of(sharding)
+    name = f"sdp{layout['sdp_shard']}of{layout['sdp_degree']}"
+    if "tp_rank" in layout:
+        name += f"_tp{layout['tp_rank']}"
+    return f"model_{name}.pt", f"optimizer_{name}.pt", dist.get_rank(sharding.group) < sharding.config.degree
 
 
 def local_state_dict(sharding: ShardedDataParallel) -> dict[str, Any]:
@@ -118,7 +141,10 @@ def layout_of(sharding: ShardedDataParallel) -> dict[str, int]:
     """The sharding degree and this rank's shard index (saved with partial states, checked on load)."""
     _, world, topo = state.require()
     degree = sharding.config.degree
-    return {"sdp_degree": degree, "sdp_shard": topo.rank_in_group(GroupKind.DP, world.rank) % degree}
+    out = {"sdp_degree": degree, "sdp_shard": dist.get_rank(sharding.group) % degree}
+    if sharding.tp is not None:
+        out["tp_rank"] = topo.coords(world.rank).tp_rank
+    return out
 
 
 def check_layout(sharding: ShardedDataParallel, saved: Any, what: str) -> None:
@@ -149,7 +175,7 @@ def clip_sharded(sharding: ShardedDataParallel, max_norm: float, norm_type: floa
         raise SMPValidationError(
             f"clip_master_grads(norm_type={norm_type!r}) under sharded data parallelism: expected 2.0"
         )
-    return clip_grad_norm(clip_targets(sharding), max_norm).float()
+    return clip_grad_norm(clip_targets(sharding), max_norm, sharding).float()
 
 
 @contextlib.contextmanager
@@ -183,13 +209,14 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, sharding: ShardedDataParal
 
     def sharded_step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
         if max_norm > 0:  # smp: under sharded data parallelism the library clips, inside step()
-            clip_grad_norm(clip_targets(sharding), max_norm)
+            clip_grad_norm(clip_targets(sharding), max_norm, sharding)
         return step(closure)
 
     def clip_master_grads(self: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> Any:
         return clip_sharded(sharding, max_norm, norm_type)
 
     def state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
+        _refuse_full_under_tp(sharding, "optimizer.state_dict()")
         with _torch_methods(self):
             return sharding.full_optimizer_state_dict(self)
 
@@ -205,6 +232,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, sharding: ShardedDataParal
             check_layout(sharding, sd.pop(_LAYOUT_KEY, None), "optimizer")
             load_local_optimizer_state(self, sd)
             return
+        _refuse_full_under_tp(sharding, "optimizer.load_state_dict() of a full state")
         with _torch_methods(self):
             sharding.load_full_optimizer_state_dict(self, sd)
 
@@ -214,6 +242,16 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, sharding: ShardedDataParal
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
     for name in ("local_state_dict", "local_optimizer_state_dict"):
         setattr(optimizer, name, types.MethodType(local_state_dict, optimizer))
+
+
+def _refuse_full_under_tp(sharding: ShardedDataParallel, what: str) -> None:
+    if sharding.tp is not None:
+        raise SMPUnsupportedError(
+            f"{what} under sharded_data_parallel_degree > 1 with tensor_parallel_degree > 1: mp saves and "
+            "loads this layout's optimizer state only as each rank's shards. Fix: use "
+            "optimizer.local_state_dict() (smp.save_checkpoint(partial=True)), and model.state_dict() for "
+            "the full weights"
+        )
 
 
 def refuse_under_sharding(model: Any, what: str) -> None:
