@@ -12,6 +12,7 @@ a few fp16 ulps or exactly) and the losses within 1e-3 relative.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -159,8 +160,11 @@ def test_a_forced_overflow_on_one_rank_skips_the_step_on_every_rank(worlds: Any)
         assert r["skipped"][4] and r["scales"][5] == r["scales"][4] / 2, r
 
 
-def _session(precision: str, seed: int, saved: dict[str, Any] | None, full: bool) -> dict[str, Any]:
-    smp.init(_config(precision, 2))
+def _session(
+    precision: str, seed: int, saved: dict[str, Any] | None, full: bool, partition: str
+) -> dict[str, Any]:
+    # the resumed session splits the model as the first did (a time-balanced split may differ per run)
+    smp.init(_config(precision, 2) | {"partition_file": partition, "load_partition": saved is not None})
     torch.manual_seed(seed)
     model = smp.DistributedModel(build("gpt2", seed=seed, layers=2))
     kwargs = {"dynamic_loss_scale": True, "dynamic_loss_args": SCALING} if precision == "fp16" else {}
@@ -193,9 +197,9 @@ def _session(precision: str, seed: int, saved: dict[str, Any] | None, full: bool
     return out
 
 
-def _round_trip(world: Any, precision: str, full: bool) -> dict[str, Any]:
-    first = _session(precision, 0, None, full)
-    again = _session(precision, 1, first, full)
+def _round_trip(world: Any, precision: str, full: bool, partition: str) -> dict[str, Any]:
+    first = _session(precision, 0, None, full, partition)
+    again = _session(precision, 1, first, full, partition)
     differ = [n for n, m in first["masters"].items() if not torch.equal(m, again["masters"][n])]
     return {
         "differ": differ,
@@ -205,8 +209,8 @@ def _round_trip(world: Any, precision: str, full: bool) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("full", [False, True])
-def test_the_half_optimizer_state_round_trips(worlds: Any, full: bool) -> None:
-    for r in worlds.run(2, _round_trip, "fp16", full, timeout=240):
+def test_the_half_optimizer_state_round_trips(worlds: Any, full: bool, tmp_path: Path) -> None:
+    for r in worlds.run(2, _round_trip, "fp16", full, str(tmp_path / "partition.json"), timeout=240):
         assert r["n"] > 0 and r["differ"] == [] and r["scales"][0] == r["scales"][1], r
 
 
