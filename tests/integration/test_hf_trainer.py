@@ -126,12 +126,14 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("model", ["gpt2", "bert", "t5"])
-def test_the_trainer_at_pp2_trains_like_the_plain_trainer(tmp_path: Path, model: str) -> None:
+def test_the_trainer_at_pp2_trains_like_the_plain_trainer(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, model: str
+) -> None:
     """GPT-2 (causal LM), BERT (sequence classification), T5 (encoder-decoder)."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    plain_out, smp_out = tmp_path / "plain", tmp_path / "smp"
-    want = _run(script, plain_out, "plain", HF_TEST_MODEL=model)
+    want, plain_out = _plain(tmp_path_factory, HF_TEST_MODEL=model)
+    smp_out = tmp_path / "smp"
     got = _run(script, smp_out, "smp", HF_TEST_MODEL=model)
     assert got["alias"] == "sagemaker_model_parallel", got  # the Trainer took its smp path, through mp
     assert len(got["loss"]) == len(want["loss"]) == 6
@@ -165,12 +167,31 @@ def _run(script: Path, out: Path, mode: str, n: int = 2, **extra: str) -> dict[s
     return record
 
 
-def test_checkpoint_rotation_and_resume_through_the_trainer(tmp_path: Path) -> None:
+# The plain Trainer's runs, by their settings: several tests compare with the same reference run (GPT-2
+# on 8 samples a step is the reference of three), so each runs once per session.
+_PLAIN_RUNS: dict[tuple[tuple[str, str], ...], tuple[dict[str, Any], Path]] = {}
+
+
+def _plain(tmp_path_factory: pytest.TempPathFactory, **extra: str) -> tuple[dict[str, Any], Path]:
+    """The plain Trainer's record and output folder for these settings (SCRIPT's defaults filled in)."""
+    settings = {"HF_TEST_MODEL": "gpt2", "HF_TEST_BATCH": "4", **extra}
+    key = tuple(sorted(settings.items()))
+    if key not in _PLAIN_RUNS:
+        folder = tmp_path_factory.mktemp("plain")
+        script = folder / "train.py"
+        script.write_text(SCRIPT)
+        _PLAIN_RUNS[key] = (_run(script, folder / "out", "plain", **settings), folder / "out")
+    return _PLAIN_RUNS[key]
+
+
+def test_checkpoint_rotation_and_resume_through_the_trainer(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """save_steps=2 with save_total_limit=2 keeps checkpoint-4 and -6 (smp.save of the optimizer's
     partial state included); resuming from checkpoint-4 trains steps 5 and 6 as the run that went on."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    plain = _run(script, tmp_path / "plain", "plain", HF_TEST_SAVE="1")
+    plain, _ = _plain(tmp_path_factory, HF_TEST_SAVE="1")
     whole = _run(script, tmp_path / "smp", "smp", HF_TEST_SAVE="1")
     assert whole["checkpoints"] == plain["checkpoints"] == ["checkpoint-4", "checkpoint-6"], whole
     assert whole["loss"] == pytest.approx(plain["loss"], rel=1e-5)
@@ -184,12 +205,14 @@ def test_checkpoint_rotation_and_resume_through_the_trainer(tmp_path: Path) -> N
     assert resumed["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-6)
 
 
-def test_data_parallel_replicas_share_the_data(tmp_path: Path) -> None:
+def test_data_parallel_replicas_share_the_data(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """pp=2 x dp=2: each replica reads its half of the batches (SMPTrainer's DistributedSampler), so
     4 samples per replica train like the plain Trainer on 8."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    plain = _run(script, tmp_path / "plain", "plain", HF_TEST_BATCH="8")
+    plain, _ = _plain(tmp_path_factory, HF_TEST_BATCH="8")
     got = _run(script, tmp_path / "smp", "smp", n=4, HF_TEST_BATCH="4")
     for key in ("loss", "grad_norm"):
         assert got[key] == pytest.approx(plain[key], rel=1e-5), key
@@ -200,7 +223,9 @@ def test_data_parallel_replicas_share_the_data(tmp_path: Path) -> None:
     ("model", "pp", "prescaled"),
     [("gpt2", 1, False), ("gpt2", 1, True), ("gpt2", 2, False), ("bert", 2, False), ("t5", 2, False)],
 )
-def test_the_trainer_with_tensor_parallelism(tmp_path: Path, model: str, pp: int, prescaled: bool) -> None:
+def test_the_trainer_with_tensor_parallelism(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, model: str, pp: int, prescaled: bool
+) -> None:
     """tp=2 (the blocks replaced by smp.tensor_parallelism()), and tp=2 x pp=2 on 4 ranks for GPT-2, BERT
     and T5: without prescaled_batch the two TP ranks are data-parallel replicas reading 4 samples each
     (like the plain Trainer on 8); with it they read the same 4. save_model writes the whole model in
@@ -211,7 +236,7 @@ def test_the_trainer_with_tensor_parallelism(tmp_path: Path, model: str, pp: int
     if prescaled:
         cfg.update(prescaled_batch=True, optimize="speed")
     batch = "4" if prescaled else "8"
-    plain = _run(script, tmp_path / "plain", "plain", HF_TEST_BATCH=batch, HF_TEST_MODEL=model)
+    plain, plain_out = _plain(tmp_path_factory, HF_TEST_BATCH=batch, HF_TEST_MODEL=model)
     got = _run(
         script,
         tmp_path / "smp",
@@ -225,7 +250,7 @@ def test_the_trainer_with_tensor_parallelism(tmp_path: Path, model: str, pp: int
     for key in ("loss", "grad_norm"):
         assert got[key] == pytest.approx(plain[key], rel=1e-5), key
     assert got["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5)
-    saved, reference = _weights(tmp_path / "smp"), _weights(tmp_path / "plain")
+    saved, reference = _weights(tmp_path / "smp"), _weights(plain_out)
     assert set(reference) <= set(saved), sorted(set(reference) - set(saved))
     # TP sums partial products in another order; Adam turns the rounding of near-zero gradient
     # elements into updates of up to ~1e-5 after 6 steps (lr 1e-3: a wrong update would be ~1e-3)
