@@ -120,3 +120,51 @@ def test_partial_checkpoint_round_trip(worlds: Any, tmp_path: Any) -> None:
     for r in worlds.run(4, _round_trip, str(tmp_path), timeout=400):
         assert r["diff"] is None, r
         assert "partial checkpoint" in r["refused"], r
+
+
+def _gpt2(world: Any) -> dict[str, Any]:
+    """A Hugging Face GPT-2 made whole-stack tensor-parallel (GPT2DistributedLMHead) at tp=2 x sdp=2."""
+    from tests.mp_pipeline.models import batch, loss_of, make_optimizer, reference
+
+    smp.init(
+        {
+            "sharded_data_parallel_degree": 2,
+            "tensor_parallel_degree": 2,
+            "microbatches": 2,
+            "sdp_param_persistence_threshold": 0,
+            "sdp_gradient_clipping": 0.0,
+        }
+    )
+    from tests.mp_pipeline.models import build
+
+    with smp.tensor_parallelism():
+        net = build("gpt2")
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(make_optimizer("gpt2", model.parameters()))
+
+    @smp.step
+    def train_step(ids: torch.Tensor) -> torch.Tensor:
+        loss = loss_of("gpt2", model, (ids,))
+        model.backward(loss)
+        return loss
+
+    losses = []
+    for step in range(3):
+        losses.append(train_step(*batch("gpt2", step, smp.dp_rank())).reduce_mean().item())
+        opt.step()
+        opt.zero_grad()
+    want_losses, want = reference("gpt2", microbatches=2, replicas=smp.dp_size(), steps=3)
+    return {
+        "blocks": len(model._sharded.blocks),
+        "model": type(model.module).__name__,
+        "loss_ok": all(_close(g, w[smp.dp_rank()]) for g, w in zip(losses, want_losses, strict=True)),
+        # the distributed head gives its translated entries in its own order (as without sharding)
+        "params": first_difference(dict(sorted(model.state_dict().items())), dict(sorted(want.items()))),
+    }
+
+
+def test_whole_stack_gpt2_trains_like_one_process(worlds: Any) -> None:
+    for r in worlds.run(4, _gpt2, timeout=500):
+        assert r["model"].endswith("GPT2DistributedLMHead"), r  # FSDP2 prefixes the class name
+        assert r["blocks"] == 2, r  # each DistributedTransformerLayer is sharded on its own
+        assert r["loss_ok"] and r["params"] is None, r

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +87,8 @@ class ShardingConfig:
     max_live_parameters: int | None = None
     """Parameters gathered at once (root + blocks); None keeps FSDP2's one-block prefetch."""
     device_type: str = "cpu"
+    block_classes: tuple[str, ...] = ()
+    """More block class names (beside a Hugging Face model's ``_no_split_modules``)."""
     scaled_batch_divisor: int = 1
     """Tensor parallelism: the extra divisor of a "scaled batch" parameter's gradient (one that already
     saw the whole TP group's batch: the TP degree, or 1 under ``prescaled_batch``)."""
@@ -95,13 +97,13 @@ class ShardingConfig:
     when gathered; gradients are reduced in fp32). None: the parameters' own dtype."""
 
 
-def block_modules(model: nn.Module) -> list[nn.Module]:
+def block_modules(model: nn.Module, block_classes: Iterable[str] = ()) -> list[nn.Module]:
     """The repeated blocks of ``model``, outermost first, in module order (never the root).
 
-    A Hugging Face model names its block classes in ``_no_split_modules``; other models' blocks are
-    the children of their ``nn.ModuleList``s (also when none of the named classes is found). Blocks
-    nested in another block are not listed."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
+    A Hugging Face model names its block classes in ``_no_split_modules`` (``block_classes`` adds
+    more); other models' blocks are the children of their ``nn.ModuleList``s (also when none of the
+    named classes is found). Blocks nested in another block are not listed."""
+    names = set(getattr(model, "_no_split_modules", None) or ()) | set(block_classes)
     found: list[nn.Module] = []
 
     def is_block(path: str, module: nn.Module) -> bool:
@@ -196,7 +198,11 @@ class ShardedDataParallel:
         self._policy = MixedPrecisionPolicy()
         if config.param_dtype is not None:  # the sharded parameters are the fp32 masters (module docstring)
             self._policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=torch.float32)
-        units = [b for b in block_modules(module) if any(p not in ignored for p in b.parameters())]
+        units = [
+            b
+            for b in block_modules(module, config.block_classes)
+            if any(p not in ignored for p in b.parameters())
+        ]
         self.blocks: list[FSDPModule] = []
         self.peak_unsharded = 0
         """Delayed initialization: the most parameter elements materialized whole at once."""

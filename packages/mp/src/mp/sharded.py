@@ -84,6 +84,7 @@ def shard_model(module: nn.Module) -> ShardedDataParallel | None:
         device_type="cuda" if "cuda" in devices else "cpu",
         param_dtype=HALF_DTYPES.get(cfg.precision),
         scaled_batch_divisor=1 if cfg.prescaled_batch else cfg.tp,
+        block_classes=("DistributedTransformerLayer",),  # smp.nn's layers (a whole-stack model's blocks)
     )
     tp = None
     if cfg.tp > 1:
