@@ -62,6 +62,11 @@ def test_hf_models_use_their_init_weights() -> None:
     assert model.lm_head.weight is model.transformer.wte.weight  # tied weights stay tied
     std = model.transformer.h[0].mlp.c_fc.weight.std().item()
     assert abs(std - config.initializer_range) < 0.002, std  # HF's normal(0, 0.02), not Conv1D's own
+    # HF's rule on the parents (GPT2Attention, GPT2MLP), run after their children's as HF does: the
+    # residual projections scaled by 1/sqrt(2 n_layer)
+    scaled = config.initializer_range / (2 * config.n_layer) ** 0.5
+    for proj in (model.transformer.h[0].attn.c_proj, model.transformer.h[1].mlp.c_proj):
+        assert abs(proj.weight.std().item() - scaled) < 0.002, proj.weight.std()
     assert torch.equal(model.transformer.h[0].ln_1.weight, torch.ones(64))
     ids = torch.randint(0, 128, (2, 8))
     assert torch.isfinite(model(input_ids=ids, labels=ids).loss)

@@ -77,6 +77,7 @@ def materialize(
     materialized (asked only of those not created constant). Parameters not kept stay on meta."""
     hf_init: Any = getattr(root, "_init_weights", None)
     done: set[int] = set()
+    by_init: set[int] = set()  # parameters initialized here by their module or as constants, not drawn
     count = 0
     for path, module in root.named_modules():
         fresh: list[tuple[nn.Parameter, float | None]] = []
@@ -112,4 +113,22 @@ def materialize(
             for (p, _), draw in zip(fresh, draws, strict=True):
                 if draw is not None:
                     p.copy_(draw())  # one full tensor at a time
+                else:
+                    by_init.add(id(p))
+    if callable(hf_init) and by_init:
+        _hf_init_parents(root, hf_init, by_init)
     return count
+
+
+def _hf_init_parents(root: nn.Module, hf_init: Callable[[nn.Module], Any], by_init: set[int]) -> None:
+    """HF initializes every module children first (``smart_apply``), and some of its rules act on a
+    parent: GPT-2 scales its blocks' ``c_proj`` in ``_init_weights(GPT2Attention | GPT2MLP)``. Run the
+    root's ``_init_weights`` on each module without parameters of its own, deepest first, where every
+    parameter below was initialized here (not drawn as a shard) or is still on meta (another rank's)."""
+    with torch.no_grad():
+        for module in reversed(list(root.modules())):
+            if next(module.parameters(recurse=False), None) is not None:
+                continue
+            below = list(module.parameters())
+            if any(id(p) in by_init for p in below) and all(id(p) in by_init or p.is_meta for p in below):
+                hf_init(module)
