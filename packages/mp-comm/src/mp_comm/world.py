@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import logging
 import os
+import socket
 import sys
 import time
 import weakref
@@ -79,11 +80,30 @@ def mpi_comm_of(group: dist.ProcessGroup | None) -> Any | None:
     return comm
 
 
+def _listener(host: str, port: int) -> tuple[int, int]:
+    """A TCP socket listening on ``host``'s address only, as (file descriptor for TCPStore to own, port):
+    TCPStore itself would listen on every interface of rank 0's host."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+        chosen = int(sock.getsockname()[1])
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach(), chosen
+
+
 def _free_port_store(
     host: str, world_size: int, timeout: datetime.timedelta, port: int | None = None
 ) -> dist.TCPStore:
     try:
-        return dist.TCPStore(host, port or 0, world_size, True, timeout=timeout, wait_for_workers=False)
+        fd, chosen = _listener(host, port or 0)
+        return dist.TCPStore(
+            host, chosen, world_size, True, timeout=timeout, wait_for_workers=False, master_listen_fd=fd
+        )
     except (RuntimeError, OSError) as exc:
         if not port:
             raise
