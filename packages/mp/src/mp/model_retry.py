@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mp.errors import NotSupportedByFastModeError, SMPRuntimeError
+from mp.model_extras import JoinState
 from mp.model_partition import PartitionMixin
 from mp.state import state
 from mp.step_retry import ShortcutRetry, StepSnapshot
@@ -41,6 +42,7 @@ class RetryMixin(PartitionMixin):
     _overlap: OverlappedReduction | None
     _rank: int
     _step_count: int
+    _join: JoinState | None
 
     if TYPE_CHECKING:
 
@@ -50,6 +52,12 @@ class RetryMixin(PartitionMixin):
         """``inputs``: the step function's tensor arguments, whole (before the microbatch split)."""
         runtime, retry = self._runtime, self._retry
         if runtime is None or retry is None or not runtime.remote.shortcut:
+            return None
+        if self._join is not None:
+            # model.join(): finished replicas shadow only the data-parallel collectives of a step, so no
+            # rank may add one to agree on a retry; every rank of the pipeline enters join at the same
+            # step, and all run the full path from there
+            runtime.give_up_shortcut()
             return None
         buffers = list(self.local_buffers())
         return retry.before_step(runtime.shortcut_step, self._local_params(), buffers, inputs)
