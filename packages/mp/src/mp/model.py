@@ -305,7 +305,7 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
         if self._join is not None:  # model.join(): count the replicas still running (mp.model_extras)
             self._join.step_started(self)
         # mp's default pipeline: a step that fails under fast mode's plan runs again (mp.model_retry)
-        snapshot = self._before_attempt(flatten(inputs)[1])
+        snapshot = self._before_attempt(inputs)
         results, error, did_backward = self._attempt(func, body, inputs, exec_state)
         again, error = self._repeat_step(snapshot, error)
         if again is not None:

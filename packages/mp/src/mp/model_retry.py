@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ from mp_comm import GroupKind
 from mp_pipeline import FlowChangedError, PipelineRuntime, agree_any, caused_by
 from mp_pipeline.dp import OverlappedReduction
 from mp_pipeline.errors import PipelineTimeoutError
+from mp_pipeline.structure import flatten
 
 __all__ = ["RetryMixin"]
 
@@ -48,8 +49,8 @@ class RetryMixin(PartitionMixin):
 
         def local_buffers(self) -> Iterator[torch.Tensor]: ...
 
-    def _before_attempt(self, inputs: list[torch.Tensor]) -> StepSnapshot | None:
-        """``inputs``: the step function's tensor arguments, whole (before the microbatch split)."""
+    def _before_attempt(self, inputs: Any) -> StepSnapshot | None:
+        """``inputs``: the step's per-microbatch arguments (their tensors' versions are kept)."""
         runtime, retry = self._runtime, self._retry
         if runtime is None or retry is None or not runtime.remote.shortcut:
             return None
@@ -60,7 +61,8 @@ class RetryMixin(PartitionMixin):
             runtime.give_up_shortcut()
             return None
         buffers = list(self.local_buffers())
-        return retry.before_step(runtime.shortcut_step, self._local_params(), buffers, inputs)
+        tensors = flatten(inputs)[1]
+        return retry.before_step(runtime.shortcut_step, self._local_params(), buffers, tensors)
 
     def _repeat_step(
         self, snapshot: StepSnapshot | None, error: BaseException | None
