@@ -18,7 +18,7 @@ activation bytes). Variants run in rotating order ``--repeats`` times; the table
 
 Run: ``python benchmarks/memory_offload.py`` (``--quick`` for a smoke run; on a GPU host each rank takes
 the GPU of its local rank, or shares one with MP_SHARE_GPUS=1). Results: benchmarks/results/
-memory_offload.json and .md.
+memory_offload.json and .md (``--name`` another name, e.g. memory_offload_cuda for a GPU run).
 """
 
 from __future__ import annotations
@@ -177,6 +177,7 @@ def main() -> None:
     parser.add_argument("--no-trace", action="store_true")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--name", default="memory_offload", help="results file name in benchmarks/results")
     args = parser.parse_args()
     if args.worker:
         assert under_mpi()
@@ -202,8 +203,8 @@ def main() -> None:
     )
     table = _table(results, args.batch * args.seq)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "memory_offload.json").write_text(json.dumps({"setup": setup, "results": results}, indent=1))
-    (RESULTS / "memory_offload.md").write_text(f"{setup}\n\n{table}\n")
+    (RESULTS / f"{args.name}.json").write_text(json.dumps({"setup": setup, "results": results}, indent=1))
+    (RESULTS / f"{args.name}.md").write_text(f"{setup}\n\n{table}\n")
     print(f"{setup}\n\n{table}")
 
 

@@ -365,3 +365,21 @@ def _collectives_on_cuda(world: Any) -> dict[str, bool]:
 def test_tensor_parallel_collectives_on_cuda_tensors(worlds: Any) -> None:
     for got in worlds.run(2, _collectives_on_cuda, timeout=120):
         assert all(got.values()), got
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_smp_half_precision_on_gpu_trains_like_one_process_with_the_same_recipe(
+    worlds: Any, precision: str
+) -> None:
+    # smp's fp16/bf16 keys (half parameters, fp32 masters, dynamic loss scale, a forced overflow on one
+    # rank in step 4 for fp16) with CUDA's half kernels, against the recipe by hand on the same GPU
+    # (with SGD: see test_memory_precision._optimizer).
+    from tests.integration.test_memory_precision import _check, _train
+
+    overflow = 4 if precision == "fp16" else None
+    for r in worlds.run(2, _train, precision, 2, overflow, "cuda", True, timeout=240):
+        assert r["devices"] == ["cuda"], r
+        _check(r, precision)
+        assert r["losses"][-1] < r["losses"][0], r
+        if precision == "fp16":
+            assert r["skipped"][4] and r["scales"][5] == r["scales"][4] / 2, r

@@ -33,16 +33,25 @@ def _config(precision: str, pp: int) -> dict[str, Any]:
     return {"pipeline_parallel_degree": pp, "microbatches": MICROBATCHES, precision: True}
 
 
-def _reference(precision: str, overflow_step: int | None) -> dict[str, Any]:
+def _optimizer(params: Any, sgd: bool) -> torch.optim.Optimizer:
+    # SGD for the GPU check: AdamW turns rounding-level gradient differences (the key bias, whose true
+    # gradient is 0) into steps of lr, so two equal recipes on CUDA's fp16 kernels part by ~lr
+    return torch.optim.SGD(params, lr=0.1) if sgd else torch.optim.AdamW(params, lr=1e-3)
+
+
+def _reference(
+    precision: str, overflow_step: int | None, device: str = "cpu", sgd: bool = False
+) -> dict[str, Any]:
     dtype = DTYPES[precision]
-    model = build("gpt2", layers=2).to(dtype)
+    model = build("gpt2", layers=2).to(device, dtype)
     params = list(model.parameters())
     masters = [p.detach().float().clone().requires_grad_() for p in params]
-    opt = torch.optim.AdamW(masters, lr=1e-3)
+    opt = _optimizer(masters, sgd)
     scaler = DynamicLossScaler(**SCALING) if precision == "fp16" else None
     losses, scales, skipped, norms = [], [], [], []
     for step in range(STEPS):
         (ids,) = batch("gpt2", 0, 0)  # one batch, learnt: the loss must fall
+        ids = ids.to(device)
         model.zero_grad()
         scale = scaler.loss_scale if scaler is not None else 1.0
         total = 0.0
@@ -67,7 +76,7 @@ def _reference(precision: str, overflow_step: int | None) -> dict[str, Any]:
         scales.append(scale)
         skipped.append(overflow)
     names = [n for n, _ in model.named_parameters()]
-    masters_by_name = dict(zip(names, masters, strict=True))
+    masters_by_name = {n: m.detach().cpu() for n, m in zip(names, masters, strict=True)}
     return {
         "losses": losses,
         "scales": scales,
@@ -77,14 +86,18 @@ def _reference(precision: str, overflow_step: int | None) -> dict[str, Any]:
     }
 
 
-def _train(world: Any, precision: str, pp: int, overflow_step: int | None) -> dict[str, Any]:
+def _train(
+    world: Any, precision: str, pp: int, overflow_step: int | None, device: str = "cpu", sgd: bool = False
+) -> dict[str, Any]:
+    """`device` "cuda": the model, batches and reference on the GPU (tests/integration/test_gpu.py)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
     smp.init(_config(precision, pp))
-    net = build("gpt2", layers=2)
+    net = build("gpt2", layers=2).to(device)
     model = smp.DistributedModel(net)
     kwargs: dict[str, Any] = {}
     if precision == "fp16":
         kwargs = {"static_loss_scale": None, "dynamic_loss_scale": True, "dynamic_loss_args": SCALING}
-    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), **kwargs)
+    opt = smp.DistributedOptimizer(_optimizer(model.parameters(), sgd), **kwargs)
 
     @smp.step
     def train_step(ids: torch.Tensor) -> torch.Tensor:
@@ -95,6 +108,7 @@ def _train(world: Any, precision: str, pp: int, overflow_step: int | None) -> di
     losses, scales, skipped, norms = [], [], [], []
     for step in range(STEPS):
         (ids,) = batch("gpt2", 0, 0)  # one batch, learnt: the loss must fall
+        ids = ids.to(device)
         opt.zero_grad()
         scales.append(opt.loss_scale)
         out = train_step(ids)
@@ -109,8 +123,10 @@ def _train(world: Any, precision: str, pp: int, overflow_step: int | None) -> di
         skipped.append(opt.overflow)
     dtypes = sorted({str(p.dtype) for p in model.local_parameters()})
     names = {id(p): n for n, p in model.module.named_parameters()}
-    masters = {names[id(p)]: m.detach().clone() for p, m in opt.pairs()}
-    ref = _reference(precision, overflow_step)
+    masters = {names[id(p)]: m.detach().cpu() for p, m in opt.pairs()}
+    devices = sorted({p.device.type for p in model.local_parameters()})
+    smp.reset()  # the reference runs alone on the device
+    ref = _reference(precision, overflow_step, device, sgd)
     far = [
         ((m - ref["masters"][n]).abs().max().item(), n)
         for n, m in masters.items()
@@ -123,6 +139,7 @@ def _train(world: Any, precision: str, pp: int, overflow_step: int | None) -> di
         "skipped": skipped,
         "norms": norms,
         "dtypes": dtypes,
+        "devices": devices,
         "master_dtypes": sorted({str(m.dtype) for m in masters.values()}),
         "worst": worst,
         "ref": {k: v for k, v in ref.items() if k != "masters"},

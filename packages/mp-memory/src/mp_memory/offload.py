@@ -91,7 +91,8 @@ class Offloader:
 
     def _pack(self, t: torch.Tensor) -> _Packed:
         key = self._task()
-        if key is None or isinstance(t, nn.Parameter) or t.device.type == "meta":
+        # empty tensors too: checkpoint's own zero-size marker is saved here on some torch versions
+        if key is None or isinstance(t, nn.Parameter) or t.device.type == "meta" or t.numel() == 0:
             return _Packed(-1, kept=t)
         step, mb = key
         with self._lock:
