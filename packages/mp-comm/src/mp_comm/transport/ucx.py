@@ -1,13 +1,15 @@
-"""The UCX transport (ucxx): one listener per rank, endpoints opened lazily, tag matching.
+"""The UCX transport (ucxx): endpoints from worker addresses, opened lazily, tag matching.
 
 Install with ``pip install 'mp-comm[ucx]'`` (the ``ucxx-cu12`` wheels). On CPU, UCX moves host memory
 over shared memory (cma, posix, sysv) or tcp; with GPUs it is the device-to-device path of Appendix
 G.2: CUDA IPC between GPUs of one node, GPUDirect RDMA across nodes, chosen by UCX itself.
 
-Every rank listens on one port; the addresses are exchanged once through a :class:`Bootstrap`. An
-endpoint to a peer is opened the first time this rank sends to it, and announces this rank on a
-stream, so that the peer can name whoever goes away. UCX calls are made by the transport's progress
-thread only; it sleeps on the worker's event descriptor (and a pipe that `send` writes to) when idle.
+No rank listens for connections: the ranks' UCX worker addresses are exchanged once through a
+:class:`Bootstrap`, and an endpoint to a peer is created from its worker address the first time this
+rank sends to it. Its first message, a sealed hello, makes the peer open an endpoint back, so that the
+peer can name whoever goes away. UCX's own network transports are limited to the job's interface
+(`UCXConfig.net_devices`). UCX calls are made by the transport's progress thread only; it sleeps on the
+worker's event descriptor (and a pipe that `send` writes to) when idle.
 
 The transport is built in layers, one mechanism each: its wire (tags, control messages) in
 ucx_wire, endpoints and their authentication in ucx_endpoints, payloads and the device-to-device
@@ -49,16 +51,17 @@ from mp_comm.transport.ucx_setup import (
     UCXConfig,
     foreign_ucx,
     import_ucxx,
+    job_net_devices,
     preload_before_mpi,
     ucx_available,
 )
 from mp_comm.transport.ucx_wire import (
     _CTRL,
     _HEADER,
+    _HELLO,
     FALLBACK_CHANNEL,
     MAX_RANKS,
     MAX_TENSORS,
-    _Incoming,
     _RecvOp,
     _SendOp,
     _tag,
@@ -113,13 +116,21 @@ class UCXTransport(UCXReceiving):
         orders: OrderCounter | None = None,
         device_map: DeviceMap = default_device_map,
     ) -> None:
+        key = node_key if node_key is not None else socket.gethostname()
         try:
             self._ucx, self._array = import_ucxx()
         except TransportUnavailableError:
-            # The other ranks wait in the address exchange below: take part, so that they fail too.
+            # The other ranks wait in the exchange below: take part, so that they fail too.
             with contextlib.suppress(Exception):
                 bootstrap.allgather(None)
             raise
+        # First the nodes (they decide the network devices UCX may use) and the job's secret.
+        secret = auth.new_secret() if bootstrap.rank == 0 else None  # the job's: see transport/auth.py
+        nodes = bootstrap.allgather((key, secret))
+        if any(p is None for p in nodes):
+            raise TransportUnavailableError(
+                f"the UCX transport could not start on ranks {[r for r, p in enumerate(nodes) if p is None]}"
+            )
         if bootstrap.size > MAX_RANKS:
             raise TransportUnavailableError(
                 f"the UCX transport supports up to {MAX_RANKS} ranks, not {bootstrap.size}"
@@ -146,7 +157,6 @@ class UCXTransport(UCXReceiving):
         self._ctrl_reqs: list[tuple[Any, Any]] = []
         self._eps: dict[int, Any] = {}
         self._ep_keep: list[Any] = []
-        self._incoming: list[_Incoming] = []
         self._ep_errors: collections.deque[tuple[int, str]] = collections.deque()
         self._recv_buffers: dict[str, BufferManager] = {}
         self._send_buffers: dict[str, BufferManager] = {}
@@ -158,18 +168,24 @@ class UCXTransport(UCXReceiving):
         self._closing = False
         self._aborting = False
         self._ready = False  # set once every rank's address is known
-        self._secret = b""  # the job's secret (rank 0's draw), known with the addresses
+        self._secret: bytes = nodes[0][1]  # rank 0's draw
         self.rejected = 0
-        """Messages and connections refused because they did not carry the job's MAC (auth.py)."""
-        self._peers: list[tuple[str, int]] = []
-        self._same_node: list[bool] = []
+        """Messages refused because they did not carry the job's MAC (auth.py)."""
+        self._peers: list[bytes] = []  # the ranks' UCX worker addresses
+        self._same_node = [p[0] == key for p in nodes]
         self._error: BaseException | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
-        self._listen_port = 0
+        self._address = b""
+        self._net_devices: str | None = None
+        try:
+            self._net_devices = job_net_devices(self.ucx_config, all(self._same_node))
+        except TransportUnavailableError as exc:
+            self._start_error = exc
         self._thread = threading.Thread(target=self._run, name=f"mp-comm-ucx-r{self.rank}", daemon=True)
-        self._thread.start()
-        self._started.wait(60.0)
+        if self._start_error is None:
+            self._thread.start()
+            self._started.wait(60.0)
         if self._start_error is not None or not self._started.is_set():
             self._closed = True
             error = self._start_error or TransportError("UCX did not start within 60 s")
@@ -181,30 +197,19 @@ class UCXTransport(UCXReceiving):
             raise TransportUnavailableError(
                 f"the UCX transport cannot start on rank {self.rank}: {error}"
             ) from error
-        host = self.ucx_config.host or "127.0.0.1"
-        key = node_key if node_key is not None else socket.gethostname()
-        secret = auth.new_secret() if self.rank == 0 else None  # the job's: see transport/auth.py
-        peers = bootstrap.allgather((host, self._listen_port, key, secret))
+        peers = bootstrap.allgather(self._address)
         if any(p is None for p in peers):
             self.abort()
             raise TransportUnavailableError(
                 f"the UCX transport could not start on ranks {[r for r, p in enumerate(peers) if p is None]}"
             )
-        keys = [p[2] for p in peers]
-        peers_secret: bytes = peers[0][3]
-        if self.ucx_config.host is None and len(set(keys)) > 1:
-            # Several nodes: advertise a routable address instead of the loopback one.
-            mine = socket.gethostbyname(socket.gethostname())
-            peers = bootstrap.allgather((mine, self._listen_port, key, None))
-        self._peers = [(p[0], int(p[1])) for p in peers]
-        self._same_node = [k == key for k in keys]
-        self._secret = peers_secret
+        self._peers = list(peers)
         self._ready = True
         self._wake()
         if fallback is not None:
             fallback.register_channel(FALLBACK_CHANNEL, self._on_fallback)
         _OPEN.add(self)
-        log.debug("UCX transport up on rank %d, listening on %s", self.rank, self._peers[self.rank])
+        log.debug("UCX transport up on rank %d (UCX_NET_DEVICES=%s)", self.rank, self._net_devices or "env")
 
     @classmethod
     def from_world(cls, world: Any, **kwargs: Any) -> UCXTransport:
@@ -321,15 +326,13 @@ class UCXTransport(UCXReceiving):
     def _run(self) -> None:
         ucx = self._ucx
         try:
+            options = {} if self._net_devices is None else {"NET_DEVICES": self._net_devices}
             self._context = ucx.UCXContext(
-                feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP, ucx.Feature.STREAM)
+                config_dict=options, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP)
             )
             self._worker = ucx.UCXWorker(self._context)
             self._worker.init_blocking_progress_mode()
-            self._listener = ucx.UCXListener.create(
-                worker=self._worker, port=self.ucx_config.port, cb_func=self._on_connect
-            )
-            self._listen_port = int(self._listener.port)
+            self._address = bytes(self._worker.address.tobytes())
             self._epoll_fd = self._worker.epoll_file_descriptor
         except BaseException as exc:
             self._start_error = exc
@@ -371,8 +374,9 @@ class UCXTransport(UCXReceiving):
     def _round(self) -> bool:
         self._worker.progress()
         if not self._ready:  # messages wait in UCX's queue until the peers' addresses are known
-            return self._check_hellos()
-        worked = self._handle_ep_errors()
+            return False
+        worked = self._probe(_HELLO)
+        worked |= self._handle_ep_errors()
         worked |= self._post_sends()
         worked |= self._probe(_HEADER)
         worked |= self._probe(_CTRL)
@@ -380,7 +384,6 @@ class UCXTransport(UCXReceiving):
         worked |= self._take_fallbacks()
         worked |= self._finish_recvs()
         worked |= self._finish_sends()
-        worked |= self._check_hellos()
         return worked
 
     # sending
@@ -463,20 +466,19 @@ class UCXTransport(UCXReceiving):
 
     def _teardown(self) -> None:
         self._stopping = True
-        for ep in [*self._eps.values(), *(e.ep for e in self._incoming)]:
+        for ep in self._eps.values():
             with contextlib.suppress(Exception):
                 ep.close_blocking()
         with contextlib.suppress(Exception):
             for _ in range(10):
                 self._worker.progress()
         self._eps.clear()
-        self._incoming.clear()
         self._ep_keep.clear()
         self._ctrl_reqs.clear()
         self._sends.clear()
         self._recvs.clear()
         self._headers.clear()
-        for name in ("_listener", "_worker", "_context"):
+        for name in ("_worker", "_context"):
             if hasattr(self, name):
                 delattr(self, name)
         log.debug("UCX transport of rank %d closed", self.rank)

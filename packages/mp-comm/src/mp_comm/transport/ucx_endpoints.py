@@ -1,5 +1,10 @@
-"""Connections of the UCX transport: endpoints opened lazily, each introducing its rank with the job's
-secret (transport/auth.py), and what a peer's closed connection means.
+"""Connections of the UCX transport: endpoints created from the peers' worker addresses (no listener),
+opened lazily, each introducing its rank with the job's secret (transport/auth.py), and what a peer's
+closed connection means.
+
+A rank's first message on a new endpoint is a sealed hello (a HELLO tag message). The peer checks it
+and opens its own endpoint back to that rank's worker address, as given by the bootstrap (never taken
+from the message), so that it sees the rank go away even if it never sends to it.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import numpy as np
 from mp_comm.transport import auth
 from mp_comm.transport.base import MessageTransport
 from mp_comm.transport.ucx_setup import UCXConfig
-from mp_comm.transport.ucx_wire import _Incoming, _SendOp
+from mp_comm.transport.ucx_wire import _HELLO, _SendOp, _tag
 
 __all__ = ["UCXEndpoints"]
 
@@ -28,31 +33,17 @@ class UCXEndpoints(MessageTransport):
     _ucx: Any
     _array: Any
     _worker: Any
-    _listener: Any
     _secret: bytes
     _ready: bool
     _closing: bool
-    _peers: list[tuple[str, int]]
+    _peers: list[bytes]
     _same_node: list[bool]
     _eps: dict[int, Any]
     _ep_keep: list[Any]
-    _incoming: list[_Incoming]
     _ep_errors: collections.deque[tuple[int, str]]
     _sends: list[_SendOp]
     _deferred: list[_SendOp]
     _awaiting: dict[tuple[int, int], _SendOp]
-
-    def _on_connect(self, conn_request: Any) -> None:
-        ep = self._listener.create_endpoint_from_conn_request(conn_request, self.ucx_config.error_handling)
-        buf = np.zeros(auth.HELLO_BYTES, dtype=np.uint8)
-        entry = _Incoming(ep, None, buf)
-        ep.set_close_callback(self._on_incoming_closed, cb_args=(entry,))
-        entry.hello = ep.stream_recv(self._array(buf))
-        self._incoming.append(entry)
-
-    def _on_incoming_closed(self, entry: _Incoming, *_: Any) -> None:
-        if not self._closing:
-            self._ep_errors.append((entry.rank, "its connection to this rank closed"))
 
     def _on_outgoing_closed(self, rank: int, *_: Any) -> None:
         if not self._closing:
@@ -61,45 +52,34 @@ class UCXEndpoints(MessageTransport):
     def _endpoint(self, rank: int) -> Any:
         ep = self._eps.get(rank)
         if ep is None:
-            host, port = self._peers[rank]
-            ep = self._ucx.UCXEndpoint.create(self._worker, host, port, self.ucx_config.error_handling)
+            ucx = self._ucx
+            address = ucx.UCXAddress.create_from_buffer(np.frombuffer(self._peers[rank], dtype=np.uint8))
+            errors = self.ucx_config.error_handling
+            ep = ucx.UCXEndpoint.create_from_worker_address(self._worker, address, errors)
             ep.set_close_callback(self._on_outgoing_closed, cb_args=(rank,))
             hello = np.frombuffer(bytearray(auth.hello(self._secret, self.rank)), dtype=np.uint8)
-            self._ep_keep.append((ep.stream_send(self._array(hello)), hello))
+            tag = ucx.UCXXTag(_tag(_HELLO, self.rank, 0))
+            self._ep_keep.append((ep.tag_send(self._array(hello), tag), hello))
             self._eps[rank] = ep
         return ep
 
-    def _check_hellos(self) -> bool:
-        worked = False
-        if not self._ready:
-            return worked  # the secret that checks them comes with the addresses
-        for entry in self._incoming:
-            if entry.rank < 0 and entry.hello is not None and entry.hello.completed:
-                entry.hello.check_error()
-                rank = auth.open_hello(self._secret, entry.hello_buf.tobytes())
-                entry.hello = None
-                worked = True
-                if rank is None or not 0 <= rank < self.size:
-                    self.rejected += 1
-                    log.error(
-                        "rank %d: refused a connection that did not introduce itself with the job's secret "
-                        "(a process outside the job reached this rank's UCX port)",
-                        self.rank,
-                    )
-                    continue
-                entry.rank = rank
-        return worked
+    def _on_hello(self, source: int, data: bytes) -> None:
+        """A rank's first message to this one: open an endpoint back to it (to see it go away)."""
+        rank = auth.open_hello(self._secret, data)
+        if rank is None or rank != source or not 0 <= rank < self.size:
+            self._refuse(source, "hello")
+            return
+        if rank not in self._eps and not self._closing:
+            try:
+                self._endpoint(rank)
+            except Exception as exc:  # it went away already: its sends will say so
+                log.warning("rank %d: cannot open an endpoint back to rank %d: %s", self.rank, rank, exc)
 
     def _handle_ep_errors(self) -> bool:
         if not self._ep_errors:
             return False
         while self._ep_errors:
             rank, why = self._ep_errors.popleft()
-            if rank < 0:
-                log.warning(
-                    "rank %d: a connection from a rank that had not introduced itself closed", self.rank
-                )
-                continue
             error = self._lost(rank, why)
             log.error("%s", error)
             self.mailbox.fail_peer(rank, error)
@@ -121,7 +101,7 @@ class UCXEndpoints(MessageTransport):
         self.rejected += 1
         log.error(
             "rank %d: dropped a %s that claims to come from rank %d but does not carry the job's MAC "
-            "(a process outside the job reached this rank's UCX port)",
+            "(a process outside the job reached this rank's UCX worker)",
             self.rank,
             what,
             claimed,

@@ -14,11 +14,21 @@ from mp_comm.errors import MessageDecodeError
 from mp_comm.message import Header, byte_view, decode_header
 from mp_comm.transport import auth
 from mp_comm.transport.ucx_payloads import UCXPayloads
-from mp_comm.transport.ucx_wire import _CTRL_WIRE, _HEADER, _KIND_MASK, _RecvOp, _tag_source
+from mp_comm.transport.ucx_wire import (
+    _CTRL_WIRE,
+    _HEADER,
+    _HELLO,
+    _KIND_MASK,
+    MAX_TENSORS,
+    _RecvOp,
+    _tag_source,
+)
 
 __all__ = ["UCXReceiving"]
 
 log = logging.getLogger("mp_comm.transport.ucx")  # the logger these messages always had
+
+_CTRL_MAX = _CTRL_WIRE.size + MAX_TENSORS + auth.MAC_BYTES  # the wire counter, a letter per payload, MAC
 
 
 class UCXReceiving(UCXPayloads):
@@ -36,18 +46,31 @@ class UCXReceiving(UCXPayloads):
                 break
             worked = True
             tag = int(probe.sender_tag.value)
-            buf = np.empty(int(probe.length), dtype=np.uint8)
-            req = self._worker.tag_recv_with_handle(self._array(buf), probe)
             source = _tag_source(tag)
             if kind == _HEADER:
+                buf = np.empty(int(probe.length), dtype=np.uint8)
+                req = self._worker.tag_recv_with_handle(self._array(buf), probe)
                 self._headers.setdefault(source, collections.deque()).append((req, buf, tag))
+                continue
+            # Hellos and control messages are a few bytes, already here; a longer one is not the job's.
+            what, limit = ("hello", auth.HELLO_BYTES) if kind == _HELLO else ("control message", _CTRL_MAX)
+            buf = np.empty(max(1, min(int(probe.length), limit)), dtype=np.uint8)
+            req = self._worker.tag_recv_with_handle(self._array(buf), probe)
+            while not req.completed:
+                self._worker.progress()
+            try:
+                req.check_error()  # a truncated one fails here
+            except Exception:
+                self._refuse(source, what)
+                continue
+            if int(probe.length) > limit:
+                self._refuse(source, what)
+            elif kind == _HELLO:
+                self._on_hello(source, buf.tobytes())
             else:
-                while not req.completed:  # control messages are a few bytes, already here
-                    self._worker.progress()
-                req.check_error()
                 ctrl = auth.unseal(self._secret, tag, buf.tobytes())
                 if ctrl is None or len(ctrl) < _CTRL_WIRE.size:
-                    self._refuse(source, "control message")
+                    self._refuse(source, what)
                     continue
                 (wire,) = _CTRL_WIRE.unpack_from(ctrl)
                 self._on_ctrl(source, int(wire), ctrl[_CTRL_WIRE.size :].decode("ascii", "replace"))

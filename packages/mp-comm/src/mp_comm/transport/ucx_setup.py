@@ -6,17 +6,30 @@ configurations can be built, without the transport itself.
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import importlib
 import importlib.util
+import ipaddress
 import logging
 import os
+import socket
+import struct
 import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from mp_comm.errors import TransportUnavailableError
 
-__all__ = ["UCXConfig", "foreign_ucx", "import_ucxx", "preload_before_mpi", "ucx_available"]
+__all__ = [
+    "UCXConfig",
+    "foreign_ucx",
+    "import_ucxx",
+    "interface_of",
+    "job_net_devices",
+    "preload_before_mpi",
+    "ucx_available",
+]
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +105,14 @@ class UCXConfig:
     """Settings of the UCX transport (the shared ones are in TransportConfig)."""
 
     host: str | None = None
-    """Address at which the other ranks reach this rank's listener. None: 127.0.0.1 when all ranks share
-    one node, else the address this host's name resolves to."""
-    port: int = 0
-    """Listener port; 0 picks a free one."""
+    """This rank's address on the job's network; UCX's network traffic uses the interface that holds it.
+    None: 127.0.0.1 (the loopback interface) when all ranks share one node, else the address this
+    host's name resolves to."""
+    net_devices: str | None = None
+    """UCX_NET_DEVICES for the transport's UCX context: the network devices UCX may use (its tcp
+    transport listens on each one's address). None: the environment's UCX_NET_DEVICES when set, else
+    the job's own: ``lo`` on one node; across nodes the interface of `host` and every RDMA device
+    (/sys/class/infiniband). "all" is UCX's default: every interface."""
     buffered_devices: tuple[str, ...] = ("cuda",)
     """Device types whose payloads take the D2D path with persistent buffers and the handshake. Adding
     "cpu" runs that path on host memory (the tests do, on machines without GPUs)."""
@@ -117,8 +134,11 @@ class UCXConfig:
     """Ask UCX to detect failed peers (endpoint error handling); a failed peer raises PeerLostError."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port={self.port}; expected 0 (any free port) or a TCP port number")
+        if self.net_devices is not None and not self.net_devices.strip():
+            raise ValueError(
+                f"net_devices={self.net_devices!r}; expected UCX device names such as 'eth0,mlx5_0:1', "
+                "'all', or None for the job's own"
+            )
         if self.recv_buffer_bytes < 0 or self.send_buffer_bytes < 0:
             raise ValueError(
                 f"recv_buffer_bytes={self.recv_buffer_bytes}, send_buffer_bytes={self.send_buffer_bytes}; "
@@ -128,3 +148,66 @@ class UCXConfig:
             raise ValueError(f"buffered_peers={self.buffered_peers!r}; expected 'cross-node' or 'all'")
         if self.stage_sends not in ("cross-node", "always", "never"):
             raise ValueError(f"stage_sends={self.stage_sends!r}; expected 'cross-node', 'always' or 'never'")
+
+
+_SIOCGIFADDR = 0x8915
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the local network interface that holds ``address`` (IPv4 or IPv6), if any (Linux)."""
+    ip = ipaddress.ip_address(address)
+    if ip.version == 6:
+        try:
+            with open("/proc/net/if_inet6") as table:  # address (hex), index, prefix, scope, flags, name
+                for line in table:
+                    fields = line.split()
+                    if len(fields) >= 6 and int(fields[0], 16) == int(ip):
+                        return fields[5]
+        except OSError:
+            return None
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                reply = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    return None
+
+
+def _rdma_devices() -> list[str]:
+    # InfiniBand and RoCE ports ("mlx5_0:1"): RDMA opens no listening socket.
+    ports = glob.glob("/sys/class/infiniband/*/ports/*")
+    return sorted(f"{p.split('/')[-3]}:{p.split('/')[-1]}" for p in ports)
+
+
+def job_net_devices(config: UCXConfig, single_node: bool) -> str | None:
+    """UCX_NET_DEVICES for this rank's UCX context (see `UCXConfig.net_devices`); None leaves the
+    environment's. Raises TransportUnavailableError when the job's interface cannot be found."""
+    if config.net_devices is not None:
+        return config.net_devices
+    if os.environ.get("UCX_NET_DEVICES"):
+        return None
+    if single_node and config.host is None:
+        return "lo"
+    host = config.host or socket.gethostbyname(socket.gethostname())
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:  # a name
+        host = socket.gethostbyname(host)
+    if config.host is None and ipaddress.ip_address(host).is_loopback:
+        raise TransportUnavailableError(
+            f"this host's name ({socket.gethostname()}) resolves to {host}, a loopback address, but the job "
+            "spans several nodes: set UCXConfig.host to this host's address on the job's network, or "
+            "UCX_NET_DEVICES to its interface (e.g. UCX_NET_DEVICES=eth0,mlx5_0:1)"
+        )
+    name = interface_of(host)
+    if name is None:
+        raise TransportUnavailableError(
+            f"no network interface of this host holds {host} (the UCX transport's address for this rank): "
+            "set UCXConfig.host to an address of this host on the job's network, or UCX_NET_DEVICES to "
+            "the interfaces UCX may use"
+        )
+    return ",".join([name, *_rdma_devices()])

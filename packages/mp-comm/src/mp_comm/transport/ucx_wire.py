@@ -3,7 +3,7 @@
 Tags are 64 bits: kind (2) | source rank (22) | wire counter (24) | tensor index (16). A message is
 a header (kind HEADER, matched from any source by a tag probe that removes it: UCX's matched probe)
 followed by one DATA message per tensor payload that is not inline; CTRL messages answer the D2D
-handshake (ucx_payloads).
+handshake (ucx_payloads); a HELLO is the first message on a new endpoint (ucx_endpoints).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from mp_comm.transport.base import Outgoing
 
 __all__ = ["FALLBACK_CHANNEL", "MAX_RANKS", "MAX_TENSORS"]
 
-_HEADER, _DATA, _CTRL = 0, 1, 2
+_HEADER, _DATA, _CTRL, _HELLO = 0, 1, 2, 3
 _CTRL_WIRE = struct.Struct("<q")  # a control message: the wire counter, then the decision's letters
 _KIND_MASK: Final = 3 << 62
 MAX_RANKS: Final = 1 << 22
@@ -64,11 +64,3 @@ class _RecvOp:
     landing: list[tuple[int, BufferManager, Region]] = field(default_factory=list)
     fallback_index: tuple[int, ...] = ()
     waiting_fallback: bool = False
-
-
-@dataclass(slots=True)
-class _Incoming:
-    ep: Any
-    hello: Any
-    hello_buf: Any
-    rank: int = -1
