@@ -13,11 +13,13 @@ more rounding of the half dtype; losses within 1e-3 (fp16) and 1e-2 (bf16) relat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 import mp as smp
@@ -50,16 +52,30 @@ def _config(precision: str, clip: float) -> dict[str, Any]:
     }
 
 
-def _reference(precision: str, replicas: int, clip: float, overflow_step: int | None) -> dict[str, Any]:
+def _reference(
+    precision: str,
+    replicas: int,
+    clip: float,
+    overflow_step: int | None,
+    *,
+    whole_names: frozenset[str] | None = None,
+    build: Callable[[], nn.Module] = _build,
+) -> dict[str, Any]:
     """One process, the sharded run's recipe: half parameters and fp32 masters, the same scaler; each
     microbatch's half gradient of a sharded parameter summed in fp32 (FSDP2's reduce dtype), a whole
     (small) parameter's summed in half over a replica's microbatches, then averaged over the replicas in
-    fp32 and rounded to half (mp_memory.sharded.reduce_persistent_grads)."""
+    fp32 and rounded to half (mp_memory.sharded.reduce_persistent_grads). ``whole_names``: the
+    parameters kept whole (default: those below THRESHOLD elements); ``build``: the model (seeded)."""
     dtype = DTYPES[precision]
-    model = _build().to(dtype)
+    model = build().to(dtype)
     names = [n for n, _ in model.named_parameters()]
     params = list(model.parameters())
-    whole = [p.numel() < THRESHOLD for p in params]
+    if whole_names is not None:
+        assert whole_names <= set(names), whole_names
+    whole = [
+        (n in whole_names) if whole_names is not None else p.numel() < THRESHOLD
+        for n, p in zip(names, params, strict=True)
+    ]
     masters = [p.detach().float().clone().requires_grad_() for p in params]
     opt = _optimizer(masters)
     scaler = DynamicLossScaler(**SCALING) if precision == "fp16" else None

@@ -165,13 +165,12 @@ class ShardedDataParallel:
                 f"parallel group of that size spanning the world with the TP group; got {size} x {tp_size} "
                 f"of {dist.get_world_size()} ranks. Fix: use pipeline_parallel_degree 1"
             )
-        if tp is not None and (config.replicas > 1 or config.param_dtype is not None):
+        if tp is not None and config.replicas > 1:
             raise ShardingError(
                 "sharded data parallelism with tensor parallelism is built for sharded_data_parallel_degree "
-                f"equal to the reduced data-parallel size, in fp32; got {config.replicas} replicas of "
-                f"{config.degree} ranks, precision {config.param_dtype or 'fp32'}. Fix: set "
-                "sharded_data_parallel_degree to the data-parallel size / tensor_parallel_degree, and train "
-                "in fp32 (or set tensor_parallel_degree to 1)"
+                f"equal to the reduced data-parallel size; got {config.replicas} replicas of "
+                f"{config.degree} ranks. Fix: set sharded_data_parallel_degree to the data-parallel size / "
+                "tensor_parallel_degree (or set tensor_parallel_degree to 1)"
             )
         self.config = config
         self.group = group
@@ -423,13 +422,14 @@ class ShardedDataParallel:
         """The whole model's state under its own key names, full tensors, on every rank (collective).
         Under tensor parallelism, ``gather_tp_state`` (set by the caller) gathers it from the whole
         parameters (:meth:`gathered`) in the original model's names."""
+        half = self.config.param_dtype  # the model's dtype, as without sharding (the masters: optimizer)
         if self.gather_tp_state is not None:
             with self.gathered():
-                return self.gather_tp_state()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+                sd = self.gather_tp_state()
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        sd = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
-        half = self.config.param_dtype  # the model's dtype, as without sharding (the masters: optimizer)
+            sd = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
         return {
             k: (v.detach().cpu().to(half) if half is not None and v.is_floating_point() else v.detach().cpu())
             if isinstance(v, torch.Tensor)

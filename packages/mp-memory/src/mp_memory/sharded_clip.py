@@ -4,7 +4,7 @@ over the sharding group and, under tensor parallelism, TP shards over the TP gro
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,16 +20,22 @@ __all__ = ["clip_grad_norm"]
 
 
 def clip_grad_norm(
-    params: Iterable[torch.Tensor], max_norm: float, sharding: ShardedDataParallel | None = None
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    sharding: ShardedDataParallel | None = None,
+    owners: Mapping[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Scale the gradients so that the global L2 norm over every shard is at most ``max_norm``, as
     ``torch.nn.utils.clip_grad_norm_`` does on the unsharded model; returns that norm (float64).
     Collective over the mesh of the DTensor gradients (and the TP group of ``sharding``, whose TP
-    shards count once each): call it on every rank."""
+    shards count once each): call it on every rank. ``owners``: for a tensor that stands for a model
+    parameter (an fp32 master, by id), that parameter, whose TP layout it has."""
     pairs = [(p, p.grad) for p in params if p.grad is not None]
     grads = [g for _, g in pairs]
     if sharding is not None and sharding.tp is not None:
-        total = _tp_norm(pairs, sharding.group, sharding.tp)
+        found = owners or {}
+        laid_out = [(found.get(id(p), p), g) for p, g in pairs]
+        total = _tp_norm(laid_out, sharding.group, sharding.tp)
     else:
         total = _norm(grads)
     coef = max_norm / (float(total) + 1e-6)

@@ -159,15 +159,18 @@ def check_layout(sharding: ShardedDataParallel, saved: Any, what: str) -> None:
         )
 
 
-def clip_targets(sharding: ShardedDataParallel) -> list[torch.Tensor]:
+def clip_targets(sharding: ShardedDataParallel) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
     """What smp clips under sharding: the whole model's gradient, in fp16/bf16 that of the fp32 masters
-    (the sharded parameters are their own masters; the small unsharded ones have separate ones)."""
+    (the sharded parameters are their own masters; the small unsharded ones have separate ones), and
+    each separate master's parameter (its TP layout: a TP shard's norm sums over the TP group)."""
     params: list[torch.Tensor] = list(sharding.module.parameters())
+    owners: dict[int, torch.Tensor] = {}
     registered = state.optimizer
     if isinstance(registered, Bit16Optimizer) and registered.masters_ready:
         master = {id(p): m for p, m in registered.pairs()}
+        owners = {id(master[id(p)]): p for p in params if id(p) in master}
         params = [master.get(id(p), p) for p in params]
-    return params
+    return params, owners
 
 
 def clip_sharded(sharding: ShardedDataParallel, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -176,7 +179,8 @@ def clip_sharded(sharding: ShardedDataParallel, max_norm: float, norm_type: floa
         raise SMPValidationError(
             f"clip_master_grads(norm_type={norm_type!r}) under sharded data parallelism: expected 2.0"
         )
-    return clip_grad_norm(clip_targets(sharding), max_norm, sharding).float()
+    params, owners = clip_targets(sharding)
+    return clip_grad_norm(params, max_norm, sharding, owners).float()
 
 
 @contextlib.contextmanager
@@ -210,7 +214,8 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, sharding: ShardedDataParal
 
     def sharded_step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
         if max_norm > 0:  # smp: under sharded data parallelism the library clips, inside step()
-            clip_grad_norm(clip_targets(sharding), max_norm, sharding)
+            params, owners = clip_targets(sharding)
+            clip_grad_norm(params, max_norm, sharding, owners)
         return step(closure)
 
     def clip_master_grads(self: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> Any:
