@@ -1,4 +1,5 @@
-"""`smp.init`: read and check the config, start the world, build the topology and its groups."""
+"""`smp.init`: read and check the config, start the world, build the topology and its groups; the
+pipeline transport the first pipelined model opens; `smp.reset` releases them all."""
 
 from __future__ import annotations
 
@@ -14,7 +15,18 @@ from mp.config import ConfigSource, check_paths, load_config, validate_world
 from mp.config_rules import refuse_not_built
 from mp.dp_backend import check_engines, world_backend, world_port
 from mp.state import State, state
-from mp_comm import GroupKind, WorldInfo, build_topology, heartbeat, init_world
+from mp_comm import (
+    GroupKind,
+    LoopbackTransport,
+    Router,
+    Transport,
+    TransportConfig,
+    World,
+    WorldInfo,
+    build_topology,
+    heartbeat,
+    init_world,
+)
 from mp_comm.teardown import EXIT_TIMEOUT, Stage, at_exit
 
 log = logging.getLogger(__name__)
@@ -84,6 +96,24 @@ def is_initialized() -> bool:
 def reset() -> None:
     """Forget the current initialization: destroy mp's groups and release the world it started."""
     _release()
+
+
+def pipeline_transport(world: World) -> Transport:
+    """The transport pipelined models run on: opened by the first one (collective), closed by smp.reset.
+
+    A router over MPI and, where CUDA and ucxx exist, UCX (device tensors then move GPU to GPU);
+    on CPU only MPI remains and is used directly.
+    """
+    transport: Transport | None = state.transport
+    if transport is None or transport.closed:
+        config = TransportConfig(timeout=3600.0)
+        if world.size == 1:
+            transport = LoopbackTransport.single(config=config)
+        else:
+            router = Router.create(world, transport_config=config)
+            transport = router if len(router.transports) > 1 else next(iter(router.transports.values()))
+        state.transport = transport
+    return transport
 
 
 def _release(transport_timeout: float | None = None) -> None:

@@ -37,6 +37,7 @@ from mp.errors import (
     MultipleDistributedModelError,
     SMPValidationError,
 )
+from mp.init import pipeline_transport
 from mp.memory_report import install_memory_trace
 from mp.model_dp import DataParallelMixin
 from mp.model_extras import JoinState, check_constructor_args, join, register_comm_hook
@@ -49,7 +50,7 @@ from mp.sharded import refuse_under_sharding, shard_model
 from mp.state import state
 from mp.step_retry import ShortcutRetry
 from mp.tensor_api import replace_tp_modules
-from mp_comm import GroupKind, LoopbackTransport, Router, Transport, TransportConfig, World
+from mp_comm import GroupKind
 from mp_memory.precision import cast_floats
 from mp_partition import PartitionPlan, StepTimer
 from mp_pipeline import (
@@ -88,24 +89,6 @@ def _placement_error(model_devices: set[str], input_devices: set[str]) -> str | 
             "model.to(torch.device('cuda', smp.local_rank())); model = smp.DistributedModel(model)"
         )
     return None
-
-
-def _pipeline_transport(world: World) -> Transport:
-    """The transport pipelined models run on: opened by the first one (collective), closed by smp.reset.
-
-    A router over MPI and, where CUDA and ucxx exist, UCX (device tensors then move GPU to GPU);
-    on CPU only MPI remains and is used directly.
-    """
-    transport: Transport | None = state.transport
-    if transport is None or transport.closed:
-        config = TransportConfig(timeout=3600.0)
-        if world.size == 1:
-            transport = LoopbackTransport.single(config=config)
-        else:
-            router = Router.create(world, transport_config=config)
-            transport = router if len(router.transports) > 1 else next(iter(router.transports.values()))
-        state.transport = transport
-    return transport
 
 
 class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
@@ -199,7 +182,7 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
         if self._sharded is not None:
             self._overlap_enabled = False
         if self._pp > 1:
-            transport = _pipeline_transport(world)
+            transport = pipeline_transport(world)
             # static_mode: record the first steps' messages, then send them compact (mp_pipeline.static);
             # fast_mode: the same, plus the child-to-child path (mp_pipeline.remote, mp_pipeline.fast); a
             # flow that changes after the recording raises NotSupportedByFastModeError.
