@@ -53,11 +53,14 @@ def _case(world: Any, optimize: str, prescaled: bool) -> dict[str, Any]:
         full = ref(input_ids=ids, attention_mask=mask).logits
         (full * w).sum().backward()
         out = tp(input_ids=ids[mine], attention_mask=mask[mine], labels=ids[mine])
-        (out.logits * w[mine]).sum().backward()
+        # with prescaled_batch and labels each rank gets the logits of its share of the shared samples
+        own = slice(rank * B, (rank + 1) * B) if prescaled else slice(None)
+        (out.logits * w[mine][own]).sum().backward()
         res: dict[str, Any] = {
             "type": type(tp).__name__,
             "layers": [type(m).__name__ for m in tp.transformer.seq_layers],
-            "logits": (out.logits - ref_out.logits).abs().max().item(),
+            "logits": (out.logits - ref_out.logits[own]).abs().max().item(),
+            "rows": out.logits.shape[0],
             "loss": abs(out["loss"].item() - ref_out.loss.item()),
             "tuple": len(tp(ids[mine], attention_mask=mask[mine], return_dict=False)),
         }
@@ -87,10 +90,56 @@ def test_whole_gpt2_equals_hugging_face(worlds: Any, optimize: str, prescaled: b
         assert res["type"] == "GPT2DistributedLMHead", res
         assert res["layers"] == ["DistributedTransformerLayer"] * 3, res
         assert res["logits"] < 3e-5 and res["loss"] < 1e-5 and res["tuple"] == 1, (rank, res)
+        assert res["rows"] == B, (rank, res)  # its own samples, also with prescaled_batch
         assert res["keys"] and res["weights"] == 0.0, (rank, res)
         bad = {k: v for k, v in res["grads"].items() if not v < 3e-5}
         assert not bad, (rank, bad)
         assert res["reloaded"] < 3e-5, (rank, res)
+
+
+def _prescaled_loss(world: Any, batch: int) -> dict[str, Any]:
+    """The loss's own gradients with prescaled_batch: labels with ignored tokens spread unevenly over the
+    ranks' shares (the mean is over the whole batch's labelled tokens, not each share's)."""
+
+    def run(group: dist.ProcessGroup) -> dict[str, Any]:
+        n = dist.get_world_size(group)
+        ctx = TPContext(group=group, optimize="speed", prescaled_batch=True)
+        torch.manual_seed(0)
+        ref = _model()
+        torch.manual_seed(0)
+        with tensor_parallelism():
+            tp = replace_modules(_model(), ctx)
+        ids = torch.randint(1, V, (batch, S), generator=torch.Generator().manual_seed(7))
+        labels = ids.clone()
+        labels[0, 2:] = -100  # most of the first rank's share ignored
+        want = ref(input_ids=ids, labels=labels)
+        want.loss.backward()
+        out = tp(input_ids=ids, labels=labels)
+        out.loss.backward()
+        with torch.no_grad():
+            for p in tp.parameters():
+                p.copy_(p.grad)
+        grads = gather_state_dict(tp)
+        return {
+            "rows": out.logits.shape[0],
+            "share": batch // n if batch % n == 0 else batch,
+            "loss": abs(out.loss.item() - want.loss.item()),
+            "grads": {k: (grads[k] - p.grad).abs().max().item() for k, p in ref.named_parameters()},
+        }
+
+    return with_group(run)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("batch", [4, 3], ids=["own-share", "indivisible-batch"])
+def test_prescaled_loss_over_own_share(worlds: Any, batch: int) -> None:
+    """With prescaled_batch each TP rank computes the cross entropy of its 1/T of the shared samples only
+    (its logits have batch/T rows), and the loss and its gradients still equal Hugging Face's over the
+    whole batch; a batch the TP degree does not divide falls back to every rank holding all logits."""
+    for rank, res in enumerate(worlds.run(2, _prescaled_loss, batch, timeout=180)):
+        assert res["rows"] == res["share"], (rank, res)
+        assert res["loss"] < 1e-6, (rank, res)
+        bad = {k: v for k, v in res["grads"].items() if not v < 3e-6}
+        assert not bad, (rank, bad)
 
 
 def _opt_outs(world: Any) -> dict[str, Any]:

@@ -67,11 +67,14 @@ def _case(world: Any, family: str, optimize: str, prescaled: bool) -> dict[str, 
         full = ref(input_ids=ids, attention_mask=mask).logits
         (full * w).sum().backward()
         out = tp(input_ids=ids[mine], attention_mask=mask[mine], labels=ids[mine])
-        (out.logits * w[mine]).sum().backward()
+        # with prescaled_batch and labels each rank gets the logits of its share of the shared samples
+        own = slice(rank * B, (rank + 1) * B) if prescaled else slice(None)
+        (out.logits * w[mine][own]).sum().backward()
         res: dict[str, Any] = {
             "type": type(tp).__name__,
             "layers": [type(m).__name__ for m in tp.transformer.seq_layers],
-            "logits": (out.logits - ref_out.logits).abs().max().item(),
+            "logits": (out.logits - ref_out.logits[own]).abs().max().item(),
+            "rows": out.logits.shape[0],
             "loss": abs(out["loss"].item() - ref_out.loss.item()),
             "tuple": len(tp(ids[mine], attention_mask=mask[mine], return_dict=False)),
         }
@@ -111,6 +114,7 @@ def test_whole_model_equals_hugging_face(
         assert res["type"] == CLASSES[family], res
         assert res["layers"] == ["DistributedTransformerLayer"] * 2, res
         assert res["logits"] < 1e-5 and res["loss"] < 1e-5 and res["tuple"] == 1, (rank, res)
+        assert res["rows"] == B, (rank, res)  # its own samples, also with prescaled_batch
         assert not res["keys"] and res["weights"] == 0.0, (rank, res)
         bad = {k: v for k, v in res["grads"].items() if not v < 1e-5}
         assert not bad, (rank, bad)

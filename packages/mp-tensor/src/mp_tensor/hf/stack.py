@@ -30,7 +30,7 @@ from mp_tensor.errors import TPInputError
 from mp_tensor.hf import gpt2
 from mp_tensor.hf.translate import gpt2_from_smp, gpt2_lm_head_kwargs, gpt2_to_smp
 from mp_tensor.nn.base import DistributedModule
-from mp_tensor.nn.lm_head import DistributedTransformerLMHead
+from mp_tensor.nn.lm_head import DistributedTransformerLMHead, split_lm_inputs
 from mp_tensor.registry import Registration, Registry
 
 __all__ = [
@@ -127,10 +127,15 @@ class HFDistributedLMHead(DistributedTransformerLMHead):
         assert input_ids is not None
         # Hugging Face's mask marks the positions to attend with 1; smp's marks the masked ones.
         masked = None if attention_mask is None else (attention_mask == 0).to(torch.long)
-        logits = super().forward((input_ids, masked, None, position_ids, None))
-        loss = None
-        if labels is not None:
-            loss = _causal_lm_loss(logits, labels)
+        if labels is not None and labels.shape[0] != input_ids.shape[0]:
+            raise TPInputError(
+                f"the distributed language model got labels for {labels.shape[0]} samples and input_ids "
+                f"for {input_ids.shape[0]}; pass labels of the same batch."
+            )
+        # Hugging Face's causal LM loss: next-token cross entropy in fp32, -100 ignored, mean over tokens
+        # (with prescaled_batch and labels, ``logits`` are this TP rank's share of the samples: see _head)
+        f = split_lm_inputs((input_ids, masked, None, position_ids, None), cross=False)
+        loss, logits = self.lm_forward(f, labels, shift=True)
         if return_dict is False or (return_dict is None and not getattr(self.config, "return_dict", True)):
             return (logits,) if loss is None else (loss, logits)
         from transformers import modeling_outputs
@@ -200,22 +205,6 @@ def _refuse(  # noqa: PLR0917
             raise TPInputError(f"{who} got the unknown argument {key}={value!r}; drop it.")
         if key != "past_key_values" and value not in (None, False):
             raise TPInputError(f"{who} got {key}={value!r}; only {_DEFAULTS[key]!r} is supported. Drop it.")
-
-
-def _causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
-    """Hugging Face's causal LM loss: next-token cross entropy in fp32, -100 ignored, mean over tokens.
-
-    With tensor parallelism across data-parallel ranks the logits are this rank's samples; with
-    ``prescaled_batch`` they are the TP group's (identical) samples, as are the labels."""
-    if labels.shape[0] != logits.shape[0]:
-        raise TPInputError(
-            f"the distributed language model got labels for {labels.shape[0]} samples and input_ids for "
-            f"{logits.shape[0]}; pass labels of the same batch."
-        )
-    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].to(logits.device)
-    return torch.nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=-100
-    )
 
 
 def build(module: nn.Module, ctx: TPContext, overrides: Mapping[str, Any]) -> DistributedModule:

@@ -4,8 +4,11 @@ The word, position and (when ``num_token_types > 0``) token-type embeddings are 
 dimension: the token ids of the TP group are gathered, each rank looks up its channels, and the sum is
 already the ``sharded`` layout of "memory" mode (an all-gather of the channels gives the ``replicated``
 layout of "speed" mode). The LM head reuses the word embedding: each rank multiplies its channels of
-the hidden states by its channels of the embedding and a reduce-scatter over the samples (an all-reduce
-with ``prescaled_batch``) sums the partial logits and hands each rank its own samples.
+the hidden states by its channels of the embedding and a reduce-scatter over the samples sums the
+partial logits and hands each rank its own samples, whose loss it computes. With ``prescaled_batch`` the
+TP group shares one batch: given labels, rank j keeps the j-th 1/T of the samples' logits and the loss
+is the whole batch's mean (each rank's part summed by a scalar all-reduce), so no rank repeats another's
+cross entropy; without labels (or a batch T does not divide) an all-reduce gives every rank all logits.
 
 ``forward(inputs)`` takes ``(input_ids, attention_mask, token_type_ids, position_ids, labels)``, or with
 ``add_cross_attention`` ``(input_ids, attention_mask, token_type_ids, position_ids, cross_states,
@@ -89,7 +92,7 @@ def lm_loss(logits: Tensor, labels: Tensor, causal: bool) -> Tensor:
     if causal:
         logits, labels = logits[:, :-1], labels[:, 1:]
     return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100
+        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1).to(logits.device), ignore_index=-100
     )
 
 
@@ -178,8 +181,17 @@ class DistributedTransformerLMHead(DistributedModule):
         return emb
 
     def forward(self, inputs: tuple[Any, ...]) -> Any:
-        a, ctx = self.args, self.tp
+        a = self.args
         f = split_lm_inputs(inputs, a.add_cross_attention)
+        loss, out = self.lm_forward(f, f["labels"], shift=a.causal_mask_size is not None)
+        return out if loss is None else (loss, out)
+
+    def lm_forward(
+        self, f: dict[str, Any], labels: Tensor | None, *, shift: bool
+    ) -> tuple[Tensor | None, Tensor]:
+        """``(loss or None, logits)`` for the named inputs ``f`` (:func:`split_lm_inputs`), or ``(None,
+        hidden states)`` without an LM head; ``shift``: next-token targets (``labels[:, 1:]``)."""
+        a, ctx = self.args, self.tp
         ids: Tensor = f["ids"]
         if ids.dim() != 2:
             raise TPInputError(
@@ -216,18 +228,49 @@ class DistributedTransformerLMHead(DistributedModule):
         if a.final_layernorm:
             hidden = self.layernorm.apply_to(hidden, ctx)
         if not a.add_lm_head:
-            return leave(hidden, ctx, layout)
+            return None, leave(hidden, ctx, layout)
         channels = hidden if memory else replicated_to_sharded(hidden, ctx)
+        return self._head(channels, labels, shift)
+
+    def _head(self, channels: Tensor, labels: Tensor | None, shift: bool) -> tuple[Tensor | None, Tensor]:
+        """Logits from this rank's hidden channels (a partial product summed over the TP group) and the
+        loss. Each rank keeps its own samples' logits (a reduce-scatter over the samples), so the cross
+        entropy runs once per sample in the group. With ``prescaled_batch`` the ranks share their samples:
+        given labels (and a batch the TP degree divides) rank j keeps the j-th 1/T of them and the loss is
+        the group's mean (a scalar all-reduce); without labels every rank gets all logits (all-reduce)."""
+        ctx = self.tp
         head = getattr(self, "lm_head", None)
         logits = F.linear(channels, self.word_embedding.weight if head is None else head.weight)
-        if ctx.distributed and ctx.group is not None:
-            logits = (
-                col.all_reduce(logits, ctx.group)
-                if ctx.prescaled_batch
-                else col.reduce_scatter(logits, 0, ctx.group)
-            )
-        if head is not None and head.bias is not None:
-            logits = logits + head.bias
-        if f["labels"] is None:
-            return logits
-        return lm_loss(logits, f["labels"], a.causal_mask_size is not None), logits
+        bias = None if head is None else head.bias
+        group = ctx.group if ctx.distributed else None
+        own = group is not None and ctx.prescaled_batch and labels is not None
+        own = own and logits.shape[0] % ctx.size == 0
+        if group is not None:
+            if ctx.prescaled_batch and not own:
+                logits = col.all_reduce(logits, group)
+            else:
+                logits = col.reduce_scatter(logits, 0, group)
+        if bias is not None:
+            # prescaled and own samples: every rank needs the whole group's bias gradient (a replicated
+            # parameter whose gradients the data-parallel reduction averages as identical copies)
+            logits = logits + (col.all_reduce_backward(bias, group) if own and group else bias)
+        if labels is None:
+            return None, logits
+        if not own:
+            return lm_loss(logits, labels, shift), logits
+        assert group is not None
+        return _group_mean_loss(logits, labels, shift, ctx), logits
+
+
+def _group_mean_loss(logits: Tensor, labels: Tensor, shift: bool, ctx: TPContext) -> Tensor:
+    """The mean cross entropy over the TP group's shared batch, from this rank's share of the samples'
+    ``logits``: each rank sums its tokens' losses over the group's count of labelled tokens, and a scalar
+    all-reduce (identity backward) adds the parts. Equals :func:`lm_loss` over the whole batch."""
+    assert ctx.group is not None
+    targets = F.pad(labels[:, 1:], (0, 1), value=-100) if shift else labels
+    mine = targets.chunk(ctx.size)[ctx.rank].to(logits.device)
+    count = (targets != -100).sum().to(torch.float32)
+    part = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), mine.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    return col.all_reduce((part / count).reshape(1), ctx.group).reshape(())
