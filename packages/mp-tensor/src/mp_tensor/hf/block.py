@@ -25,6 +25,7 @@ from mp_tensor.errors import DistTransformerConfigError, TPInputError
 from mp_tensor.hf.common import sizes_reason
 from mp_tensor.nn.base import DistributedModule, ParamSpec, set_param_spec
 from mp_tensor.nn.linear import LinearShard
+from mp_tensor.nn.rank_major import linear_reduce_scatter
 
 __all__ = ["MegatronBlock", "Norm", "forward_hook", "rotate"]
 
@@ -129,30 +130,29 @@ class MegatronBlock(DistributedModule):
         if not self.memory or group is None:
             x = self.fan_out(x)
             return [F.linear(x, p.weight, p.bias) for p in shards]
-        n = self.tp_size
-        parts = [F.linear(x, p.weight) for p in shards]
-        widths = [p.shape[-1] // n for p in parts]
-        # rank-major: rank j's slice of every output side by side, so one reduce-scatter serves them all
-        packed = torch.cat([p.reshape(*p.shape[:-1], n, w) for p, w in zip(parts, widths, strict=True)], -1)
-        out = col.reduce_scatter(packed.flatten(-2), -1, group)
-        starts = [sum(widths[:i]) for i in range(len(widths))]
-        mine = [out.narrow(-1, at, w) for at, w in zip(starts, widths, strict=True)]
+        # one reduce-scatter serves every output (mp_tensor.nn.rank_major)
+        mine = linear_reduce_scatter([(x, p.weight) for p in shards], group)
         return [m if p.bias is None else m + p.bias for m, p in zip(mine, shards, strict=True)]
 
     def fan_in(self, x: Tensor, proj: LinearShard) -> Tensor:
         """Megatron's g: the partial outputs of ``proj`` summed over the group (reduce-scattered over the
         channels in memory mode), then its bias."""
-        y, group = F.linear(x, proj.weight), self.group
-        if group is not None:
-            y = col.reduce_scatter(y, -1, group) if self.memory else col.all_reduce(y, group)
+        group = self.group
+        if self.memory:
+            (y,) = linear_reduce_scatter([(x, proj.weight)], group)
+        else:
+            y = F.linear(x, proj.weight)
+            y = y if group is None else col.all_reduce(y, group)
         return y if proj.bias is None else y + proj.bias
 
     def fan_in_sum(self, pairs: list[tuple[Tensor, LinearShard]]) -> Tensor:
         """:meth:`fan_in` of several projections whose outputs are added (a parallel attention + MLP
         block): the partial sums are added first, so the block reduces once."""
-        y = sum((F.linear(x, p.weight) for x, p in pairs[1:]), F.linear(pairs[0][0], pairs[0][1].weight))
-        if self.group is not None:
-            y = col.reduce_scatter(y, -1, self.group) if self.memory else col.all_reduce(y, self.group)
+        if self.memory:
+            (y,) = linear_reduce_scatter([(x, p.weight) for x, p in pairs], self.group, [0] * len(pairs))
+        else:
+            y = sum((F.linear(x, p.weight) for x, p in pairs[1:]), F.linear(pairs[0][0], pairs[0][1].weight))
+            y = y if self.group is None else col.all_reduce(y, self.group)
         for _, p in pairs:
             y = y if p.bias is None else y + p.bias
         return y

@@ -35,6 +35,7 @@ from mp_tensor.nn.base import DistributedModule
 from mp_tensor.nn.layernorm import LayerNormShard
 from mp_tensor.nn.linear import LinearShard
 from mp_tensor.nn.positions import alibi_bias, alibi_slopes, apply_rotary, keep_mask, rotary_tables
+from mp_tensor.nn.rank_major import linear_reduce_scatter
 
 __all__ = ["DistributedAttentionLayer", "attend", "working_layout"]
 
@@ -193,18 +194,10 @@ class DistributedAttentionLayer(DistributedModule):
 
     def _project_memory(self, norm: Tensor, cross: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         ctx = self.tp
-        group = ctx.group
-
-        def rs(x: Tensor) -> Tensor:
-            return x if group is None or not ctx.distributed else col.reduce_scatter(x, -1, group)
-
+        group = ctx.group if ctx.distributed else None
         wq, wk, wv = self.query.weight, self.key.weight, self.value.weight
-        if cross is None:
-            qkv = rs(torch.stack((F.linear(norm, wq), F.linear(norm, wk), F.linear(norm, wv)), dim=-2))
-            q, k, v = qkv.unbind(-2)
-        else:
-            q = rs(F.linear(norm, wq))
-            k, v = rs(torch.stack((F.linear(cross, wk), F.linear(cross, wv)), dim=-2)).unbind(-2)
+        src = norm if cross is None else cross
+        q, k, v = linear_reduce_scatter([(norm, wq), (src, wk), (src, wv)], group)  # one reduce-scatter
         return self._bias(q, self.query.bias), self._bias(k, self.key.bias), self._bias(v, self.value.bias)
 
     def _project_speed(self, norm: Tensor, cross: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -252,9 +245,13 @@ class DistributedAttentionLayer(DistributedModule):
             window=a.window_size,
             slopes=self._slopes() if a.use_alibi else None,
         )
-        out = F.linear(context, self.dense.weight)
-        if ctx.distributed and ctx.group is not None:
-            out = col.reduce_scatter(out, -1, ctx.group) if memory else col.all_reduce(out, ctx.group)
+        if memory:
+            group = ctx.group if ctx.distributed else None
+            (out,) = linear_reduce_scatter([(context, self.dense.weight)], group)
+        else:
+            out = F.linear(context, self.dense.weight)
+            if ctx.distributed and ctx.group is not None:
+                out = col.all_reduce(out, ctx.group)
         out = self._bias(out, self.dense.bias)
         out = tp_dropout(out, a.hidden_dropout_prob, self.training, ctx, working_layout(ctx))
         if not a.parallel_attn_output:  # else the layer adds the residual once for attention and MLP

@@ -12,11 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mp_comm.waits import collective_wait
+from mp_comm import collectives as col
 from mp_tensor.context import TPContext
 from mp_tensor.dist_ops import enter, leave
 from mp_tensor.errors import DistTransformerConfigError
@@ -34,8 +33,7 @@ class _ShardedLayerNorm(torch.autograd.Function):
     ) -> Tensor:
         xf = x.float()
         moments = torch.stack((xf.sum(-1), (xf * xf).sum(-1)), dim=-1)
-        with collective_wait("all_reduce", group):
-            dist.all_reduce(moments, group=group)
+        col.all_reduce_(moments, group)  # MPI's where the group has a twin (faster than gloo's)
         mean = (moments[..., 0] / n).unsqueeze(-1)
         rstd = torch.rsqrt(((moments[..., 1] / n).unsqueeze(-1) - mean * mean).clamp_min(0.0) + eps)
         y = ((xf - mean) * rstd).to(x.dtype)
@@ -54,8 +52,7 @@ class _ShardedLayerNorm(torch.autograd.Function):
         dyf = dy.float()
         dxhat = dyf * weight.float() if weight is not None else dyf
         sums = torch.stack(((dxhat).sum(-1), (dxhat * xhat).sum(-1)), dim=-1)
-        with collective_wait("all_reduce", ctx.group):
-            dist.all_reduce(sums, group=ctx.group)
+        col.all_reduce_(sums, ctx.group)
         n = ctx.n
         dx = rstd * (dxhat - (sums[..., 0] / n).unsqueeze(-1) - xhat * (sums[..., 1] / n).unsqueeze(-1))
         reduce_dims = tuple(range(dy.dim() - 1))

@@ -21,6 +21,7 @@ from mp_tensor.nn.attention import working_layout
 from mp_tensor.nn.base import DistributedModule
 from mp_tensor.nn.layernorm import LayerNormShard
 from mp_tensor.nn.linear import LinearShard
+from mp_tensor.nn.rank_major import linear_reduce_scatter
 
 __all__ = ["DistributedTransformerOutputLayer", "activate"]
 
@@ -95,14 +96,10 @@ class DistributedTransformerOutputLayer(DistributedModule):
         group = ctx.group if ctx.distributed else None
         norm = self.pre_layernorm.apply_to(hidden, ctx) if a.pre_layernorm else hidden
         if memory:
-            x = F.linear(norm, self.dense1.weight)
-            if group is not None:
-                x = col.reduce_scatter(x, -1, group)
+            (x,) = linear_reduce_scatter([(norm, self.dense1.weight)], group)
             if self.dense1.bias is not None:
                 x = x + self.dense1.bias
-            y = F.linear(activate(x, a.activation), self.dense2.weight)
-            if group is not None:
-                y = col.reduce_scatter(y, -1, group)
+            (y,) = linear_reduce_scatter([(activate(x, a.activation), self.dense2.weight)], group)
         else:
             x = norm if group is None else col.all_reduce_backward(norm, group)
             x = F.linear(x, self.dense1.weight, self.dense1.bias)
