@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import mp as smp
-from tests.integration.test_pipeline_equivalence import RECORD_STEPS, RELAY_OWNERS, Relay, fast_trainer
+from tests.integration.test_pipeline_equivalence import RECORD_STEPS
+from tests.integration.test_pipeline_shortcut import RELAY_OWNERS, Relay, fast_trainer
 
 
 class Fragile(torch.nn.Linear):
