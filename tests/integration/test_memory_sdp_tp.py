@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import mp as smp
-from mp_memory.sharded import ShardingError, state_bytes
+from mp_memory.sharded import state_bytes
 from tests.integration.test_memory_sdp import STEPS, Stack, _batch, _close, _config, _optimizer, _reference
 from tests.mp_pipeline.models import first_difference
 
@@ -45,18 +45,12 @@ def _train(world: Any, extra: dict[str, Any]) -> dict[str, Any]:
         opt.zero_grad()
     ref = _reference(replicas, 1.0)
     sharded = {n: type(p).__name__ for n, p in model.module.named_parameters()}
-    refused = ""
-    try:
-        opt.state_dict()
-    except smp.SMPUnsupportedError as exc:
-        refused = str(exc)
     return {
         "loss_ok": all(_close(g, w[replica]) for g, w in zip(losses, ref["losses"], strict=True)),
         "params": first_difference(model.state_dict(), ref["params"]),
         "types": sorted(set(sharded.values())),
         "layer": type(model.module.blocks[0].inner).__name__,
         "bytes": sum(state_bytes(model.module, opt).values()),
-        "refused": refused,
     }
 
 
@@ -70,7 +64,6 @@ def test_tp2_sdp2_trains_like_one_process(worlds: Any, extra: dict[str, Any]) ->
         assert r["layer"] == "DistributedLinear", r
         assert r["loss_ok"] and r["params"] is None, r
         assert "DTensor" in r["types"], r
-        assert "optimizer.local_state_dict()" in r["refused"], r
 
 
 def _setup_tp(seed: int) -> tuple[Any, Any, Any]:
@@ -91,7 +84,8 @@ def _setup_tp(seed: int) -> tuple[Any, Any, Any]:
 
 
 def _round_trip(world: Any, path: str) -> dict[str, Any]:
-    """A partial checkpoint (one file per shard and TP rank) resumes bitwise; full loads are refused."""
+    """A partial checkpoint (one file per shard and TP rank) resumes bitwise (full states:
+    test_memory_sdp_tp_state.py)."""
 
     def run(opt: Any, train_step: Any, steps: range) -> None:
         for step in steps:
@@ -108,18 +102,12 @@ def _round_trip(world: Any, path: str) -> dict[str, Any]:
     model, opt, train_step = _setup_tp(7)  # other weights: the checkpoint must replace them
     smp.resume_from_checkpoint(path, "s2", partial=True)
     run(opt, train_step, range(2, STEPS))
-    refused = ""
-    try:
-        model.load_state_dict(straight)
-    except ShardingError as exc:
-        refused = str(exc)
-    return {"diff": first_difference(model.state_dict(), straight, rtol=0, atol=0), "refused": refused}
+    return {"diff": first_difference(model.state_dict(), straight, rtol=0, atol=0)}
 
 
 def test_partial_checkpoint_round_trip(worlds: Any, tmp_path: Any) -> None:
     for r in worlds.run(4, _round_trip, str(tmp_path), timeout=400):
         assert r["diff"] is None, r
-        assert "partial checkpoint" in r["refused"], r
 
 
 def _gpt2(world: Any) -> dict[str, Any]:

@@ -177,6 +177,9 @@ class ShardedDataParallel:
         self.tp = tp
         self.module = module
         self.gather_tp_state: Callable[[], dict[str, Any]] | None = None
+        self.local_tp_state: Callable[[dict[str, Any]], dict[str, torch.Tensor]] | None = None
+        """Under tensor parallelism, set by the caller: a full state (original names) turned into this TP
+        rank's values under the module's own names, each whole over the sharding group."""
         self._source = dist.get_global_rank(group, 0)
         self._broadcast([b for b in module.buffers() if not b.is_meta])
         # attributes set on parameters (a TP shard's layout) survive fully_shard's new parameter objects
@@ -438,18 +441,42 @@ class ShardedDataParallel:
         }
 
     def load_full_state_dict(self, sd: dict[str, Any], strict: bool = True) -> Any:
-        """Load a full state (each rank keeps its shards)."""
+        """Load a full state (each rank keeps its shards). Under tensor parallelism ``local_tp_state``
+        (set by the caller) gives this TP rank's values first."""
         if self.tp is not None:
-            raise ShardingError(
-                "loading a full model state under sharded data parallelism with tensor parallelism is not "
-                "built in mp. Fix: resume from a partial checkpoint (smp.save_checkpoint(partial=True)) "
-                "saved with the same layout, or load the full state with sharded_data_parallel_degree 1"
-            )
+            assert self.local_tp_state is not None, "set local_tp_state under tensor parallelism"
+            return self._load_values(self.local_tp_state(sd), strict)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         return set_model_state_dict(
             self.module, sd, options=StateDictOptions(full_state_dict=True, strict=strict)
         )
+
+    def _load_values(self, values: dict[str, torch.Tensor], strict: bool) -> Any:
+        """Copy whole values (under the module's own names) into this rank's shards and whole
+        parameters; no communication. Returns torch's (missing_keys, unexpected_keys)."""
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        live = self.module.state_dict()
+        missing, unexpected = sorted(set(live) - set(values)), sorted(set(values) - set(live))
+        if strict and (missing or unexpected):
+            raise ShardingError(
+                f"the full state does not match this model: missing {missing[:5]}, unexpected "
+                f"{unexpected[:5]}. Fix: load a state_dict() of the same model, or pass strict=False"
+            )
+        with torch.no_grad():
+            for k, v in values.items():
+                if k in live:
+                    target = live[k]
+                    target_local = _local(target)
+                    value = local_part(v, target) if isinstance(target, DTensor) else v
+                    if tuple(value.shape) != tuple(target_local.shape):
+                        raise ShardingError(
+                            f"{k}: a full value of shape {tuple(v.shape)} for this model's "
+                            f"{tuple(target.shape)}. Fix: load a state saved from the same model"
+                        )
+                    target_local.copy_(value)
+        return _IncompatibleKeys(missing, unexpected)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shards (plain tensors) and the whole small parameters and buffers."""

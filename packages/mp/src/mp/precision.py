@@ -197,6 +197,9 @@ class DistributedBit16Optimizer(Bit16Optimizer):
                 "Save optimizer.local_state_dict() (smp.save(..., partial=True) or "
                 "smp.save_checkpoint(partial=True))"
             )
+        from mp.sharded import refuse_full_half_state_under_tp
+
+        refuse_full_half_state_under_tp(_model_sharding(), "optimizer.state_dict()", self.precision)
         sd = self._collect(full=True)
         del sd["_smp_is_partial"]
         model = state.model
@@ -264,6 +267,11 @@ class DistributedBit16Optimizer(Bit16Optimizer):
             )
         full = not sd.get("_smp_is_partial", False)
         sharded = _model_sharding()
+        if full:
+            from mp.sharded import refuse_full_half_state_under_tp
+
+            what = "optimizer.load_state_dict() of a full state"
+            refuse_full_half_state_under_tp(sharded, what, self.precision)
         if sharded is not None and not full:
             from mp.sharded import check_layout
 

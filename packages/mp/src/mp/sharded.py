@@ -13,11 +13,12 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mp.errors import IncompatibleCheckpointFoundError, SMPUnsupportedError, SMPValidationError
 from mp.state import state
@@ -28,6 +29,7 @@ from mp_memory.sharded import (
     ShardingConfig,
     ShardingError,
     TensorParallel,
+    as_like,
     clip_grad_norm,
     load_local_optimizer_state,
     local_optimizer_state,
@@ -107,7 +109,32 @@ def shard_model(module: nn.Module) -> ShardedDataParallel | None:
         from mp.state_dicts import full_state_dict
 
         sharding.gather_tp_state = lambda: dict(full_state_dict(state.model, True))
+        sharding.local_tp_state = _tp_values
     return sharding
+
+
+def _tp_values(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A full state (the original model's names, as ``model.state_dict()`` gives it) as this TP rank's
+    values under the module's own names: each distributed module's part translated from the original
+    layout (when given so) and cut to this rank's TP shard, the rest as it is. No communication."""
+    from mp_tensor.nn.base import param_spec
+    from mp_tensor.replace import ORIGINAL_ATTR, Replacement
+    from mp_tensor.state_dict import distributed_roots
+
+    assert state.model is not None
+    roots = list(distributed_roots(state.model.module))
+    out = {k: v for k, v in sd.items() if not any(k.startswith(p) for p, _ in roots)}
+    for prefix, root in roots:
+        part = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
+        own = set(root.state_dict(keep_vars=True))
+        replacement = root.__dict__.get(ORIGINAL_ATTR)
+        if part and not set(part) <= own and isinstance(replacement, Replacement):
+            part = replacement.from_original(part)
+        specs = {n: param_spec(p) for n, p in root.named_parameters()}
+        for name, value in part.items():
+            spec = specs.get(name)
+            out[prefix + name] = root.shard(value, None if spec is None else spec.split_dim)
+    return out
 
 
 def partial_file_names(model: Any) -> tuple[str, str, bool] | None:
@@ -222,7 +249,8 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, sharding: ShardedDataParal
         return clip_sharded(sharding, max_norm, norm_type)
 
     def state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
-        _refuse_full_under_tp(sharding, "optimizer.state_dict()")
+        if sharding.tp is not None:
+            return _full_tp_state(self)
         with _torch_methods(self):
             return sharding.full_optimizer_state_dict(self)
 
@@ -238,7 +266,10 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, sharding: ShardedDataParal
             check_layout(sharding, sd.pop(_LAYOUT_KEY, None), "optimizer")
             load_local_optimizer_state(self, sd)
             return
-        _refuse_full_under_tp(sharding, "optimizer.load_state_dict() of a full state")
+        if sharding.tp is not None:
+            _load_full_tp_state(self, sd)
+            return
+        sd.pop("_smp_keyed_by_name", None)  # a name-keyed state is what DCP's full state is too
         with _torch_methods(self):
             sharding.load_full_optimizer_state_dict(self, sd)
 
@@ -250,13 +281,77 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, sharding: ShardedDataParal
         setattr(optimizer, name, types.MethodType(local_state_dict, optimizer))
 
 
-def _refuse_full_under_tp(sharding: ShardedDataParallel, what: str) -> None:
-    if sharding.tp is not None:
+class _WholeStates:
+    """An optimizer as ``mp.optimizer_state`` reads it, with each sharded state tensor gathered whole
+    over the sharding group (collective, in parameter order)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.param_groups = optimizer.param_groups
+        self.state: dict[torch.Tensor, dict[str, Any]] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                st = optimizer.state.get(p)
+                if st:
+                    self.state[p] = {
+                        k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in st.items()
+                    }
+
+
+def _full_tp_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The full optimizer state under sharding and TP: keyed by the original model's parameter names
+    with full tensors, as under TP without sharding (mp.optimizer_state); collective over the world."""
+    from mp.optimizer_state import named_state
+
+    assert state.model is not None
+    groups = [list(g["params"]) for g in optimizer.param_groups]
+    return named_state(cast(torch.optim.Optimizer, _WholeStates(optimizer)), state.model, groups)
+
+
+def _load_full_tp_state(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+    """Load a full state keyed by parameter names (``_full_tp_state``'s, TP's without sharding, FSDP2's
+    full state of the model without TP, or an index-numbered one that carries its names): each rank
+    keeps its TP shard's part of this rank's shard."""
+    from mp.optimizer_state import load_named_state
+
+    assert state.model is not None
+    sd.pop("_smp_keyed_by_name", None)
+    names = sd.pop("_smp_param_names", None)
+    if names is not None:  # index-numbered (a job without TP or sharding): by the names it carries
+        flat = [n for group in names for n in group]
+        sd = {
+            "state": {flat[int(i)]: st for i, st in sd["state"].items()},
+            "param_groups": [
+                {**{k: v for k, v in g.items() if k != "params"}, "params": list(listed)}
+                for g, listed in zip(sd["param_groups"], names, strict=True)
+            ],
+        }
+    if any(not isinstance(k, str) for k in sd.get("state", {})):
+        raise IncompatibleCheckpointFoundError(
+            "optimizer.load_state_dict() under sharded data parallelism with tensor parallelism got a full "
+            "state numbered by parameter index without the parameter names (_smp_param_names). Expected "
+            "optimizer.state_dict() of an smp.DistributedOptimizer (keyed or carrying names). Fix: save it "
+            "with optimizer.state_dict() of a DistributedOptimizer"
+        )
+    groups = [list(g["params"]) for g in optimizer.param_groups]
+    load_named_state(optimizer, state.model, sd, groups)
+    for p in (p for g in optimizer.param_groups for p in g["params"]):  # full tensors -> shards
+        st = optimizer.state.get(p)
+        if st and isinstance(p, DTensor):
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0:
+                    st[k] = as_like(v, p, full=True)
+
+
+def refuse_full_half_state_under_tp(sharding: ShardedDataParallel | None, what: str, precision: str) -> None:
+    """The fp16/bf16 optimizer's full state holds this TP rank's shards under their own names, and a
+    full checkpoint keeps rank 0's only: under sharding with TP an error instead of other ranks' values."""
+    if sharding is not None and sharding.tp is not None:
         raise SMPUnsupportedError(
-            f"{what} under sharded_data_parallel_degree > 1 with tensor_parallel_degree > 1: mp saves and "
-            "loads this layout's optimizer state only as each rank's shards. Fix: use "
-            "optimizer.local_state_dict() (smp.save_checkpoint(partial=True)), and model.state_dict() for "
-            "the full weights"
+            f"{what} under {precision} with sharded_data_parallel_degree > 1 and tensor_parallel_degree "
+            "> 1: mp's full fp16/bf16 optimizer state (fp32 masters and their optimizer state) is not "
+            "translated from the TP shards to the original model's names, so one TP rank's shards would "
+            "load on the others. Fix: save and load optimizer.local_state_dict() "
+            "(smp.save_checkpoint(partial=True)); model.state_dict() gives the full weights"
         )
 
 
