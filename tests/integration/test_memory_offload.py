@@ -11,7 +11,9 @@ docs/gpu.md says how to measure the device-memory drop on a GPU.
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from typing import Any
 
 import pytest
@@ -92,6 +94,7 @@ def _train(world: Any, config: dict[str, Any]) -> dict[str, Any]:
                 set_partition(m, 1)
         model = smp.DistributedModel(net)
         opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        alive = _watch_offloaded(model._offloader)
 
         @smp.step
         def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -129,10 +132,34 @@ def _train(world: Any, config: dict[str, Any]) -> dict[str, Any]:
             "params": params,
             "events": list(offloader.events),
             "offloaded_bytes": offloader.offloaded_bytes,
+            "alive_at_backward": alive,
         }
     finally:
         os.environ.pop("MP_PIPELINE_STATIC_STEPS", None)
         smp.reset()
+
+
+def _watch_offloaded(offloader: Any) -> list[int]:
+    """Per step, how many of the tensors offloaded before this rank's first backward of the step are
+    still alive when it starts: offloading frees device memory only if nothing else (the pipeline
+    runtime's kept inputs and outputs, say) holds them."""
+    refs: list[weakref.ReferenceType[torch.Tensor]] = []
+    alive: list[int] = []
+    to_host, unpack = offloader._to_host, offloader._unpack
+
+    def watched_to_host(t: torch.Tensor, mb: int) -> Any:
+        refs.append(weakref.ref(t))
+        return to_host(t, mb)
+
+    def watched_unpack(p: Any) -> torch.Tensor:
+        if refs:  # the step's first backward here: count, then start over for the next step
+            gc.collect()
+            alive.append(sum(r() is not None for r in refs))
+            refs.clear()
+        return unpack(p)  # type: ignore[no-any-return]
+
+    offloader._to_host, offloader._unpack = watched_to_host, watched_unpack
+    return alive
 
 
 def _first_difference(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> str | None:
@@ -195,6 +222,8 @@ def test_pp2_equals_torch_and_loads_horizon_ahead(worlds: Any, pipeline: str) ->
     if pipeline == "simple":  # all forwards before the backwards: microbatches wait in host memory
         for r in results:
             assert r["offloaded_bytes"] >= 2 * (MICROBATCHES - 2) * (ROWS // MICROBATCHES) * 16 * 4, r
+    for r in results:  # what was offloaded left the device: no rank (its runtime) held on to it
+        assert r["alive_at_backward"] and not any(r["alive_at_backward"]), r["alive_at_backward"]
 
 
 def test_tp2_equals_torch(worlds: Any) -> None:

@@ -179,3 +179,27 @@ class Unpack(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, None, torch.Tensor]:
         ctx.link.grads = grads
         return None, None, torch.zeros(0)
+
+
+class Received(torch.autograd.Function):
+    """An input a remote forward received that requires grad, made a non-leaf on a zero-size anchor.
+
+    The owner keeps the gradient slot, not the tensor, so the input's memory goes once the module no
+    longer holds it (a checkpointed module keeps its own copy, which offloading moves to the host); a leaf
+    would have been kept for its ``.grad``. The output shares the input's memory and version counter
+    (``detach``), so an in-place change of a shortcut input is still seen (remote.Remote._check_untouched).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, grads: list[torch.Tensor | None], index: int, anchor: torch.Tensor, data: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.grads, ctx.index = grads, index
+        ctx.set_materialize_grads(False)
+        return data.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[None, None, None, None]:
+        if grad is not None:  # as a leaf's .grad: dense and contiguous for the transport
+            ctx.grads[ctx.index] = grad if grad.is_contiguous() else grad.contiguous()
+        return None, None, None, None

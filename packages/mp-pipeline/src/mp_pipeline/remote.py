@@ -8,9 +8,12 @@ zero-size "anchor" tensor that requires grad is passed to the function so that i
 when no input requires grad (the gradient then flows only into the owner's parameters).
 
 Owner side (:meth:`Remote.handle`): a forward request runs the module's own forward on the received
-inputs (those that required grad made leaves that require grad), under the requester's grad mode and
-autocast, and keeps inputs and outputs until the backward request, which runs ``torch.autograd.backward``
-on the kept outputs; parameter gradients accumulate on the owner and the leaves' gradients go back.
+inputs (those that required grad joined to the graph through :class:`~mp_pipeline.link.Received`), under
+the requester's grad mode and autocast, and keeps, until the backward request, each output's gradient
+edge and each input's gradient slot, not the tensors: what the module's graph saved is all that stays in
+memory, so activation checkpointing and offloading free what they promise. The backward request runs
+``torch.autograd.backward`` on the kept edges; parameter gradients accumulate on the owner and the inputs'
+gradients go back. An output is also held as a tensor while a shortcut may still refer to it (below).
 Hooks registered on a module run once, on the rank that calls it.
 
 The child-to-child shortcut (fast mode, seed 001 §4.4) comes in two forms, both named in the request
@@ -37,11 +40,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from mp_pipeline.context import TaskContext, applied, capture, current, task_context
 from mp_pipeline.errors import FlowChangedError, NotInStepError, PipelineError
 from mp_pipeline.fast import CallKey, FastPlan
-from mp_pipeline.link import Link, RemoteFunction, Unpack, raise_failure, remote_error
+from mp_pipeline.link import Link, Received, RemoteFunction, Unpack, raise_failure, remote_error
 from mp_pipeline.messages import Ref, Request, Response, StepId
 from mp_pipeline.posted import Predictions
 from mp_pipeline.schedule import Phase
@@ -61,8 +65,12 @@ def _checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 @dataclass
 class _Saved:
-    inputs: list[torch.Tensor]
-    outputs: list[torch.Tensor]
+    grads: list[torch.Tensor | None]
+    """Per input that requires grad: its gradient, filled by the backward (link.Received)."""
+    edges: list[GradientEdge]
+    """Per output that requires grad: where the backward starts."""
+    outputs: list[torch.Tensor | None]
+    """Per output that requires grad: the tensor, while a shortcut may still refer to it, else None."""
     routes: list[Ref | None]
     """Per input: the handed-off output it was (its gradient goes back to the producer), or None."""
 
@@ -308,11 +316,12 @@ class Remote:
             raise PipelineError(f"rank {self.rank} has no module {request.module!r} to execute")
         original: Callable[..., Any] = module.__dict__[_ORIGINAL]
         tensors: list[Any] = []
-        leaves: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
         routes: list[Ref | None] = []
+        anchor = torch.empty(0, requires_grad=True)
         by_slot = {ref.slot: ref for ref in request.refs}
         held = {
-            ref.slot: self._kept_output(request, ref.forward_id, ref.kept_index)
+            ref.slot: self._kept_output(request, ref.forward_id, ref.kept_index, ref.handoff)
             for ref in request.refs
             if ref.producer == self.rank
         }
@@ -328,8 +337,9 @@ class Remote:
             else:
                 t = self.server.take(("act", request.requester, ref.forward_id, ref.kept_index))
             if r:
-                t.requires_grad_(True)
-                leaves.append(t)
+                with torch.enable_grad():  # r says the requester's mode records it (this thread may not)
+                    t = Received.apply(grads, len(grads), anchor, t)  # type: ignore[no-untyped-call]
+                grads.append(None)
                 routes.append(ref if ref is not None and ref.handoff else None)
             tensors.append(t)
         args, kwargs = unflatten(request.payload, tensors)
@@ -355,7 +365,10 @@ class Remote:
         if any(out_requires):
             wired = [i for i, r in enumerate(out_requires) if r]
             kept = [outs[i] for i in wired]
-            self.saved[(request.requester, request.request_id)] = _Saved(leaves, kept, routes)
+            edges = [get_gradient_edge(t) for t in kept]
+            # Without shortcuts no later request refers to an output: the edges are all the backward needs.
+            holding: list[torch.Tensor | None] = list(kept) if self.shortcut else [None] * len(kept)
+            self.saved[(request.requester, request.request_id)] = _Saved(grads, edges, holding, routes)
             if self.shortcut:
                 self._forwarded.add((request.requester, request.request_id))
                 self.server.wake(("fwd", request.requester, request.request_id, 0))
@@ -363,26 +376,34 @@ class Remote:
                 if k < len(kept):
                     if dest == self.rank:  # the consumer is here too: it takes the kept output
                         self.server.stats["handoffs"] += 1
-                    else:
+                    else:  # handed over: no request refers to it here again
                         key = ("act", request.requester, request.request_id, k)
                         self.server.hand(dest, key, sent[wired[k]])
+                        holding[k] = None
                     sent[wired[k]] = torch.empty_like(kept[k], device="meta")
         return Response(request.step, request.request_id, self.rank, skeleton, sent, out_requires)
 
-    def _kept_output(self, request: Request, forward_id: int, index: int) -> tuple[torch.Tensor, int]:
-        """The output a shortcut refers to, detached, with its version counter now."""
+    def _kept_output(
+        self, request: Request, forward_id: int, index: int, handed: bool
+    ) -> tuple[torch.Tensor, int]:
+        """The output a shortcut refers to, detached, with its version counter now. A handed-off output
+        has one consumer (the requester checks): once taken, it is no longer held here."""
         saved = self.saved.get((request.requester, forward_id))
         if saved is None and (request.requester, forward_id) not in self._forwarded:
             # the producer's forward was posted too and has not run here yet: wait for it
             self.server.await_local(("fwd", request.requester, forward_id, 0))
             saved = self.saved.get((request.requester, forward_id))
-        if saved is None or index >= len(saved.outputs):
+        output = saved.outputs[index] if saved is not None and index < len(saved.outputs) else None
+        if output is None:
             raise PipelineError(
                 f"rank {self.rank} no longer keeps output {index} of forward request {forward_id} from rank "
                 f"{request.requester}, which the request for module {request.module!r} refers to (fast "
-                "mode's child-to-child shortcut); its backward already ran"
+                "mode's child-to-child shortcut); its backward already ran, or a consumer took it"
             )
-        kept = saved.outputs[index].detach()
+        assert saved is not None
+        if handed:
+            saved.outputs[index] = None
+        kept = output.detach()
         return kept, kept._version
 
     def _check_untouched(self, request: Request, held: dict[int, tuple[torch.Tensor, int]]) -> None:
@@ -417,19 +438,19 @@ class Remote:
         given = list(request.tensors)
         for k in request.handed:  # gradients the consumers of handed-off outputs sent here themselves
             given[k] = self.server.take(("grad", request.requester, request.forward_id, k))
-        pairs = [(o, g) for o, g in zip(saved.outputs, given, strict=True) if g is not None]
+        pairs = [(e, g) for e, g in zip(saved.edges, given, strict=True) if g is not None]
         task = TaskContext(request.microbatch, request.position)
         if pairs:
             with self._recorded(EventKind.BWD, request), task_context(task), applied(request.state):
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
         grads: list[torch.Tensor | None] = []
-        for leaf, route in zip(saved.inputs, saved.routes, strict=True):
-            g = leaf.grad
-            if route is not None and g is not None:  # to the producer; the requester gets a placeholder
+        for grad, route in zip(saved.grads, saved.routes, strict=True):
+            if route is not None and grad is not None:  # to the producer; the requester gets a placeholder
                 key = ("grad", request.requester, route.forward_id, route.kept_index)
-                self.server.hand(route.producer, key, g)
-                g = torch.empty_like(g, device="meta")
-            grads.append(g)
+                self.server.hand(route.producer, key, grad)
+                grads.append(torch.empty_like(grad, device="meta"))
+            else:
+                grads.append(grad)
         return Response(request.step, request.request_id, self.rank, tensors=grads)
 
 
