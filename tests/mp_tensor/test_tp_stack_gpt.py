@@ -1,10 +1,10 @@
-"""smp's whole-stack replacement for GPT-J and GPT-Neo (mp_tensor.hf.stack_gpt): a Hugging Face
-``GPTJForCausalLM`` / ``GPTNeoForCausalLM`` built inside ``tensor_parallelism()`` becomes a
-DistributedTransformerLMHead (``transformer.seq_layers``) using the rotary / local attention of
-smp.nn's transformer, called as Hugging Face's model and equal to it in logits, loss, gradients and state
-dict (Hugging Face's names) at tp=1 and tp=2 in both distributions; smp.nn.huggingface's translations
-round-trip; ``whole_stack=False`` keeps the block-by-block mapping; the calls it cannot serve are refused
-by name."""
+"""smp's whole-stack replacement for GPT-J, GPT-Neo and GPT-NeoX (mp_tensor.hf.stack_gpt): a Hugging
+Face ``GPTJForCausalLM`` / ``GPTNeoForCausalLM`` / ``GPTNeoXForCausalLM`` built inside
+``tensor_parallelism()`` becomes a DistributedTransformerLMHead (``transformer.seq_layers``) using the
+rotary / local attention of smp.nn's transformer, called as Hugging Face's model and equal to it in
+logits, loss, gradients and state dict (Hugging Face's names) at tp=1 and tp=2 in both distributions;
+smp.nn.huggingface's translations round-trip; ``whole_stack=False`` keeps the block-by-block mapping; the
+calls it cannot serve are refused by name."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from mp.nn.huggingface import gptj as smp_gptj
 from mp.nn.huggingface import gptneo as smp_gptneo
+from mp.nn.huggingface import gptneox as smp_gptneox
 from mp_tensor.context import TPContext
 from mp_tensor.enable import tensor_parallelism
 from mp_tensor.errors import HFTranslationError, TPInputError
@@ -27,7 +28,12 @@ from tests.mp_tensor._tp_util import with_group
 transformers = pytest.importorskip("transformers")
 
 B, S, V = 2, 8, 40  # local batch, sequence, vocabulary
-CLASSES = {"gptj": "GPTJDistributedLMHead", "gptneo": "GPTNeoDistributedLMHead"}
+CLASSES = {
+    "gptj": "GPTJDistributedLMHead",
+    "gptneo": "GPTNeoDistributedLMHead",
+    "gptneox": "GPTNeoXDistributedLMHead",
+    "gptneox-seq": "GPTNeoXDistributedLMHead",
+}
 
 
 def _model(family: str, **overrides: Any) -> Any:
@@ -38,6 +44,14 @@ def _model(family: str, **overrides: Any) -> Any:
             attn_pdrop=0.0, **common, **overrides,
         )  # fmt: skip
         return transformers.GPTJForCausalLM(cfg)
+    if family.startswith("gptneox"):  # half of each head rotary; -seq: the sequential residual
+        cfg = transformers.GPTNeoXConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=S, hidden_dropout=0.0, attention_dropout=0.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
+            use_parallel_residual=family == "gptneox", **common, **overrides,
+        )  # fmt: skip
+        return transformers.GPTNeoXForCausalLM(cfg)
     cfg = transformers.GPTNeoConfig(
         hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], window_size=3,
         max_position_embeddings=S, resid_dropout=0.0, embed_dropout=0.0, attention_dropout=0.0, **common,
@@ -101,7 +115,7 @@ def _case(world: Any, family: str, optimize: str, prescaled: bool) -> dict[str, 
     return with_group(run)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("family", ["gptj", "gptneo"])
+@pytest.mark.parametrize("family", ["gptj", "gptneo", "gptneox", "gptneox-seq"])
 @pytest.mark.parametrize(
     ("n", "optimize", "prescaled"),
     [(1, "speed", False), (2, "speed", False), (2, "memory", False), (2, "speed", True)],
@@ -144,6 +158,27 @@ def test_translations_round_trip(family: str) -> None:
     assert sorted(to_smp(old)) == sorted(smp_sd)
     with pytest.raises(HFTranslationError, match="have no counterpart"):
         to_smp({**hf, "transformer.h.0.attn.extra.weight": torch.zeros(1)})
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["own-head", "tied"])
+def test_gptneox_translations_round_trip(tied: bool) -> None:
+    torch.manual_seed(0)
+    model = _model("gptneox", tie_word_embeddings=tied)
+    hf = model.state_dict()
+    smp_sd = smp_gptneox.translate_hf_state_dict_to_smdistributed_gptneox(hf, 4, tied)
+    # query_key_value's rows are [head, (q|k|v), head_size]: head 1's query rows 24..31 are query's 8..15
+    fused = hf["gpt_neox.layers.1.attention.query_key_value.weight"]
+    assert torch.equal(smp_sd["transformer.seq_layers.1.attention.query.weight"][8:16], fused[24:32])
+    assert torch.equal(smp_sd["transformer.seq_layers.1.attention.value.bias"][:8],
+                       hf["gpt_neox.layers.1.attention.query_key_value.bias"][16:24])  # fmt: skip
+    assert ("lm_head.weight" in smp_sd) == (not tied)
+    back = smp_gptneox.translate_state_dict_to_hf_gptneox(smp_sd, 4)
+    assert sorted(back) == sorted(hf)
+    assert all(torch.equal(back[k], v) for k, v in hf.items())
+    with pytest.raises(HFTranslationError, match="have no counterpart"):
+        smp_gptneox.translate_hf_state_dict_to_smdistributed_gptneox(
+            {**hf, "gpt_neox.layers.0.attention.extra.weight": torch.zeros(1)}, 4
+        )
 
 
 def _opt_outs(world: Any, family: str) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from mp_tensor.nn.base import DistributedModule
 
 __all__ = [
     "INIT_ARGS_ATTR",
+    "REGISTRATION_ATTR",
     "Builder",
     "Registration",
     "Registry",
@@ -41,6 +42,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 INIT_ARGS_ATTR = "_mp_tp_init_args"
+REGISTRATION_ATTR = "_mp_tp_registration"
+"""Set by a builder on the module it built: the registration (translations) to keep for that module."""
 
 #: (original module, its TP context, override kwargs) -> the distributed module, weights copied.
 Builder = Callable[[nn.Module, Any, Mapping[str, Any]], DistributedModule]

@@ -24,7 +24,13 @@ from mp_tensor.context import TPContext, use_context
 from mp_tensor.enable import mark_of
 from mp_tensor.errors import MPTensorError
 from mp_tensor.nn.base import DistributedModule, param_spec
-from mp_tensor.registry import INIT_ARGS_ATTR, Registration, Registry, default_registry
+from mp_tensor.registry import (
+    INIT_ARGS_ATTR,
+    REGISTRATION_ATTR,
+    Registration,
+    Registry,
+    default_registry,
+)
 
 __all__ = ["ORIGINAL_ATTR", "Replacement", "default_dtype", "replace_modules"]
 
@@ -214,5 +220,7 @@ def _replace_one(
     device = next((p.device for p in module.parameters()), None)
     if device is not None and device.type not in ("cpu", "meta"):  # meta: delayed init materializes later
         new.to(device)
+    # a builder may hand over translations bound to this model's sizes (GPT-NeoX's head count)
+    reg = new.__dict__.pop(REGISTRATION_ATTR, reg)
     new.__dict__[ORIGINAL_ATTR] = Replacement(type(module).__name__, reg)
     return new

@@ -137,4 +137,8 @@ def build(layer: nn.Module, ctx: TPContext, overrides: Mapping[str, Any]) -> Dis
 
 
 def registrations() -> list[Registration]:
-    return [Registration(BLOCK, DistributedGPTNeoXLayer, builder=build, check=check)]
+    """The block entry, and the whole model's (mp_tensor.hf.stack_gpt)."""
+    from mp_tensor.hf import stack_gpt
+
+    whole = [r for r in stack_gpt.registrations() if r.name.endswith("GPTNeoXForCausalLM")]
+    return [*whole, Registration(BLOCK, DistributedGPTNeoXLayer, builder=build, check=check)]

@@ -36,6 +36,7 @@ from mp_tensor.registry import Registration, Registry
 __all__ = [
     "ENCODERS",
     "GPTJ_MODEL",
+    "GPTNEOX_MODEL",
     "GPTNEO_MODEL",
     "MODEL",
     "WHOLE_STACK_MODELS",
@@ -242,7 +243,10 @@ GPTJ_MODEL = "transformers.models.gptj.modeling_gptj.GPTJForCausalLM"
 GPTNEO_MODEL = "transformers.models.gpt_neo.modeling_gpt_neo.GPTNeoForCausalLM"
 """Replaced whole by mp_tensor.hf.stack_gpt (smp's GPT-J / GPT-Neo DistributedTransformerLMHead)."""
 
-WHOLE_STACK_MODELS = frozenset({MODEL, *ENCODERS, GPTJ_MODEL, GPTNEO_MODEL})
+GPTNEOX_MODEL = "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXForCausalLM"
+"""Replaced whole by mp_tensor.hf.stack_gpt (smp's GPT-NeoX DistributedTransformerLMHead)."""
+
+WHOLE_STACK_MODELS = frozenset({MODEL, *ENCODERS, GPTJ_MODEL, GPTNEO_MODEL, GPTNEOX_MODEL})
 """The models replaced whole, also at tp=1."""
 
 

@@ -1,13 +1,17 @@
 """smp's whole-stack replacement for GPT-J and GPT-Neo: a Hugging Face ``GPTJForCausalLM`` /
 ``GPTNeoForCausalLM`` built inside ``tensor_parallelism()`` becomes a
 :class:`~mp_tensor.nn.lm_head.DistributedTransformerLMHead` (``model.transformer.seq_layers``), at any
-tensor-parallel degree including 1, as smp did (v1.8 / v1.10), with smp's arguments for each family:
+tensor-parallel degree including 1, as smp did (v1.8 / v1.10 / later), with smp's arguments for each family:
 
 - GPT-J: one layer norm feeding attention and MLP in parallel (``single_pre_layernorm``,
   ``parallel_attn_output``), GPT-J's interleaved rotary embeddings on ``rotary_dim`` channels per head,
   no query/key/value/output biases, no position embedding, its own LM head with a bias;
 - GPT-Neo: pre-layernorm blocks whose attention alternates global and local (``attention_layers_type``,
   ``window_size``) with unscaled scores, no query/key/value biases, the LM head tied to the embedding.
+- GPT-NeoX (smp's ``gptneox``): pre-layernorm blocks, attention and MLP added in parallel
+  (``parallel_attn_output``, each with its own norm) or in sequence (``use_parallel_residual=False``),
+  NeoX's half-rotation rotary embeddings on ``partial_rotary_factor`` of each head, no position
+  embedding, its own LM head without a bias (or the embedding, when tied).
 
 They are called as the Hugging Face model (``input_ids``, ``attention_mask``, ``labels`` -> an output
 with ``.loss`` and ``.logits``); their gathered state dicts are translated back to Hugging Face's names
@@ -24,16 +28,31 @@ from torch import Tensor, nn
 
 from mp_tensor.context import TPContext
 from mp_tensor.hf.common import ACTIVATION_MAP, sizes_reason
-from mp_tensor.hf.stack import GPTJ_MODEL, GPTNEO_MODEL, HFDistributedLMHead, whole_stack_requested
-from mp_tensor.hf.translate_gpt import gptj_from_smp, gptj_to_smp, gptneo_from_smp, gptneo_to_smp
+from mp_tensor.hf.stack import (
+    GPTJ_MODEL,
+    GPTNEO_MODEL,
+    GPTNEOX_MODEL,
+    HFDistributedLMHead,
+    whole_stack_requested,
+)
+from mp_tensor.hf.translate_gpt import (
+    gptj_from_smp,
+    gptj_to_smp,
+    gptneo_from_smp,
+    gptneo_to_smp,
+    gptneox_from_smp,
+    gptneox_to_smp,
+)
 from mp_tensor.nn.base import DistributedModule
-from mp_tensor.registry import Registration
+from mp_tensor.registry import REGISTRATION_ATTR, Registration
 
 __all__ = [
     "GPTJDistributedLMHead",
     "GPTNeoDistributedLMHead",
+    "GPTNeoXDistributedLMHead",
     "gptj_lm_head_kwargs",
     "gptneo_lm_head_kwargs",
+    "gptneox_lm_head_kwargs",
     "registrations",
 ]
 
@@ -106,6 +125,54 @@ def gptneo_lm_head_kwargs(config: Any) -> dict[str, Any]:
     }
 
 
+def _neox_rope(config: Any) -> dict[str, Any]:
+    """GPT-NeoX's rotary parameters (transformers >= 4.56 ``rope_parameters``, or the older fields)."""
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    rope.setdefault("rope_theta", getattr(config, "rope_theta", getattr(config, "rotary_emb_base", 10000)))
+    rope.setdefault("partial_rotary_factor", getattr(config, "rotary_pct", 1.0))
+    return rope
+
+
+def gptneox_lm_head_kwargs(config: Any) -> dict[str, Any]:
+    """The :class:`DistributedTransformerLMHead` arguments equivalent to an HF ``GPTNeoXForCausalLM``."""
+    head = config.hidden_size // config.num_attention_heads
+    rope = _neox_rope(config)
+    bias = bool(getattr(config, "attention_bias", True))
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    parallel = bool(getattr(config, "use_parallel_residual", True))
+    return {
+        "num_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "attention_head_size": head,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "vocab_size": config.vocab_size,
+        "num_positions": config.max_position_embeddings,
+        "causal_mask_size": config.max_position_embeddings,
+        "attention_dropout_prob": float(config.attention_dropout),
+        "hidden_dropout_prob": float(config.hidden_dropout),
+        "embedding_dropout_prob": float(config.hidden_dropout),
+        "activation": ACTIVATION_MAP[config.hidden_act],
+        "layernorm_epsilon": config.layer_norm_eps,
+        "initializer_range": config.initializer_range,
+        "use_normal_initialization": True,
+        "rotary_dim": int(head * float(rope["partial_rotary_factor"])),
+        "rotary_emb_base": float(rope["rope_theta"]),
+        "gpt_neox_type_rotary": True,
+        "pre_layernorm": True,
+        "post_layernorm": False,
+        "parallel_attn_output": parallel,
+        "use_qkv_bias": bias,
+        "use_attn_dense_bias": bias,
+        "use_positional_embedding": False,
+        "use_lm_head_bias": False,
+        "tie_input_output_embedding": tied,
+        "final_layernorm": True,
+        "mask_value": -1e9,
+    }
+
+
 class _CausalLM(HFDistributedLMHead):
     """GPT-J's and GPT-Neo's calling convention (their ``forward`` arguments, in order)."""
 
@@ -150,6 +217,15 @@ class GPTNeoDistributedLMHead(_CausalLM):
         super().__init__(config, {**gptneo_lm_head_kwargs(config), **overrides}, tp=tp)
 
 
+class GPTNeoXDistributedLMHead(_CausalLM):
+    """A ``DistributedTransformerLMHead`` standing in for a Hugging Face ``GPTNeoXForCausalLM``."""
+
+    family = "GPT-NeoX"
+
+    def __init__(self, config: Any, *, tp: TPContext | None = None, **overrides: Any) -> None:
+        super().__init__(config, {**gptneox_lm_head_kwargs(config), **overrides}, tp=tp)
+
+
 def _common_reason(module: nn.Module, activation: str) -> str | None:
     if not whole_stack_requested(module):
         return "whole_stack=False was asked for (its blocks are distributed one by one instead)"
@@ -187,6 +263,44 @@ def check_gptneo(module: nn.Module, tp_size: int) -> str | None:
     return sizes_reason(tp_size, num_heads=config.num_heads, intermediate_size=inner)
 
 
+def check_gptneox(module: nn.Module, tp_size: int) -> str | None:
+    """Why this ``GPTNeoXForCausalLM`` cannot become a DistributedTransformerLMHead, or None."""
+    config = cast(Any, module).config
+    reason = _common_reason(module, config.hidden_act)
+    if reason is not None:
+        return reason
+    rope = _neox_rope(config)
+    if rope["rope_type"] != "default":
+        return f"rope_type={rope['rope_type']!r} is not mapped (only the default rotary embedding)"
+    head = config.hidden_size // config.num_attention_heads
+    if int(head * float(rope["partial_rotary_factor"])) % 2:
+        return "the rotary dimension (head size x partial_rotary_factor) is odd"
+    return sizes_reason(
+        tp_size, num_attention_heads=config.num_attention_heads, intermediate_size=config.intermediate_size
+    )
+
+
+def _build_gptneox(module: nn.Module, ctx: TPContext, overrides: Mapping[str, Any]) -> DistributedModule:
+    config = cast(Any, module).config
+    new = GPTNeoXDistributedLMHead(config, tp=ctx, **dict(overrides))
+    heads, tied = config.num_attention_heads, bool(getattr(config, "tie_word_embeddings", False))
+    new.load_full_state_dict(gptneox_to_smp(module.state_dict(), heads, tied))
+    # the translations need the head count (query_key_value's rows are ordered by head)
+    new.__dict__[REGISTRATION_ATTR] = _gptneox_registration(heads, tied)
+    return new
+
+
+def _gptneox_registration(heads: int, tied: bool | None = None) -> Registration:
+    return Registration(
+        GPTNEOX_MODEL,
+        GPTNeoXDistributedLMHead,
+        builder=_build_gptneox,
+        check=check_gptneox,
+        to_original=lambda sd: gptneox_from_smp(sd, heads),
+        from_original=lambda sd: gptneox_to_smp(sd, heads, tied),
+    )
+
+
 def _builder(
     cls: type[HFDistributedLMHead], to_smp: Callable[[Mapping[str, Tensor]], dict[str, Tensor]]
 ) -> Callable[[nn.Module, TPContext, Mapping[str, Any]], DistributedModule]:
@@ -216,4 +330,6 @@ def registrations() -> list[Registration]:
             to_original=gptneo_from_smp,
             from_original=gptneo_to_smp,
         ),
+        # its translations are bound to each model's head count by the builder
+        Registration(GPTNEOX_MODEL, GPTNeoXDistributedLMHead, builder=_build_gptneox, check=check_gptneox),
     ]

@@ -12,6 +12,13 @@ Face ``GPTJForCausalLM`` / ``GPTNeoForCausalLM`` (:mod:`mp_tensor.hf.stack_gpt`)
   ``...output.dense1/dense2`` (``c_fc``, ``c_proj``), ``layernorm`` (``ln_f``); the LM head is the word
   embedding.
 
+- GPT-NeoX: ``word_embedding`` (``embed_in``), ``...attention.pre_layernorm`` (``input_layernorm``),
+  ``...attention.{query,key,value}`` (the rows of ``query_key_value``, which holds each head's query,
+  key and value side by side), ``...attention.dense``, ``...output.pre_layernorm``
+  (``post_attention_layernorm``), ``...output.dense1/dense2`` (``dense_h_to_4h``, ``dense_4h_to_h``),
+  ``layernorm`` (``final_layer_norm``) and ``lm_head`` (older transformers: ``embed_out``), or none when
+  tied to the embedding.
+
 ``max_seq_len`` (to Hugging Face) adds the causal-mask buffers older transformers saved in these
 models' state dicts; current transformers rebuilds them, so leave it None there.
 """
@@ -26,7 +33,14 @@ from torch import Tensor
 
 from mp_tensor.errors import HFTranslationError
 
-__all__ = ["gptj_from_smp", "gptj_to_smp", "gptneo_from_smp", "gptneo_to_smp"]
+__all__ = [
+    "gptj_from_smp",
+    "gptj_to_smp",
+    "gptneo_from_smp",
+    "gptneo_to_smp",
+    "gptneox_from_smp",
+    "gptneox_to_smp",
+]
 
 _GPTJ_TOP = {
     "transformer.wte.weight": "word_embedding.weight",
@@ -168,4 +182,83 @@ def gptneo_from_smp(state_dict: Mapping[str, Tensor], max_seq_len: int | None = 
     out = _translate("gptneo", state_dict, back, (_SMP_BLOCK, "transformer.h", names))
     out["lm_head.weight"] = state_dict["word_embedding.weight"]
     _causal_buffers(out, _layer_ids(state_dict), "attn.attention", max_seq_len, -1e9)
+    return out
+
+
+# -------------------------------------------------------------------------------------------- GPT-NeoX
+
+_GPTNEOX_TOP = {
+    "gpt_neox.embed_in.weight": "word_embedding.weight",
+    "gpt_neox.final_layer_norm.weight": "layernorm.weight",
+    "gpt_neox.final_layer_norm.bias": "layernorm.bias",
+    "lm_head.weight": "lm_head.weight",
+}
+_GPTNEOX_BLOCK = {
+    "input_layernorm": "attention.pre_layernorm",
+    "attention.dense": "attention.dense",
+    "post_attention_layernorm": "output.pre_layernorm",
+    "mlp.dense_h_to_4h": "output.dense1",
+    "mlp.dense_4h_to_h": "output.dense2",
+}
+_NEOX_HF_BLOCK = re.compile(r"gpt_neox\.layers\.(?P<i>\d+)\.(?P<module>.+)\.(?P<leaf>[^.]+)")
+_NEOX_QKV = re.compile(r"gpt_neox\.layers\.(?P<i>\d+)\.attention\.query_key_value\.(?P<leaf>weight|bias)")
+_SMP_QKV = "transformer.seq_layers.{i}.attention.{part}.{leaf}"
+_NEOX_BUFFERS = ("attention.bias", "attention.masked_bias", "rotary_emb.inv_freq")
+
+
+def gptneox_to_smp(
+    state_dict: Mapping[str, Tensor], num_heads: int, tied: bool | None = None
+) -> dict[str, Tensor]:
+    """An HF ``GPTNeoXForCausalLM`` state dict -> the DistributedTransformerLMHead layout (``num_heads``:
+    the attention heads, which order ``query_key_value``'s rows). ``tied``: the model ties its LM head to
+    the embedding (then the layout has no ``lm_head``); None: when the two share their storage."""
+    _check_source("gptneox", state_dict, "gpt_neox.embed_in.weight", "a GPTNeoXForCausalLM's state_dict()")
+    rest: dict[str, Tensor] = {}
+    out: dict[str, Tensor] = {}
+    for key, value in state_dict.items():
+        m = _NEOX_QKV.fullmatch(key)
+        if m is None:
+            rest["lm_head.weight" if key == "embed_out.weight" else key] = value
+            continue
+        # rows [head, (q|k|v), head_size] -> three [heads * head_size] blocks
+        parts = value.reshape(num_heads, 3, -1, *value.shape[1:]).unbind(1)
+        for part, rows in zip(("query", "key", "value"), parts, strict=True):
+            out[_SMP_QKV.format(i=m["i"], part=part, leaf=m["leaf"])] = rows.reshape(-1, *value.shape[1:])
+    head, embed = rest.get("lm_head.weight"), state_dict["gpt_neox.embed_in.weight"]
+    if tied is None:
+        tied = head is not None and head.data_ptr() == embed.data_ptr()
+    if tied:
+        rest.pop("lm_head.weight", None)  # the word embedding is the head
+    blocks = (_NEOX_HF_BLOCK, "transformer.seq_layers", _GPTNEOX_BLOCK)
+    out.update(_translate("gptneox", rest, _GPTNEOX_TOP, blocks, _NEOX_BUFFERS))
+    return out
+
+
+def gptneox_from_smp(state_dict: Mapping[str, Tensor], num_heads: int) -> dict[str, Tensor]:
+    """The DistributedTransformerLMHead layout -> an HF ``GPTNeoXForCausalLM`` state dict (``lm_head``
+    is the word embedding when the layout has none of its own)."""
+    _check_source("gptneox", state_dict, "word_embedding.weight", "a full LM-head state dict")
+    qkv: dict[tuple[str, str], dict[str, Tensor]] = {}
+    rest: dict[str, Tensor] = {}
+    for key, value in state_dict.items():
+        m = _SMP_BLOCK.fullmatch(key)
+        part = m["module"].removeprefix("attention.") if m is not None else ""
+        if m is not None and m["module"].startswith("attention.") and part in ("query", "key", "value"):
+            qkv.setdefault((m["i"], m["leaf"]), {})[part] = value
+        else:
+            rest[key] = value
+    back = {v: k for k, v in _GPTNEOX_TOP.items()}
+    names = {v: k for k, v in _GPTNEOX_BLOCK.items()}
+    out = _translate("gptneox", rest, back, (_SMP_BLOCK, "gpt_neox.layers", names))
+    for (i, leaf), parts in qkv.items():
+        if sorted(parts) != ["key", "query", "value"]:
+            raise _fail(
+                "gptneox", f"layer {i} has {sorted(parts)} of query/key/value {leaf}; pass all three."
+            )
+        stacked = torch.stack(
+            [p.reshape(num_heads, -1, *p.shape[1:]) for p in (parts["query"], parts["key"], parts["value"])],
+            1,
+        )
+        out[f"gpt_neox.layers.{i}.attention.query_key_value.{leaf}"] = stacked.reshape(-1, *stacked.shape[3:])
+    out.setdefault("lm_head.weight", state_dict["word_embedding.weight"])
     return out
