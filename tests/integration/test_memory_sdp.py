@@ -60,9 +60,14 @@ def _optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
 
 
-def _reference(replicas: int, clip: float, steps: int = STEPS) -> dict[str, Any]:
-    """One process: each replica's microbatches, loss / (microbatches * replicas), clip, AdamW."""
+def _reference(
+    replicas: int, clip: float, steps: int = STEPS, initial: dict[str, torch.Tensor] | None = None
+) -> dict[str, Any]:
+    """One process: each replica's microbatches, loss / (microbatches * replicas), clip, AdamW; from
+    _build()'s values or ``initial``."""
     model = _build()
+    if initial is not None:
+        model.load_state_dict(initial)
     opt = _optimizer(model.parameters())
     losses: list[list[float]] = []
     grads: dict[str, torch.Tensor] = {}

@@ -140,6 +140,8 @@ class TensorParallel:
     """Whether a parameter's gradient already covers the TP group's whole batch."""
     ranks: tuple[tuple[int, ...], ...]
     """The world's global ranks by (tp_rank, index in the sharding group)."""
+    draw: Callable[[nn.Parameter], Callable[[], torch.Tensor] | None] | None = None
+    """Delayed initialization: what draws a TP shard's own initial value (``materialize``'s ``own``)."""
 
 
 class ShardedDataParallel:
@@ -309,7 +311,8 @@ class ShardedDataParallel:
         live = 0
         for k, (u, params) in enumerate(runs):
             ids = {id(p) for p in params}
-            live += materialize(self.module, lambda p, ids=ids: id(p) in ids, device)  # type: ignore[misc]
+            own = self.tp.draw if self.tp is not None else None
+            live += materialize(self.module, lambda p, ids=ids: id(p) in ids, device, own)  # type: ignore[misc]
             self.peak_unsharded = max(self.peak_unsharded, live)
             with torch.no_grad():
                 for p in params:

@@ -94,6 +94,12 @@ def _own_draws(root: torch.nn.Module) -> Callable[[torch.nn.Parameter], Callable
     return own
 
 
+def own_draws(root: torch.nn.Module) -> Callable[[torch.nn.Parameter], Callable[[], torch.Tensor] | None]:
+    """What draws each tensor-parallel shard of ``root`` (``materialize``'s ``own``; see ``_own_draws``):
+    for sharded data parallelism, which materializes the model itself (mp.sharded)."""
+    return _own_draws(root)
+
+
 def prepare(model: Any) -> None:
     """For a ``DistributedModel`` whose module has meta parameters: materialize this rank's parameters
     right after partitioning."""

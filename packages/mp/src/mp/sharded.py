@@ -90,6 +90,7 @@ def shard_model(module: nn.Module) -> ShardedDataParallel | None:
     )
     tp = None
     if cfg.tp > 1:
+        from mp.delayed_init import delayed, own_draws
         from mp_tensor import is_distributed_parameter, is_scaled_batch_parameter
 
         tp = TensorParallel(
@@ -100,6 +101,7 @@ def shard_model(module: nn.Module) -> ShardedDataParallel | None:
                 tuple(topo.rank_of(pp_rank=0, tp_rank=t, rdp_rank=d) for d in range(dp))
                 for t in range(cfg.tp)
             ),
+            draw=own_draws(module) if delayed(module) else None,  # each TP shard drawn as its module does
         )
     try:
         sharding = ShardedDataParallel(module, config, state.process_groups[kind], tp)
