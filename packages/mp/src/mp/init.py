@@ -10,6 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+import mp.tensor_api  # noqa: F401  (installs mp_tensor's context provider, as `import mp` did eagerly)
 from mp.atp_setup import setup_atp_mesh
 from mp.config import ConfigSource, check_paths, load_config, validate_world
 from mp.config_rules import refuse_not_built
