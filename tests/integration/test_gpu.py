@@ -383,3 +383,20 @@ def test_smp_half_precision_on_gpu_trains_like_one_process_with_the_same_recipe(
         assert r["losses"][-1] < r["losses"][0], r
         if precision == "fp16":
             assert r["skipped"][4] and r["scales"][5] == r["scales"][4] / 2, r
+
+
+def test_tensor_parallel_gpt2_on_gpu_trains_like_single_process(worlds: Any) -> None:
+    # tp=2 (each rank its own samples, 2 microbatches) with CUDA kernels, against HF's GPT-2 on the GPU.
+    from tests.integration.test_tp_model import _reference, _train, assert_losses
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results = worlds.run(2, _train, 1, 2, False, False, "cuda", timeout=240)
+    ref_losses, ref_state, _ = _reference(results[0]["dp"], device="cuda")
+    for r, res in enumerate(results):
+        assert res["devices"] == ["cuda"], res["devices"]
+        assert_losses(res["losses"], ref_losses, r)
+        assert set(res["state"]) == set(ref_state)
+        for key, value in ref_state.items():
+            torch.testing.assert_close(
+                res["state"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}"
+            )

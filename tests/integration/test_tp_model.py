@@ -46,13 +46,13 @@ CLIP = 0.5
 
 
 def _reference(
-    dp_size: int, clip: bool = False, layers: int = 2
+    dp_size: int, clip: bool = False, layers: int = 2, device: str = "cpu"
 ) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(_config(layers))
+    model = transformers.GPT2LMHeadModel(_config(layers)).to(device)
     opt = _optimizer(model.parameters())
     losses, norms = [], []
-    for ids in _data(dp_size):
+    for ids in _data(dp_size).to(device):
         opt.zero_grad()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -60,7 +60,7 @@ def _reference(
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+    return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}, norms
 
 
 def gpt_step() -> Any:
@@ -90,7 +90,9 @@ def assert_losses(losses: list[float], reference: list[float], rank: int) -> Non
     )
 
 
-def _train(world: Any, pp: int, microbatches: int, clip: bool = False, fast: bool = False) -> dict[str, Any]:
+def _train(  # noqa: PLR0917 - also called by test_gpu with its device
+    world: Any, pp: int, microbatches: int, clip: bool = False, fast: bool = False, device: str = "cpu"
+) -> dict[str, Any]:
     smp.init(
         {
             "tensor_parallel_degree": 2,
@@ -102,7 +104,7 @@ def _train(world: Any, pp: int, microbatches: int, clip: bool = False, fast: boo
     )
     torch.manual_seed(0)
     with smp.tensor_parallelism():
-        model = transformers.GPT2LMHeadModel(_config(4 if fast else 2))
+        model = transformers.GPT2LMHeadModel(_config(4 if fast else 2)).to(device)
     before = os.environ.get("MP_PIPELINE_STATIC_STEPS")
     os.environ["MP_PIPELINE_STATIC_STEPS"] = "1"  # fast mode: steps 2 and 3 replay
     try:
@@ -117,7 +119,7 @@ def _train(world: Any, pp: int, microbatches: int, clip: bool = False, fast: boo
     train_step = gpt_step()
     dp, rank = smp.dp_size(), smp.dp_rank()
     losses, norms, shortcuts = [], [], 0
-    for ids in _data(dp):
+    for ids in _data(dp).to(device):
         opt.zero_grad()
         out = train_step(model, ids[rank * PER_RANK : (rank + 1) * PER_RANK])
         if model._runtime is not None:
@@ -130,7 +132,8 @@ def _train(world: Any, pp: int, microbatches: int, clip: bool = False, fast: boo
     if pp == 1:
         from mp_tensor import gather_state_dict
 
-        result["state"] = {k: v.detach().clone() for k, v in gather_state_dict(model.module).items()}
+        result["state"] = {k: v.detach().cpu() for k, v in gather_state_dict(model.module).items()}
+    result["devices"] = sorted({p.device.type for p in model.local_parameters()})
     return result
 
 
