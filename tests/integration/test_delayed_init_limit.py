@@ -6,8 +6,8 @@ torch's allocations count against) to what it holds now plus the limit. The job 
 (mpiexec, a few seconds more than the shared pool) with glibc's mmap threshold fixed
 (``MALLOC_MMAP_THRESHOLD_=131072``): by default glibc raises the threshold as large blocks are freed and
 then keeps the freed blocks in its heap, where RLIMIT_DATA still counts them; the meta build's transient
-parameters (each created, then dropped) would be charged to the limit (measured: 127 MB of this 193 MB
-model). docs/memory.md gives the same advice for jobs under a data limit.
+parameters (each created, then dropped) would be charged to the limit (measured: 127 MB of a 193 MB
+GPT-2). docs/memory.md gives the same advice for jobs under a data limit.
 
 - Under that limit an eager build of the model fails with an allocation error on every rank (proved here,
   not assumed: the same model, the same limit).
@@ -15,7 +15,8 @@ model). docs/memory.md gives the same advice for jobs under a data limit.
   materialization of the rank's stage all succeed; the rank's parameter bytes are then at most the limit.
   The limit is lifted right after materialization (a post-partition hook): gradients need memory of their
   own, beyond the parameters this test bounds.
-- It then trains a few steps with a finite, falling loss.
+- It then trains two steps with a finite, falling loss (enough to show it trains; the model is 12 layers,
+  156 MB, so that the job stays short: the eager build still needs 1.5x the limit).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from tests._harness import run_script
 
 transformers = pytest.importorskip("transformers")
 
-SEQ, VOCAB, HIDDEN, LAYERS, STEPS = 16, 2048, 512, 15, 4
+SEQ, VOCAB, HIDDEN, LAYERS, STEPS = 16, 2048, 512, 12, 2
 
 
 def _config(hidden: int = HIDDEN, layers: int = LAYERS) -> Any:
