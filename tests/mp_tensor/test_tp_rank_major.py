@@ -56,7 +56,11 @@ def _case(world: Any) -> dict[str, Any]:
         mine = [_own(r, rank, n) for r in refs]
         with count_collectives() as bwd:
             sum((g * _own(u, rank, n)).sum() for g, u in zip(got, ups, strict=True)).backward()
+        # under autocast: the operands cast as F.linear's are (bfloat16 on CPU), the output in that dtype
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            (auto,) = linear_reduce_scatter([(local_x[id(xa)], local_w[0])], group)
         return {
+            "autocast": (auto.dtype, (auto.float() - mine[0]).abs().max().item()),
             "out": max((g - m).abs().max().item() for g, m in zip(got, mine, strict=True)),
             "shapes": [tuple(g.shape) for g in got],
             "x": max(
@@ -84,6 +88,7 @@ def test_rank_major_linears_equal_the_unsplit_maps(worlds: Any) -> None:
     for rank, res in enumerate(worlds.run(2, _case, timeout=120)):
         assert res["shapes"] == [(2, 5, 6), (2, 5, 6), (2, 5, 3), (3, 2)], res
         assert res["out"] < 1e-5 and res["x"] < 1e-5 and res["w"] < 1e-5, (rank, res)
+        assert res["autocast"][0] == torch.bfloat16 and res["autocast"][1] < 0.1, res
         assert res["fwd"] == {"reduce_scatter": 1}, res  # four outputs, one collective
         assert res["bwd"] == {"all_gather": 1}, res
         total = 2 * 5 * 6 + 2 * 5 * 6 + 2 * 5 * 3 + 3 * 2  # this rank's share of every output

@@ -116,9 +116,16 @@ def linear_reduce_scatter(
         return [sums[i] for i in range(len(sums))]
     n = dist.get_world_size(group)
     flat = [t for pair in pairs for t in pair]
-    buf: Tensor = _RankMajorLinear.apply(n, tuple(index), *flat)  # type: ignore[no-untyped-call]
+    device = flat[0].device.type
+    if torch.is_autocast_enabled(device):  # cast as autocast casts F.linear's operands; GEMMs write in place
+        dtype = torch.get_autocast_dtype(device)
+        flat = [t.to(dtype) for t in flat]
+        with torch.autocast(device, enabled=False):
+            buf: Tensor = _RankMajorLinear.apply(n, tuple(index), *flat)  # type: ignore[no-untyped-call]
+    else:
+        buf = _RankMajorLinear.apply(n, tuple(index), *flat)  # type: ignore[no-untyped-call]
     mine = col.reduce_scatter(buf, 0, group).view(-1)
-    sizes, _ = _segments([x for x, _ in pairs], [w for _, w in pairs], index, n)
+    sizes, _ = _segments(flat[0::2], flat[1::2], index, n)
     shapes: dict[int, tuple[int, ...]] = {}
     for (x, w), i in zip(pairs, index, strict=True):
         shapes[i] = (*x.shape[:-1], w.shape[0] // n)
