@@ -167,13 +167,6 @@ class ShardedDataParallel:
                 f"parallel group of that size spanning the world with the TP group; got {size} x {tp_size} "
                 f"of {dist.get_world_size()} ranks. Fix: use pipeline_parallel_degree 1"
             )
-        if tp is not None and config.replicas > 1:
-            raise ShardingError(
-                "sharded data parallelism with tensor parallelism is built for sharded_data_parallel_degree "
-                f"equal to the reduced data-parallel size; got {config.replicas} replicas of "
-                f"{config.degree} ranks. Fix: set sharded_data_parallel_degree to the data-parallel size / "
-                "tensor_parallel_degree (or set tensor_parallel_degree to 1)"
-            )
         self.config = config
         self.group = group
         self.tp = tp
@@ -186,9 +179,10 @@ class ShardedDataParallel:
         self._broadcast([b for b in module.buffers() if not b.is_meta])
         # attributes set on parameters (a TP shard's layout) survive fully_shard's new parameter objects
         self._attrs = {n: dict(vars(p)) for n, p in module.named_parameters() if vars(p)}
-        if tp is not None:  # a (tp, shard) mesh over the world, as init_device_mesh makes them
-            full = DeviceMesh(config.device_type, torch.tensor(tp.ranks), mesh_dim_names=("tp", "shard"))
-            self.mesh: DeviceMesh = full["shard"]
+        if tp is not None:  # a (tp, replicate, shard) mesh over the world, as init_device_mesh makes them
+            ranks = torch.tensor(tp.ranks).reshape(tp_size, config.replicas, config.degree)
+            full = DeviceMesh(config.device_type, ranks, mesh_dim_names=("tp", "replicate", "shard"))
+            self.mesh: DeviceMesh = full["replicate", "shard"] if config.replicas > 1 else full["shard"]
         elif config.replicas > 1:
             self.mesh = init_device_mesh(
                 config.device_type, (config.replicas, config.degree), mesh_dim_names=("replicate", "shard")
@@ -357,6 +351,21 @@ class ShardedDataParallel:
         if not self.blocks:
             return 0
         return len(self.blocks[0]._get_fsdp_state()._states_to_forward_prefetch)
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        """The ranks that split each parameter (one replica of the sharding group)."""
+        return self.mesh.get_group("shard")
+
+    @property
+    def shard_index(self) -> int:
+        """This rank's index in ``shard_group`` (which shard it holds)."""
+        return self.mesh.get_local_rank("shard")
+
+    @property
+    def replica_index(self) -> int:
+        """Which replica of the shards this rank belongs to (0 without replicas)."""
+        return self.mesh.get_local_rank("replicate") if self.config.replicas > 1 else 0
 
     def reduce_persistent_grads(self) -> None:
         """Average the gradients of the unsharded (small) parameters over the data-parallel group, in

@@ -35,7 +35,7 @@ def clip_grad_norm(
     if sharding is not None and sharding.tp is not None:
         found = owners or {}
         laid_out = [(found.get(id(p), p), g) for p, g in pairs]
-        total = _tp_norm(laid_out, sharding.group, sharding.tp)
+        total = _tp_norm(laid_out, sharding.shard_group, sharding.tp)
     else:
         total = _norm(grads)
     coef = max_norm / (float(total) + 1e-6)
@@ -62,8 +62,8 @@ def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
 def _tp_norm(
     pairs: list[tuple[torch.Tensor, torch.Tensor]], group: dist.ProcessGroup, tp: TensorParallel
 ) -> torch.Tensor:
-    """The L2 norm of the whole model's gradient: shards summed over the sharding group, TP shards
-    over the TP group too, TP-replicated parameters counted once."""
+    """The L2 norm of the whole model's gradient: shards summed over ``group`` (one replica's sharding
+    group), TP shards over the TP group too, TP-replicated parameters counted once."""
     squares = torch.zeros(4, dtype=torch.float64)  # [sharded+split, sharded, split, neither]
     for p, g in pairs:
         index = (0 if tp.split(p) else 1) if isinstance(g, DTensor) else (2 if tp.split(p) else 3)

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -74,6 +73,13 @@ def shard_model(module: nn.Module) -> ShardedDataParallel | None:
             f"'sdp_hierarchical_allgather' asks. Expected a divisor of {info.local_size} (ranks per node), "
             "so that each shard group's all-gather stays within a node and only replicas talk across nodes. "
             f"Fix: set 'sharded_data_parallel_degree' to a divisor of {info.local_size}"
+        )
+    if dp % degree:  # under TP the data-parallel size checked at init is the world's, not the RDP group's
+        raise SMPValidationError(
+            f"sharded_data_parallel_degree={degree} does not divide the {dp} ranks that hold the same "
+            f"tensor-parallel shards (world size / tensor_parallel_degree {cfg.tp}): each TP rank shards "
+            f"its own shards over them. Expected a divisor of {dp}. Fix: set 'sharded_data_parallel_degree' "
+            f"to a divisor of {dp}, or launch a multiple of {degree * cfg.tp} processes"
         )
     devices = {t.device.type for t in [*module.parameters(), *module.buffers()]}  # "meta": delayed init
     config = ShardingConfig(
@@ -149,7 +155,7 @@ def partial_file_names(model: Any) -> tuple[str, str, bool] | None:
     name = f"sdp{layout['sdp_shard']}of{layout['sdp_degree']}"
     if "tp_rank" in layout:
         name += f"_tp{layout['tp_rank']}"
-    return f"model_{name}.pt", f"optimizer_{name}.pt", dist.get_rank(sharding.group) < sharding.config.degree
+    return f"model_{name}.pt", f"optimizer_{name}.pt", sharding.replica_index == 0
 
 
 def local_state_dict(sharding: ShardedDataParallel) -> dict[str, Any]:
@@ -171,7 +177,7 @@ def layout_of(sharding: ShardedDataParallel) -> dict[str, int]:
     """The sharding degree and this rank's shard index (saved with partial states, checked on load)."""
     _, world, topo = state.require()
     degree = sharding.config.degree
-    out = {"sdp_degree": degree, "sdp_shard": dist.get_rank(sharding.group) % degree}
+    out = {"sdp_degree": degree, "sdp_shard": sharding.shard_index}
     if sharding.tp is not None:
         out["tp_rank"] = topo.coords(world.rank).tp_rank
     return out
