@@ -15,10 +15,12 @@ smp's sdp_* keys map onto FSDP2 as follows:
 - ``sdp_gradient_clipping``: clip by the global L2 norm over all shards (DTensor gradients), 0 = off.
 
 Tensor parallelism (``TensorParallel``): each TP rank shards its own TP shards (and its copy of the
-other parameters) over the ranks holding the same ones, a ``(tp, shard)`` mesh; gradients are then
-finished as without sharding (TP-group sums for the parameters that saw only this rank's batch), the
-clipping norm counts each TP shard once, and the full state is gathered by the caller's
-``gather_tp_state`` from whole parameters (:meth:`ShardedDataParallel.gathered`).
+other parameters) over the ranks holding the same ones, a ``(tp, shard)`` mesh, or ``(tp, replicate,
+shard)`` with replicas; gradients are then finished as without sharding (TP-group sums for the
+parameters that saw only this rank's batch), the clipping norm counts each TP shard once, the full state
+is gathered by the caller's ``gather_tp_state`` from whole parameters (:meth:`ShardedDataParallel.gathered`)
+and loaded through its ``local_tp_state``; under delayed initialization ``TensorParallel.draw`` draws
+each TP shard. Half precision composes with it as below.
 
 Half precision (``param_dtype``): the sharded parameters are kept in fp32 and are their own master
 weights; FSDP2's ``MixedPrecisionPolicy`` all-gathers them in the half dtype for forward and backward and
@@ -43,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from mp_memory.errors import MemorySaverError
 from mp_memory.sharded_clip import clip_grad_norm
+from mp_memory.sharded_dicts import ShardedStateDicts
 from mp_memory.sharded_state import (
     _local,
     _unique_params,
@@ -144,7 +147,7 @@ class TensorParallel:
     """Delayed initialization: what draws a TP shard's own initial value (``materialize``'s ``own``)."""
 
 
-class ShardedDataParallel:
+class ShardedDataParallel(ShardedStateDicts):
     """``module`` wrapped in place by ``fully_shard`` over ``group``: the data-parallel group, or under
     tensor parallelism (``tp``) the reduced data-parallel group (the ranks holding the same TP shards);
     together with the TP group it must span the world (no pipeline parallelism).
@@ -432,97 +435,3 @@ class ShardedDataParallel:
             if self.config.scaled_batch_divisor != 1:
                 for g in scaled:
                     _local(g).div_(self.config.scaled_batch_divisor)
-
-    def full_state_dict(self) -> dict[str, Any]:
-        """The whole model's state under its own key names, full tensors, on every rank (collective).
-        Under tensor parallelism, ``gather_tp_state`` (set by the caller) gathers it from the whole
-        parameters (:meth:`gathered`) in the original model's names."""
-        half = self.config.param_dtype  # the model's dtype, as without sharding (the masters: optimizer)
-        if self.gather_tp_state is not None:
-            with self.gathered():
-                sd = self.gather_tp_state()
-        else:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            sd = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
-        return {
-            k: (v.detach().cpu().to(half) if half is not None and v.is_floating_point() else v.detach().cpu())
-            if isinstance(v, torch.Tensor)
-            else v
-            for k, v in sd.items()
-        }
-
-    def load_full_state_dict(self, sd: dict[str, Any], strict: bool = True) -> Any:
-        """Load a full state (each rank keeps its shards). Under tensor parallelism ``local_tp_state``
-        (set by the caller) gives this TP rank's values first."""
-        if self.tp is not None:
-            assert self.local_tp_state is not None, "set local_tp_state under tensor parallelism"
-            return self._load_values(self.local_tp_state(sd), strict)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        return set_model_state_dict(
-            self.module, sd, options=StateDictOptions(full_state_dict=True, strict=strict)
-        )
-
-    def _load_values(self, values: dict[str, torch.Tensor], strict: bool) -> Any:
-        """Copy whole values (under the module's own names) into this rank's shards and whole
-        parameters; no communication. Returns torch's (missing_keys, unexpected_keys)."""
-        from torch.nn.modules.module import _IncompatibleKeys
-
-        live = self.module.state_dict()
-        missing, unexpected = sorted(set(live) - set(values)), sorted(set(values) - set(live))
-        if strict and (missing or unexpected):
-            raise ShardingError(
-                f"the full state does not match this model: missing {missing[:5]}, unexpected "
-                f"{unexpected[:5]}. Fix: load a state_dict() of the same model, or pass strict=False"
-            )
-        with torch.no_grad():
-            for k, v in values.items():
-                if k in live:
-                    target = live[k]
-                    target_local = _local(target)
-                    value = local_part(v, target) if isinstance(target, DTensor) else v
-                    if tuple(value.shape) != tuple(target_local.shape):
-                        raise ShardingError(
-                            f"{k}: a full value of shape {tuple(v.shape)} for this model's "
-                            f"{tuple(target.shape)}. Fix: load a state saved from the same model"
-                        )
-                    target_local.copy_(value)
-        return _IncompatibleKeys(missing, unexpected)
-
-    def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's shards (plain tensors) and the whole small parameters and buffers."""
-        return {k: _local(v).detach().cpu().clone() for k, v in self.module.state_dict().items()}
-
-    def load_local_state_dict(self, sd: dict[str, Any]) -> None:
-        """Copy this rank's saved shards into the model (saved under the same layout)."""
-        live = self.module.state_dict()
-        missing, unexpected = sorted(set(live) - set(sd)), sorted(set(sd) - set(live))
-        if missing or unexpected:
-            raise ShardingError(
-                f"the sharded state does not match this model: missing {missing[:5]}, unexpected "
-                f"{unexpected[:5]}. Fix: load it into the model it was saved from"
-            )
-        with torch.no_grad():
-            for k, v in live.items():
-                target = _local(v)
-                if tuple(target.shape) != tuple(sd[k].shape):
-                    raise ShardingError(
-                        f"{k}: saved shard of shape {tuple(sd[k].shape)}, this rank holds "
-                        f"{tuple(target.shape)}. Fix: load it with the sharded_data_parallel_degree it "
-                        "was saved with, or save a full checkpoint"
-                    )
-                target.copy_(sd[k])
-
-    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The optimizer state keyed by parameter names, full tensors, on every rank (collective)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        return get_optimizer_state_dict(
-            self.module, optimizer, options=StateDictOptions(full_state_dict=True)
-        )
-
-    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        set_optimizer_state_dict(self.module, optimizer, sd, options=StateDictOptions(full_state_dict=True))
