@@ -5,7 +5,8 @@ Each TP rank's shards are split over 2 ranks and replicated over 2 such groups: 
 mesh, FSDP2's hybrid sharding over the last two dimensions. Against plain single-process PyTorch on all
 eight ranks' batches: every loss, the parameters after 4 AdamW steps clipped by sdp_gradient_clipping (the
 norm sums shards over one replica only) and the full optimizer state, within 1e-5; a partial checkpoint (one
-file per shard and TP rank, written by the first replica) resumes bitwise.
+file per shard and TP rank, written by the first replica) resumes bitwise. fp16 with a forced overflow
+in one rank's shard: as at tp=2 x sdp=2 (test_memory_sdp_tp_precision), on the 8 ranks' batches.
 
 The 8 ranks run under plain mpiexec (tests/_harness.run_script): the reused pool's listener takes its
 ranks' connections one at a time and did not start 8 ranks within its 300 s on this host.
@@ -13,7 +14,7 @@ ranks' connections one at a time and did not start 8 ranks within its 300 s on t
 
 from __future__ import annotations
 
-import json
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -83,21 +84,36 @@ def _hsdp(path: str) -> dict[str, Any]:
 
 
 SCRIPT = """
-import json, os
-from tests.integration.test_memory_sdp_tp_hsdp import _hsdp
-result = _hsdp(os.path.join(PATH, "ckpt"))
+import importlib, os, pickle
 import mp as smp
-with open(os.path.join(PATH, f"result{smp.rank()}.json"), "w") as f:
-    json.dump(result, f)
+fn = getattr(importlib.import_module(MODULE), NAME)
+result = fn(*ARGS)
+with open(os.path.join(PATH, f"result{smp.rank()}.pkl"), "wb") as f:
+    pickle.dump(result, f)
 """
 
 
-def test_tp2_hsdp_2x2_trains_like_one_process(tmp_path: Path) -> None:
-    script = tmp_path / "hsdp.py"
-    script.write_text(SCRIPT.replace("PATH", repr(str(tmp_path))))
+def _on_8_ranks(tmp_path: Path, module: str, name: str, args: tuple[Any, ...]) -> list[Any]:
+    """fn(*args) on every rank of an 8-rank job; the results in rank order."""
+    script = tmp_path / "job.py"
+    text = SCRIPT.replace("MODULE", repr(module)).replace("NAME", repr(name))
+    script.write_text(text.replace("ARGS", repr(args)).replace("PATH", repr(str(tmp_path))))
     output, code, _ = run_script(script, RANKS, timeout=600)
     assert code == 0, output[-4000:]
-    for rank in range(RANKS):
-        r = json.loads((tmp_path / f"result{rank}.json").read_text())
+    return [pickle.loads((tmp_path / f"result{rank}.pkl").read_bytes()) for rank in range(RANKS)]
+
+
+def test_tp2_hsdp_2x2_trains_like_one_process(tmp_path: Path) -> None:
+    for r in _on_8_ranks(tmp_path, __name__, "_hsdp", (str(tmp_path / "ckpt"),)):
         assert r["norms"] and min(r.pop("norms")) > CLIP, r
-        assert r == {"mesh": [2, 2], "loss_ok": True, "params": None, "opt": None, "resumed": None}, r
+        assert r == {"mesh": (2, 2), "loss_ok": True, "params": None, "opt": None, "resumed": None}, r
+
+
+def test_tp2_hsdp_2x2_fp16_with_a_forced_overflow(tmp_path: Path) -> None:
+    """test_memory_sdp_tp_precision's forced-overflow run with 2 replicas: same tolerances."""
+    from tests.integration.test_memory_sdp_tp_precision import _check
+
+    module = "tests.integration.test_memory_sdp_tp_precision"
+    for r in _on_8_ranks(tmp_path, module, "_train", (None, "fp16", 2)):
+        _check(r, "fp16")
+        assert r["skipped"][0] == [False, False, True, False, False], r
