@@ -157,8 +157,11 @@ def _run_case(case: Case, tmp_path: Path) -> Outcome:
             env.update(extra, MP_TEST_SAVE=str(folder / "model.pt"))
         proc = _launch(job, env)
         ended = time.time()
-        time.sleep(1.0)  # mpiexec's last kills
         leftovers = _leftovers(job.name)
+        deadline = time.monotonic() + 1.0  # mpiexec's last kills: what remains after 1 s is a leftover
+        while leftovers and time.monotonic() < deadline:
+            time.sleep(0.1)
+            leftovers = _leftovers(job.name)
         if phase == "save":  # the checkpoint of the step before still loads, every rank's part
             for r in range(2):
                 try:
