@@ -13,7 +13,10 @@ with AdamW on 2 data-parallel ranks (pp=1), each variant in a fresh ``mpiexec -n
 - ``mp_sdp``: ``sharded_data_parallel_degree`` 2 (``sdp_param_persistence_threshold`` 0: every
   parameter sharded; smp's default clipping at norm 1.0); ``torch_fsdp``: FSDP2 ``fully_shard`` per block
   then the root, the same clipping with ``clip_grad_norm_``;
-  ``mp_pp2_delayed``: the same built under ``smp.delay_param_initialization()``.
+  ``mp_pp2_delayed``: the same built under ``smp.delay_param_initialization()``;
+- on 4 ranks, the GPT-2 made whole-stack tensor-parallel (``smp.tensor_parallelism()``): ``mp_tp2``:
+  tp=2 x dp=2; ``mp_sdp_tp2``: tp=2 x ``sharded_data_parallel_degree`` 2 (threshold 0);
+  ``mp_sdp_tp2_bf16``: the same with ``bf16``.
 
 Per rank: the RSS growth from building and wrapping the model (before the first step), the peak RSS
 over the RSS before the model was built (``ru_maxrss``; the allocator keeps freed
@@ -58,8 +61,12 @@ VARIANTS = [
     "mp_pp2_delayed",
     "mp_sdp",
     "torch_fsdp",
+    "mp_tp2",
+    "mp_sdp_tp2",
+    "mp_sdp_tp2_bf16",
 ]
 SEQ, VOCAB = 128, 2048
+RANKS = {"mp_tp2": 4, "mp_sdp_tp2": 4, "mp_sdp_tp2_bf16": 4}  # the others: 2
 
 
 def _rss_bytes() -> int:
@@ -117,11 +124,18 @@ def _worker(args: argparse.Namespace) -> None:
             cfg["shard_optimizer_state"] = True
         if variant == "mp_bf16":
             cfg["bf16"] = True
-        if variant == "mp_sdp":
+        if variant.startswith("mp_sdp"):
             cfg.update(sharded_data_parallel_degree=2, sdp_param_persistence_threshold=0)
+        if "tp2" in variant:
+            cfg["tensor_parallel_degree"] = 2
+        if variant.endswith("bf16"):
+            cfg["bf16"] = True
         smp.init(cfg)
         base = _rss_bytes()
-        with smp.delay_param_initialization(enabled=variant == "mp_pp2_delayed"):
+        with (
+            smp.delay_param_initialization(enabled=variant == "mp_pp2_delayed"),
+            smp.tensor_parallelism(enabled="tp2" in variant),
+        ):
             net = _gpt(args.layers, args.hidden)
         model = smp.DistributedModel(net)
         built = _rss_bytes() - base
@@ -232,7 +246,7 @@ def _worker(args: argparse.Namespace) -> None:
         "optimizer_mb": opt_bytes / 2**20,
         "saved_activation_mb": saved["bytes"] / 2**20,
         "seconds": elapsed,
-        "tokens_per_s": 2 * args.batch * SEQ * args.steps / elapsed,
+        "tokens_per_s": dist.get_world_size() * args.batch * SEQ * args.steps / elapsed,
     }
     rows: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
@@ -248,7 +262,7 @@ def _run(variant: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         cmd = [
             exe,
             "-n",
-            "2",
+            str(RANKS.get(variant, 2)),
             sys.executable,
             str(Path(__file__).resolve()),
             "--worker",
@@ -286,6 +300,8 @@ def _table(results: dict[str, list[list[dict[str, Any]]]]) -> str:
         "mp_zero": "torch_zero",
         "mp_bf16": "torch_bf16",
         "mp_sdp": "torch_fsdp",
+        "mp_sdp_tp2": "mp_tp2",  # no torch peer: against tp=2 x dp=2
+        "mp_sdp_tp2_bf16": "mp_tp2",
     }
     speed = {
         v: statistics.median(min(r["tokens_per_s"] for r in rep) for rep in reps)
@@ -355,7 +371,8 @@ def main() -> None:
         "the RSS before the model was built, after init (pp=2: saved activation is pp_rank 0's thread "
         "only). "
         "master: fp32 copies kept by the bf16 optimizer. saved activation: bytes autograd kept for "
-        "backward in one step. vs torch: throughput against the torch variant below it."
+        "backward in one step. vs torch: throughput against the torch variant below it (the *_tp2 rows: "
+        "4 ranks, against mp_tp2)."
         + (f" Rows {', '.join(kept)}: kept from the earlier full run (its own repeats)." if kept else "")
         + "\n\n"
         + _table(results)
