@@ -86,7 +86,7 @@ def _reference(
     }
 
 
-def _train(
+def _train(  # noqa: PLR0917 - also called by test_gpu with its device and optimizer
     world: Any, precision: str, pp: int, overflow_step: int | None, device: str = "cpu", sgd: bool = False
 ) -> dict[str, Any]:
     """`device` "cuda": the model, batches and reference on the GPU (tests/integration/test_gpu.py)."""
@@ -294,7 +294,22 @@ def _tp_fp16(world: Any) -> dict[str, Any]:
     got = model.state_dict()  # the TP shards gathered
     want = dict(zip([n for n, _ in reference.named_parameters()], masters, strict=True))
     far = {n: (got[n].float() - want[n]).abs().max().item() for n in want}
-    return {"skipped": skipped, "ref_skipped": ref_skipped, "far": far, "dtype": str(got["fc1.weight"].dtype)}
+    # the full half state would hold each TP rank's own shards: refused both ways, the partial one works
+    refused = []
+    local = opt.local_state_dict()
+    for call in (opt.state_dict, lambda: opt.load_state_dict({**local, "_smp_is_partial": False})):
+        try:
+            call()
+        except smp.SMPCheckpointError as exc:
+            refused.append(str(exc))
+    opt.load_state_dict(local)
+    return {
+        "skipped": skipped,
+        "ref_skipped": ref_skipped,
+        "far": far,
+        "dtype": str(got["fc1.weight"].dtype),
+        "refused": refused,
+    }
 
 
 def test_fp16_with_tensor_parallelism_trains_like_one_process(worlds: Any) -> None:
@@ -303,6 +318,8 @@ def test_fp16_with_tensor_parallelism_trains_like_one_process(worlds: Any) -> No
         assert not any(r["skipped"]), r
         # fp16 parameters against fp32 masters of the same recipe: within two fp16 ulps of O(1) values
         assert max(r["far"].values()) < 2e-3, r
+        assert len(r["refused"]) == 2, r["refused"]
+        assert all("tensor_parallel_degree 2" in m and "partial=True" in m for m in r["refused"]), r
 
 
 IGNORED_IN_FP32: list[dict[str, Any]] = [

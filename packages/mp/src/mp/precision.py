@@ -75,6 +75,23 @@ def _model_sharding() -> Any:
     return getattr(state.model, "_sharded", None)
 
 
+def _refuse_full_under_tp(what: str, precision: str) -> None:
+    """The full fp16/bf16 state holds each TP rank's masters of its own shards under mp's names, and a
+    full checkpoint keeps rank 0's only: at tp > 1 an error, not TP rank 0's shards loaded everywhere."""
+    from mp.optimizer_state import has_tp_roots
+
+    group = state.process_groups.get(GroupKind.TP)
+    if group is not None and dist.get_world_size(group) > 1 and has_tp_roots(state.model):
+        raise SMPCheckpointError(
+            f"{what} under {precision} with tensor_parallel_degree {dist.get_world_size(group)}: the fp32 "
+            "masters and their optimizer state are this TP rank's shards, not translated to the original "
+            "model's names (smp refused the full optimizer state under tensor parallelism too), so a full "
+            "checkpoint would load TP rank 0's shards on every TP rank. Fix: save and load "
+            "optimizer.local_state_dict() (smp.save_checkpoint(partial=True), smp.save(..., partial=True)); "
+            "model.state_dict() gives the full weights"
+        )
+
+
 class DistributedBit16Optimizer(Bit16Optimizer):
     """smp's fp16/bf16 optimizer (Bit16_Optimizer) over this rank's parameters (module docstring)."""
 
@@ -200,6 +217,7 @@ class DistributedBit16Optimizer(Bit16Optimizer):
         from mp.sharded import refuse_full_half_state_under_tp
 
         refuse_full_half_state_under_tp(_model_sharding(), "optimizer.state_dict()", self.precision)
+        _refuse_full_under_tp("optimizer.state_dict()", self.precision)
         sd = self._collect(full=True)
         del sd["_smp_is_partial"]
         model = state.model
@@ -272,6 +290,7 @@ class DistributedBit16Optimizer(Bit16Optimizer):
 
             what = "optimizer.load_state_dict() of a full state"
             refuse_full_half_state_under_tp(sharded, what, self.precision)
+            _refuse_full_under_tp(what, self.precision)
         if sharded is not None and not full:
             from mp.sharded import check_layout
 
