@@ -61,7 +61,8 @@ class Pool:
         self.n = n
         self._task = 0
         authkey = secrets.token_bytes(16)
-        self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        # every rank connects at once: a backlog of 1 (the default) drops SYNs, and retries take seconds
+        self._listener = Listener(("127.0.0.1", 0), authkey=authkey, backlog=n)
         host, port = self._listener.address
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
