@@ -35,7 +35,9 @@ def test_every_smp_name_resolves_to_the_object_the_typing_block_names() -> None:
     assert set(smp.__all__) <= set(dir(smp))
 
 
-def test_an_unknown_name_is_an_attribute_error() -> None:
+def test_submodules_are_attributes_and_an_unknown_name_is_an_attribute_error() -> None:
+    assert smp.model.DistributedModel is smp.DistributedModel  # as transformers' isinstance checks write it
+    assert smp.config_schema.__name__ == "mp.config_schema"
     try:
         smp.no_such_name  # noqa: B018
     except AttributeError as exc:

@@ -10,6 +10,7 @@ and tools that read the config start at once, and a rank loads only the parts it
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import types
 from typing import TYPE_CHECKING, Any
@@ -194,7 +195,10 @@ def __getattr__(name: str) -> Any:
     try:
         module_name, attr = _EXPORTS[name]
     except KeyError:
-        raise AttributeError(f"module 'mp' has no attribute {name!r}") from None
+        # a submodule (smp.model.DistributedModel, as transformers writes it): imported on first use too
+        if name.startswith("_") or importlib.util.find_spec(f"mp.{name}") is None:
+            raise AttributeError(f"module 'mp' has no attribute {name!r}") from None
+        return importlib.import_module(f"mp.{name}")
     value: Any = importlib.import_module(module_name)
     for part in attr.split(".") if attr else ():
         value = getattr(value, part)
