@@ -16,12 +16,6 @@ compares, per rank:
   objects, so it piles up between them: pp_rank 0's step driver and its server referred to each other,
   and each step's 48 objects (12 tensors) waited for one, growing RSS by ~3.6% over 2,000 steps of
   benchmarks/soak.py through the allocator's fragmentation.
-
-Counting walks every object the garbage collector tracks: ~400,000 in a rank that imported torch,
-transformers and mp, more in a test rank (the other tests' modules); 20 counts took ~45% of a case. So
-after step 19, what the process holds is frozen (``gc.freeze``: moved out of the collected generations,
-still freed by reference counting) and the counts walk only what training created since; a leaked
-tensor is always one of those. The freeze is undone when the case ends.
 """
 
 from __future__ import annotations
@@ -76,7 +70,7 @@ def _rss_mb() -> float:
 
 
 def _live_tensors() -> int:
-    gc.collect()  # collects (and get_objects lists) only what was created since the freeze
+    gc.collect()
     return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
 
 
@@ -119,21 +113,15 @@ def _train(world: Any, config: dict[str, Any]) -> dict[str, Any]:
     tensors: dict[int, int] = {}
     rss: dict[int, float] = {}
     cycles: list[str] = []
-    try:
-        for i in range(1, STEPS + 1):
-            if i == CYCLES_AT:
-                cycles = _cyclic_garbage(step)
-            else:
-                step()
-            if i == EARLY.start - 1:
-                gc.collect()
-                gc.freeze()
-            if i in EARLY or i in LATE:
-                tensors[i] = _live_tensors()
-            if i in (RSS_FROM, STEPS):
-                rss[i] = _rss_mb()
-    finally:
-        gc.unfreeze()  # the test rank serves other tests next
+    for i in range(1, STEPS + 1):
+        if i == CYCLES_AT:
+            cycles = _cyclic_garbage(step)
+        else:
+            step()
+        if i in EARLY or i in LATE:
+            tensors[i] = _live_tensors()
+        if i in (RSS_FROM, STEPS):
+            rss[i] = _rss_mb()
     return {"rank": smp.rank(), "tensors": tensors, "rss": rss, "cycles": cycles}
 
 
