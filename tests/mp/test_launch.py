@@ -113,6 +113,52 @@ def test_module_mode(tmp_path: Path) -> None:
     assert proc.stdout.count("ranks") == 2 and proc.stdout.count("2") == 2
 
 
+def test_tag_output_tags_whole_lines_of_unbuffered_ranks(tmp_path: Path) -> None:
+    # Unbuffered (PYTHONUNBUFFERED=1): each print argument is a write of its own, and Hydra's
+    # -prepend-rank tagged each of those writes ('[1]  [1] 1[1]  [1] line...').
+    script = tmp_path / "chatty.py"
+    script.write_text(
+        "import os, sys\n"
+        "r = os.environ['PMI_RANK']\n"
+        "for i in range(150):\n"
+        "    print('line', i, 'of rank', r, 'x' * (i % 41))\n"
+        "    print('err', i, 'of rank', r, file=sys.stderr)\n"
+        "sys.stdout.write('no newline at the end of rank ' + r)\n"
+    )
+    proc = subprocess.run(
+        [*LAUNCH, "-n", "3", "--bind", "none", "--tag-output", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for stream, pattern, last in (
+        (
+            proc.stdout,
+            r"\[(\d)\] line (\d+) of rank (\d) (x*)",
+            r"\[(\d)\] no newline at the end of rank (\d)",
+        ),
+        (proc.stderr, r"\[(\d)\] err (\d+) of rank (\d)", None),
+    ):
+        seen: dict[str, list[int]] = {"0": [], "1": [], "2": []}
+        ends = []
+        for line in stream.splitlines():
+            if last is not None and (end := re.fullmatch(last, line)):
+                assert end[1] == end[2], line
+                ends.append(end[1])
+                continue
+            hit = re.fullmatch(pattern, line)
+            assert hit is not None, f"a line broken or tagged twice: {line!r}"
+            assert hit[1] == hit[3], f"rank {hit[3]}'s line tagged with rank {hit[1]}: {line!r}"
+            if hit.lastindex == 4:
+                assert len(hit[4]) == int(hit[2]) % 41, line
+            seen[hit[1]].append(int(hit[2]))
+        assert all(numbers == list(range(150)) for numbers in seen.values()), seen
+        if last is not None:
+            assert sorted(ends) == ["0", "1", "2"], stream[-500:]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

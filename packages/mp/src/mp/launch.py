@@ -231,8 +231,6 @@ def build_command(
         cmd += ["-hosts", _parse_hosts(args.hosts, args.nprocs)]
     if cpu_sets:
         cmd += bind_arguments(cpu_sets)
-    if args.tag_output:
-        cmd.append("-prepend-rank")
     # The runner is started as a file, not as `-m mp._rank_main`: that would import the whole mp
     # package (torch included) in every rank before the user's script even starts.
     cmd += [sys.executable, str(RANK_MAIN)]
@@ -299,6 +297,15 @@ def main(argv: list[str] | None = None) -> int:
         env[FAILURE_DIR_ENV] = tmp
         # mpiexec's own output passes through us so that its report of a dead process (PID and host
         # only) can be turned into the rank's name; the ranks' output is forwarded line by line.
+        tagged = None
+        if args.tag_output:  # the ranks' output reaches us rank by rank, tagged here line by line
+            if not is_hydra(mpiexec):
+                raise LaunchError(
+                    f"--tag-output needs MPICH's Hydra mpiexec, and --mpiexec {mpiexec!r} is another; "
+                    "drop --tag-output, or use the mpiexec that `pip install mpich` brings."
+                )
+            tagged = _TaggedOutput(Path(tmp), args.nprocs)
+            cmd[1:1] = tagged.mpiexec_arguments()
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE)
         watcher = _DeathWatch(proc, Path(tmp), args.stopped_timeout)
 
@@ -311,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             watcher.forward()
             rc = proc.wait()
         finally:
+            if tagged is not None:
+                tagged.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
         reported = _report_failures(Path(tmp))
@@ -325,6 +334,108 @@ def main(argv: list[str] | None = None) -> int:
     if rc != 0:
         return rc if rc > 0 else (reported or 1)
     return 0
+
+
+class _TaggedOutput:
+    """`--tag-output`: every line a rank writes, whole, once prefixed with ``[rank] ``.
+
+    Hydra's own ``-prepend-rank`` prefixes each chunk it reads from a rank, so a rank writing
+    unbuffered (``python -u``, ``PYTHONUNBUFFERED=1``: one write per `print` argument) came out as
+    tagged fragments. Instead Hydra writes each rank's stdout and stderr to a file of its own
+    (``-outfile-pattern``/``-errfile-pattern``, opened by mpiexec on this host, ranks on other hosts
+    included); those files are FIFOs that a thread here reads, keeping each rank's partial line until
+    its newline comes.
+    """
+
+    MAX_LINE = 1 << 16  # a line longer than this without a newline is written in pieces of this size
+
+    def __init__(self, folder: Path, nprocs: int) -> None:
+        self.folder = folder
+        _enough_descriptors(2 * nprocs + 64)
+        self._fds: dict[int, tuple[int, Any]] = {}  # fd -> (rank, our stdout or stderr)
+        self._pending: dict[int, bytes] = {}
+        for stream, out in (("out", sys.stdout), ("err", sys.stderr)):
+            for rank in range(nprocs):
+                path = folder / f"{stream}-{rank}"
+                os.mkfifo(path)
+                # Opened without blocking before mpiexec opens it to write: a FIFO no writer has opened
+                # yet reads as empty (poll reports nothing), not as ended.
+                self._fds[os.open(path, os.O_RDONLY | os.O_NONBLOCK)] = (rank, out)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mp-launch-tag-output", daemon=True)
+        self._thread.start()
+
+    def mpiexec_arguments(self) -> list[str]:
+        return [
+            "-outfile-pattern",
+            str(self.folder / "out-%r"),
+            "-errfile-pattern",
+            str(self.folder / "err-%r"),
+        ]
+
+    def _run(self) -> None:
+        poller = select.poll()
+        for fd in self._fds:
+            poller.register(fd, select.POLLIN)
+        open_fds = set(self._fds)
+        while open_fds and not self._done.is_set():
+            for fd, _ in poller.poll(100):
+                if not self._read(fd):
+                    poller.unregister(fd)
+                    open_fds.discard(fd)
+        # mpiexec has exited: what it wrote is in the FIFOs' buffers; read it to the end.
+        for fd in open_fds:
+            while self._read(fd):
+                pass
+        for fd, rest in self._pending.items():
+            if rest:
+                self._write(fd, rest + b"\n")
+        for fd in self._fds:
+            os.close(fd)
+
+    def _read(self, fd: int) -> bool:
+        """Read what is there and write the complete lines; False at the end or when nothing was read."""
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return False
+        if not chunk:
+            return False
+        data = self._pending.get(fd, b"") + chunk
+        end = data.rfind(b"\n") + 1
+        if end == 0 and len(data) >= self.MAX_LINE:
+            end = len(data)
+        if end:
+            self._write(fd, data[:end])
+        self._pending[fd] = data[end:]
+        return True
+
+    def _write(self, fd: int, lines: bytes) -> None:
+        rank, out = self._fds[fd]
+        tag = b"[%d] " % rank
+        parts = lines.split(b"\n")
+        text = b"".join(tag + line + b"\n" for line in parts[:-1])
+        if parts[-1]:  # a piece of an overlong line
+            text += tag + parts[-1] + b"\n"
+        with contextlib.suppress(OSError, ValueError):  # our own stdout closed: the job goes on
+            out.buffer.write(text)
+            out.buffer.flush()
+
+    def close(self) -> None:
+        """After mpiexec has exited: write what is left and stop."""
+        self._done.set()
+        self._thread.join()
+
+
+def _enough_descriptors(needed: int) -> None:
+    """Raise this process's limit on open files to `needed` where the hard limit allows."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 _DEAD = re.compile(rb"PID (\d+) RUNNING AT (\S+)")
