@@ -5,7 +5,7 @@ Every user-facing error names the value it received, what was expected, and how 
 
 from __future__ import annotations
 
-__all__ = ["MPCommError", "TopologyError", "WorldError"]
+__all__ = ["MPCommError", "NetworkError", "TopologyError", "WorldError"]
 
 
 class MPCommError(Exception):
@@ -18,6 +18,11 @@ class TopologyError(ValueError, MPCommError):
 
 class WorldError(RuntimeError, MPCommError):
     """The process world cannot be started: launcher variables, backend or an existing group disagree."""
+
+
+class NetworkError(WorldError):
+    """The job's hosts do not reach each other: no address of rank 0 answers every rank, or a host cannot
+    reach another within the preflight's bound. Raised on every rank, naming hosts, addresses and errors."""
 
 
 # --- point-to-point transports (mp_comm.message, mp_comm.transport, mp_comm.router) ---------------------

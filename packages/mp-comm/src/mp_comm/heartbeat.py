@@ -298,10 +298,12 @@ class Heartbeat:
 _HEARTBEAT: list[Heartbeat] = []  # the one of this process, for `stop`
 
 
-def _address(num_nodes: int) -> str:
-    if num_nodes == 1:
+def _address(world: Any) -> str:
+    if world.info.num_nodes == 1:
         return "127.0.0.1"
-    return os.environ.get("MP_HEARTBEAT_ADDR") or socket.gethostbyname(socket.gethostname())
+    network = getattr(world, "network", None)  # the job's address (mp_comm.network)
+    fallback = network.address if network is not None else socket.gethostbyname(socket.gethostname())
+    return os.environ.get("MP_HEARTBEAT_ADDR") or fallback
 
 
 def start(world: Any, label: str = "", *, timeout: float | None = None) -> Heartbeat | None:
@@ -316,7 +318,7 @@ def start(world: Any, label: str = "", *, timeout: float | None = None) -> Heart
     if world.size == 1 or limit == 0:
         return None
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind((_address(world.info.num_nodes), 0))
+    sock.bind((_address(world), 0))
     sock.setblocking(False)
     bootstrap = bootstrap_for_world(world)
     try:

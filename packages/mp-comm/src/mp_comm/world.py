@@ -2,8 +2,9 @@
 
 `init_world` finds out how the processes were started, groups them by host, sets torch's thread
 count, and brings up torch.distributed (gloo on CPU; NCCL for CUDA tensors with gloo beside it for
-CPU objects). The user never provides MASTER_ADDR/MASTER_PORT under MPI: rank 0 opens a TCPStore on
-a free port and shares the port over MPI.
+CPU objects). The user never provides MASTER_ADDR/MASTER_PORT under MPI: across hosts the job's
+addresses are chosen and checked first (:mod:`mp_comm.network`), then rank 0 opens a TCPStore on a free
+port of the address every rank reached and shares it over MPI.
 
 Where this process sits (its launcher, rank and host, `WorldInfo`) is worked out in
 :mod:`mp_comm.world_info`, re-exported here.
@@ -26,7 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mp_comm.errors import WorldError
+from mp_comm.errors import NetworkError, WorldError
+from mp_comm.network import JobAddress, address_towards, choose_job_address, preflight_timeout
 from mp_comm.teardown import Stage, at_exit
 from mp_comm.world_info import (  # noqa: F401 (tests import _check_launched_size, _placement, _usable_cores here)
     Launcher,
@@ -126,6 +128,8 @@ class World:
     device: torch.device
     mpi_comm: Any | None
     owns_process_group: bool
+    network: JobAddress = field(default_factory=lambda: JobAddress("127.0.0.1", "127.0.0.1", "lo"))
+    """This rank's address on the job's network and its interface, which every layer uses."""
     _group_comms: list[Any] = field(default_factory=list, init=False, repr=False)
     """The MPI twins this World created for its groups (freed by `shutdown`)."""
     _groups: list[dist.ProcessGroup] = field(default_factory=list, init=False, repr=False)
@@ -283,9 +287,8 @@ def init_world(
     env = os.environ if environ is None else environ
     launcher = detect_launcher(env)
     mpi_comm: Any | None = None
-    host = "127.0.0.1"
     if launcher is Launcher.MPI:
-        mpi_comm, info, host = _mpi_coordinates()
+        mpi_comm, info = _mpi_coordinates()
     elif launcher is Launcher.TORCHRUN:
         size = _env_int(env, "WORLD_SIZE")
         local_size = _env_int(env, "LOCAL_WORLD_SIZE", size)
@@ -325,18 +328,28 @@ def init_world(
     # init_process_group chains a rank-prefixing hook onto sys.excepthook every time: restored at shutdown,
     # so that a process that starts worlds repeatedly (tests, benchmark grids) prefixes tracebacks once.
     excepthook = sys.excepthook
+    network = JobAddress("127.0.0.1", "127.0.0.1", "lo")
     if launcher is Launcher.MPI:
         assert mpi_comm is not None
-        host = env.get("MASTER_ADDR", host)
-        store: dist.Store
-        if info.rank == 0:
-            store = _free_port_store(host, info.size, timeout, port)
-            port = mpi_comm.bcast(store.port, root=0)
-        else:
-            port = mpi_comm.bcast(None, root=0)
-            store = dist.TCPStore(host, port, info.size, False, timeout=timeout)
+        try:
+            network = choose_job_address(
+                mpi_comm, info.rank, info.node, info.num_nodes, environ=env, timeout=preflight_timeout(env)
+            )
+            _use_interface(network, info.num_nodes, environ is None)
+            store = _mpi_store(
+                mpi_comm, info, network.rendezvous, port, timeout=timeout, bound=preflight_timeout(env)
+            )
+        except BaseException:
+            mpi_comm.Free()
+            raise
         dist.init_process_group(chosen, store=store, rank=info.rank, world_size=info.size, timeout=timeout)
     elif launcher is Launcher.TORCHRUN:
+        if info.num_nodes > 1:  # torchrun chose the store; this rank's address is its end of a connection
+            master_port = _env_int(env, "MASTER_PORT", 29500)
+            network = address_towards(
+                env.get("MASTER_ADDR", "127.0.0.1"), master_port, preflight_timeout(env)
+            )
+            _use_interface(network, info.num_nodes, environ is None)
         if port:  # a store of mp's own (torchrun's tcp:// handler would look for its agent's store there)
             master = env.get("MASTER_ADDR", "127.0.0.1")
             if info.rank == 0:
@@ -353,7 +366,66 @@ def init_world(
     if launcher is Launcher.MPI and info.size > 1:
         sys.excepthook = _abort_job_after(sys.excepthook, info.rank)
     log.debug("rank %d/%d started by %s on node %d", info.rank, info.size, launcher.value, info.node)
-    return World(info, chosen, device, mpi_comm, owns_process_group=True, previous_excepthook=excepthook)
+    return World(
+        info,
+        chosen,
+        device,
+        mpi_comm,
+        owns_process_group=True,
+        network=network,
+        previous_excepthook=excepthook,
+    )
+
+
+def _use_interface(network: JobAddress, num_nodes: int, own_environment: bool) -> None:
+    """Point gloo and NCCL at the job's interface, unless the user chose theirs: left to themselves,
+    they take whatever the host's name resolves to, which on a host with several networks is often
+    not the one the others reach."""
+    if num_nodes == 1 or network.interface is None or not own_environment:
+        return
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(variable, network.interface)
+
+
+def _mpi_store(
+    comm: Any, info: WorldInfo, host: str, port: int | None, *, timeout: datetime.timedelta, bound: float
+) -> dist.Store:
+    """Rank 0 opens the rendezvous store on `host` and broadcasts address and port together; every
+    other rank connects to exactly that. A rank that cannot connect within `bound` seconds makes every
+    rank raise, naming it and the address it tried."""
+    opened: tuple[str, int] | str
+    store: dist.Store | None = None
+    if info.rank == 0:
+        try:
+            store = _free_port_store(host, info.size, timeout, port)
+            opened = (host, store.port)
+        except (WorldError, RuntimeError, OSError) as exc:
+            opened = str(exc)
+        opened = comm.bcast(opened, root=0)
+    else:
+        opened = comm.bcast(None, root=0)
+    if isinstance(opened, str):
+        raise WorldError(f"rank 0 could not open the rendezvous store: {opened}")
+    address, chosen = opened
+    failure = ""
+    if info.rank != 0:
+        try:
+            store = dist.TCPStore(
+                address, chosen, info.size, False, timeout=datetime.timedelta(seconds=bound)
+            )
+            store.set_timeout(timeout)
+        except (RuntimeError, OSError) as exc:  # torch raises DistStoreError (a RuntimeError) on timeout
+            failure = f"rank {info.rank} on {socket.gethostname()}: {str(exc).splitlines()[0]}"
+    failures = [f for f in comm.allgather(failure) if f]
+    if failures:
+        raise NetworkError(
+            f"{len(failures)} rank(s) could not connect to the rendezvous store at {address}:{chosen} "
+            f"within {bound:g} s: " + "; ".join(failures[:8]) + ". Fix: set MP_IFNAME (or MASTER_ADDR) to "
+            "the interface (address) of rank 0's host on the network the hosts share, or raise "
+            "MP_PREFLIGHT_TIMEOUT"
+        )
+    assert store is not None
+    return store
 
 
 def _validate_everywhere(validate: Callable[[WorldInfo], None], info: WorldInfo, comm: Any | None) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import enum
 import os
-import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,7 +93,7 @@ def _set_thread_count(info: WorldInfo, environ: Mapping[str, str]) -> None:
     torch.set_num_threads(max(1, cores if info.bound else cores // max(1, info.local_size)))
 
 
-def _mpi_coordinates() -> tuple[Any, WorldInfo, str]:
+def _mpi_coordinates() -> tuple[Any, WorldInfo]:
     from mp_comm.transport.ucx_setup import preload_before_mpi
 
     preload_before_mpi()  # UCX's libraries before MPICH's bundled older copy (no-op without ucxx)
@@ -125,8 +124,7 @@ def _mpi_coordinates() -> tuple[Any, WorldInfo, str]:
         host_cpus=host_cpus,
         bound=bound,
     )
-    host = "127.0.0.1" if len(leaders) == 1 else socket.gethostbyname(socket.gethostname())
-    return comm, info, host
+    return comm, info
 
 
 _LAUNCHED_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")

@@ -215,6 +215,9 @@ class UCXTransport(UCXReceiving):
     def from_world(cls, world: Any, **kwargs: Any) -> UCXTransport:
         """The transport for a World (collective): addresses go through MPI, or torch.distributed."""
         kwargs.setdefault("node_key", str(world.info.node))
+        network = getattr(world, "network", None)
+        if kwargs.get("ucx") is None and network is not None and world.info.num_nodes > 1:
+            kwargs["ucx"] = UCXConfig(host=network.address)  # the job's interface (mp_comm.network)
         kwargs["config"] = (kwargs.get("config") or TransportConfig()).for_world(world)
         return cls(bootstrap_for_world(world), **kwargs)
 

@@ -6,7 +6,6 @@ configurations can be built, without the transport itself.
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import importlib
 import importlib.util
@@ -14,12 +13,12 @@ import ipaddress
 import logging
 import os
 import socket
-import struct
 import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from mp_comm.errors import TransportUnavailableError
+from mp_comm.network import interface_of
 
 __all__ = [
     "UCXConfig",
@@ -148,33 +147,6 @@ class UCXConfig:
             raise ValueError(f"buffered_peers={self.buffered_peers!r}; expected 'cross-node' or 'all'")
         if self.stage_sends not in ("cross-node", "always", "never"):
             raise ValueError(f"stage_sends={self.stage_sends!r}; expected 'cross-node', 'always' or 'never'")
-
-
-_SIOCGIFADDR = 0x8915
-
-
-def interface_of(address: str) -> str | None:
-    """The name of the local network interface that holds ``address`` (IPv4 or IPv6), if any (Linux)."""
-    ip = ipaddress.ip_address(address)
-    if ip.version == 6:
-        try:
-            with open("/proc/net/if_inet6") as table:  # address (hex), index, prefix, scope, flags, name
-                for line in table:
-                    fields = line.split()
-                    if len(fields) >= 6 and int(fields[0], 16) == int(ip):
-                        return fields[5]
-        except OSError:
-            return None
-        return None
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        for _, name in socket.if_nameindex():
-            try:
-                reply = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-            except OSError:  # no IPv4 address on it
-                continue
-            if socket.inet_ntoa(reply[20:24]) == address:
-                return name
-    return None
 
 
 def _rdma_devices() -> list[str]:

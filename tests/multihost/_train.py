@@ -1,0 +1,96 @@
+"""One training script for every launcher of the multi-host tests, started with no edit.
+
+The config comes from MP_CONFIG (as `mp-launch --config` passes it). Trains a small MLP for a few steps,
+each data-parallel replica on its own batch, and checks on every rank that its losses and parameters equal
+plain single-process PyTorch trained on the whole batch. Writes one JSON record per rank to argv[1]:
+where the rank ran (host, local rank, groups) and what it checked. Exits non-zero on a mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mp as smp
+
+STEPS, BATCH = 3, 16
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def batch(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + replica)
+    x = torch.randn(BATCH, 8, generator=gen)
+    return x, x[:, :4].argmax(dim=1)
+
+
+def main() -> None:
+    out = sys.argv[1]
+    smp.init()
+    model = smp.DistributedModel(build())
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @smp.step
+    def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)  # type: ignore[operator]
+        return loss
+
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, smp.dp_rank())
+        optimizer.zero_grad()
+        loss = train_step(model, x, y).reduce_mean()
+        optimizer.step()
+        losses.append(smp.allgather(float(loss), smp.DP_GROUP))
+
+    # Plain PyTorch: the mean loss over every replica's batch (what data parallelism averages).
+    ref = build()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_losses = []
+    for step in range(STEPS):
+        data = [batch(step, r) for r in range(smp.dp_size())]
+        ref_opt.zero_grad()
+        per = [F.cross_entropy(ref(x), y) for x, y in data]
+        torch.stack(per).mean().backward()
+        ref_opt.step()
+        ref_losses.append([v.item() for v in per])
+    mine = {n.removeprefix("module."): p for n, p in model.local_named_parameters()}
+    expected = dict(ref.named_parameters())
+    worst = max((float((p.detach() - expected[n].detach()).abs().max()) for n, p in mine.items()), default=0.0)
+    loss_gap = max(abs(a - b) for got, want in zip(losses, ref_losses) for a, b in zip(got, want))
+    record = {
+        "rank": smp.rank(),
+        "size": smp.size(),
+        "host": socket.gethostname(),
+        "local_rank": smp.local_rank(),
+        "local_size": smp.local_size(),
+        "pp_rank": smp.pp_rank(),
+        "dp_rank": smp.dp_rank(),
+        "tp_rank": smp.tp_rank(),
+        "pp_group": smp.get_pp_group(),
+        "dp_group": smp.get_dp_group(),
+        "params": sorted(mine),
+        "param_gap": worst,
+        "loss_gap": loss_gap,
+        "launcher": smp.state.world.info.launcher.value,
+        "address": smp.state.world.network.address,
+    }
+    with open(f"{out}/rank{smp.rank()}.json", "w") as f:
+        json.dump(record, f)
+    smp.barrier()
+    smp.shutdown()
+    if worst > 1e-5 or loss_gap > 1e-5:
+        sys.exit(f"rank {record['rank']}: differs from plain PyTorch (params {worst:.3g}, losses {loss_gap:.3g})")
+
+
+if __name__ == "__main__":
+    main()
