@@ -65,8 +65,10 @@ def main() -> None:
         ref_losses.append([v.item() for v in per])
     mine = {n.removeprefix("module."): p for n, p in model.local_named_parameters()}
     expected = dict(ref.named_parameters())
-    worst = max((float((p.detach() - expected[n].detach()).abs().max()) for n, p in mine.items()), default=0.0)
-    loss_gap = max(abs(a - b) for got, want in zip(losses, ref_losses) for a, b in zip(got, want))
+    gaps = [float((p.detach() - expected[n].detach()).abs().max()) for n, p in mine.items()]
+    worst = max(gaps, default=0.0)
+    pairs = zip(losses, ref_losses, strict=True)
+    loss_gap = max(abs(a - b) for got, want in pairs for a, b in zip(got, want, strict=True))
     record = {
         "rank": smp.rank(),
         "size": smp.size(),
@@ -89,7 +91,8 @@ def main() -> None:
     smp.barrier()
     smp.shutdown()
     if worst > 1e-5 or loss_gap > 1e-5:
-        sys.exit(f"rank {record['rank']}: differs from plain PyTorch (params {worst:.3g}, losses {loss_gap:.3g})")
+        rank = record["rank"]
+        sys.exit(f"rank {rank}: differs from plain PyTorch (params {worst:.3g}, losses {loss_gap:.3g})")
 
 
 if __name__ == "__main__":
