@@ -1,0 +1,349 @@
+"""The cost model: one layout's step time and per-device memory, from its stages and the cluster.
+
+Per micro-batch of ``b`` samples, stage ``s`` (holding ``L_s`` layers, forward FLOPs ``F_s`` per sample):
+
+* compute: forward ``b F_s / (tp R)``, backward twice that, plus one more forward when activation
+  checkpointing recomputes it (``R``: the cluster's sustained FLOP/s);
+* tensor parallelism: the collectives of ATP's equation 2 for a 1-D mesh of ``tp`` devices
+  (:func:`mp_tensor.atp.search.t_comm`: two all-reduces of ``b s h`` elements per layer forward, two
+  backward, two more when the forward is recomputed), plus ``2 (tp - 1)`` latencies per all-reduce;
+* pipeline p2p: ``b s h`` elements per stage boundary and direction, at the link's bandwidth and latency;
+
+and the schedule simulator (:func:`mp_pipeline.schedule.simulate`, the runtime's scheduler) orders the
+micro-batches' forward and backward work over the stages: its makespan holds the bubble. After it, the
+data-parallel gradient synchronization (ring all-reduce; with sharded data parallelism a reduce-scatter of
+gradients and two all-gathers of parameters; what the last micro-batch's backward hides of it where mp
+overlaps it, see ``overlap_dp``), and the optimizer
+step (parameters and states streamed through device memory once). Activation offloading is taken as
+overlapped with compute (its traffic is reported, not added).
+
+Memory per device, for the stage that needs most: parameters, gradients, fp32 master copies (mixed
+precision) and Adam's two states, each divided by ``tp``; the master copies and optimizer state also by
+the data-parallel degree under ``shard_optimizer_state``, everything by it under sharded data
+parallelism; activations of the micro-batches in flight (the simulator's peak), divided by ``tp``, halved
+in fp16/bf16; with checkpointing only each layer's input (``b s h`` elements) per micro-batch plus one
+layer recomputed; with offloading only ``activation_loading_horizon`` micro-batches' checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from mp.plan.cluster import Cluster
+from mp.plan.errors import PlanError
+from mp.plan.stages import StageProfile
+
+__all__ = ["Estimate", "Layout", "MemoryBreakdown", "TimeBreakdown", "estimate"]
+
+Precision = Literal["fp32", "fp16", "bf16"]
+Schedule = Literal["interleaved", "simple"]
+
+_ADAM_STATES = 2
+"""Adam/AdamW keep two fp32 states per parameter (exp_avg, exp_avg_sq)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """One way to run the model: degrees, micro-batching and memory savers."""
+
+    pp: int
+    tp: int
+    rdp: int
+    """Data-parallel replicas of the pipeline x tensor-parallel group (smp's rdp_size)."""
+    microbatches: int
+    schedule: Schedule = "interleaved"
+    active_microbatches: int | None = None
+    """None: mp's default min(pp + 2, microbatches)."""
+    precision: Precision = "fp32"
+    checkpointing: bool = False
+    offload: bool = False
+    shard_optimizer_state: bool = False
+    sdp: int = 1
+    """sharded_data_parallel_degree (1: off)."""
+    activation_loading_horizon: int = 4
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.tp * self.rdp
+
+    @property
+    def half(self) -> bool:
+        return self.precision != "fp32"
+
+    def label(self) -> str:
+        savers = [
+            name
+            for name, on in (
+                ("ckpt", self.checkpointing),
+                ("offload", self.offload),
+                ("zero1", self.shard_optimizer_state),
+                (f"sdp{self.sdp}", self.sdp > 1),
+            )
+            if on
+        ]
+        return (
+            f"pp{self.pp} tp{self.tp} dp{self.rdp} m{self.microbatches} {self.schedule} {self.precision}"
+            + ("".join(" " + s for s in savers))
+        )
+
+    def config(self) -> dict[str, Any]:
+        """The mp (smp) config of this layout, for ``mp-launch --config``. Activation checkpointing is
+        not a config key: the script applies it (``smp.set_activation_checkpointing``)."""
+        cfg: dict[str, Any] = {
+            "pipeline_parallel_degree": self.pp,
+            "tensor_parallel_degree": self.tp,
+            "microbatches": self.microbatches,
+            "pipeline": self.schedule,
+            "ddp": True,
+        }
+        if self.active_microbatches is not None:
+            cfg["active_microbatches"] = self.active_microbatches
+        if self.tp > 1:
+            cfg["prescaled_batch"] = True
+            cfg["optimize"] = "speed"
+        if self.precision == "fp16":
+            cfg["fp16"] = True
+        elif self.precision == "bf16":
+            cfg["bf16"] = True
+        if self.offload:
+            cfg["offload_activations"] = True
+            cfg["activation_loading_horizon"] = self.activation_loading_horizon
+        if self.shard_optimizer_state:
+            cfg["shard_optimizer_state"] = True
+        if self.sdp > 1:
+            cfg["sharded_data_parallel_degree"] = self.sdp
+        return cfg
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on the device of the stage that needs most."""
+
+    stage: int
+    parameters: float
+    gradients: float
+    master: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.master + self.optimizer + self.activations
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    """Seconds of one step on the critical stage, by cause (they sum to the step time)."""
+
+    compute: float
+    tp_comm: float
+    p2p: float
+    bubble: float
+    dp_comm: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp_comm + self.p2p + self.bubble + self.dp_comm + self.optimizer
+
+    def bottleneck(self) -> str:
+        parts = {
+            "compute": self.compute,
+            "TP collectives": self.tp_comm,
+            "p2p": self.p2p,
+            "pipeline bubble": self.bubble,
+            "DP all-reduce": self.dp_comm,
+            "optimizer step": self.optimizer,
+        }
+        return max(parts, key=lambda k: parts[k])
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The prediction for one layout."""
+
+    layout: Layout
+    global_batch: int
+    microbatch_size: int
+    step_time: float
+    time: TimeBreakdown
+    memory: MemoryBreakdown
+    fits: bool
+    device_memory: int
+    in_flight: int
+    offload_bytes_per_step: float
+    spans: tuple[tuple[int, int, str, float, float], ...] = field(default=(), repr=False)
+    """(stage, microbatch, "FWD"/"BWD", start, end) of the simulated pipeline."""
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.global_batch / self.step_time
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.time.bubble / self.step_time
+
+
+def _allreduce_time(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
+    """Ring all-reduce: 2 (n-1)/n of the buffer over the link, 2 (n-1) latencies."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (ranks - 1) / ranks * nbytes / bandwidth + 2 * (ranks - 1) * latency
+
+
+def _group_link(cluster: Cluster, inner: int, size: int) -> tuple[float, float]:
+    """Bandwidth and latency per device of a group of ``size`` devices spaced ``inner`` apart in rank
+    order (TP innermost, then PP, then DP, as mp places them): within a host when the group's span fits
+    one host, else over the host's NICs, shared by its devices."""
+    if inner * size <= cluster.devices_per_host or cluster.hosts == 1:
+        return cluster.intra_bandwidth, cluster.intra_latency
+    share = min(cluster.devices_per_host, inner)
+    return cluster.inter_bandwidth / share, cluster.inter_latency
+
+
+def estimate(
+    layout: Layout,
+    stages: tuple[StageProfile, ...],
+    cluster: Cluster,
+    *,
+    global_batch: int,
+    seq_len: int,
+    hidden: int,
+    overlap_dp: bool | None = None,
+) -> Estimate:
+    """Predicts the step time and peak memory of ``layout`` (see the module docstring).
+
+    ``overlap_dp``: whether the data-parallel reduction overlaps the last micro-batch's backward; None
+    follows mp (``overlapping_allreduce`` is on by default and applies without tensor parallelism) on
+    a cluster whose devices overlap communication with compute.
+    """
+    from mp_pipeline.schedule import simulate
+    from mp_tensor.atp.search import ModelShape, algorithm_bandwidth, t_comm
+
+    if len(stages) != layout.pp:
+        raise PlanError(f"{len(stages)} stages given for pp={layout.pp}: expected one per pipeline stage")
+    per_replica, rest = divmod(global_batch, layout.rdp * layout.microbatches)
+    if rest or per_replica < 1:
+        raise PlanError(
+            f"global batch {global_batch} does not split into {layout.rdp} replicas x {layout.microbatches} "
+            "microbatches: expected a multiple of their product; change the batch or the microbatches"
+        )
+    b, tp, half = per_replica, layout.tp, layout.half
+    elt = 2 if half else 4
+    rate = cluster.flops(half)
+    act_bytes = b * seq_len * hidden * elt
+
+    tp_bw, tp_lat = _group_link(cluster, 1, tp)
+    algo = algorithm_bandwidth(tp_bw / 1e9, tp)
+    pp_bw, pp_lat = _group_link(cluster, tp, 2) if layout.pp > 1 else (math.inf, 0.0)
+    p2p = (act_bytes / pp_bw + pp_lat) if layout.pp > 1 else 0.0
+
+    fwd: list[float] = []
+    bwd: list[float] = []
+    comp: list[float] = []
+    tpc: list[float] = []
+    p2ps: list[float] = []
+    for st in stages:
+        f = b * st.flops / tp / rate
+        back = 2 * f + (f if layout.checkpointing else 0.0)
+        t_tp = 0.0
+        if tp > 1 and st.layers:
+            shape = ModelShape(layers=st.layers, batch=b, seq=seq_len, hidden=hidden, bytes_per_element=elt)
+            both = t_comm(shape, tp, 1, algo, math.inf)  # forward + backward all-reduces (4 per layer)
+            n_allreduce = 4 * st.layers
+            if layout.checkpointing:
+                both *= 1.5
+                n_allreduce = 6 * st.layers
+            t_tp = both + n_allreduce * 2 * (tp - 1) * tp_lat
+        t_tp_f = t_tp / (3 if layout.checkpointing else 2)
+        send_f = p2p if st.index < layout.pp - 1 else 0.0
+        send_b = p2p if st.index > 0 else 0.0
+        fwd.append(f + t_tp_f + send_f)
+        bwd.append(back + (t_tp - t_tp_f) + send_b)
+        comp.append(f + back)
+        tpc.append(t_tp)
+        p2ps.append(send_f + send_b)
+
+    active = layout.active_microbatches
+    if active is None:  # mp's default (config key active_microbatches)
+        active = min(layout.pp + 2, layout.microbatches)
+    sim = simulate(
+        layout.schedule,
+        layout.microbatches,
+        min(active, layout.microbatches),
+        forward_costs=fwd,
+        backward_costs=bwd,
+    )
+    makespan = sim.makespan
+    crit = max(range(layout.pp), key=lambda s: fwd[s] + bwd[s])
+    m = layout.microbatches
+    busy = m * (fwd[crit] + bwd[crit])
+    bubble = max(0.0, makespan - busy)
+
+    # data parallelism and the optimizer, on the stage with the most parameters
+    heavy = max(range(layout.pp), key=lambda s: stages[s].params)
+    p_dev = stages[heavy].params / tp
+    dp_bw, dp_lat = _group_link(cluster, tp * layout.pp, layout.rdp)
+    grad_bytes = p_dev * elt
+    if layout.sdp > 1:
+        ranks = layout.rdp
+        dp = (ranks - 1) / ranks * (grad_bytes + 2 * p_dev * elt) / dp_bw + 3 * (ranks - 1) * dp_lat
+    else:
+        dp = _allreduce_time(grad_bytes, layout.rdp, dp_bw, dp_lat)
+    if overlap_dp is None:
+        overlap_dp = cluster.overlaps_comm and tp == 1
+    if overlap_dp:
+        dp = max(0.0, dp - bwd[heavy])
+    opt_shards = layout.rdp if (layout.shard_optimizer_state or layout.sdp > 1) else 1
+    opt_bytes = p_dev / opt_shards * (elt + elt + (4 if half else 0) + 4 * _ADAM_STATES) * 2
+    opt = opt_bytes / cluster.memory_bandwidth
+
+    # memory of the stage that needs most
+    in_flight = max(1, sim.peak_in_flight)
+    best: MemoryBreakdown | None = None
+    offload_traffic = 0.0
+    for st in stages:
+        p = st.params / tp
+        shard = layout.sdp if layout.sdp > 1 else 1
+        params_b = p * elt / shard
+        grads_b = p * elt / shard
+        master_b = (p * 4 if half else 0.0) / (shard * (layout.rdp if layout.shard_optimizer_state else 1))
+        optim_b = p * 4 * _ADAM_STATES / (shard * (layout.rdp if layout.shard_optimizer_state else 1))
+        scale = b * (elt / 4) / tp
+        if layout.checkpointing:
+            kept = min(in_flight, layout.activation_loading_horizon) if layout.offload else in_flight
+            outside = (st.activation_bytes - st.block_activation_bytes) * scale
+            ckpt = st.layers * act_bytes
+            acts = kept * (outside + ckpt) + st.max_block_activation_bytes * scale
+            if layout.offload:
+                offload_traffic = max(offload_traffic, 2.0 * m * ckpt)
+        else:
+            acts = in_flight * st.activation_bytes * scale
+        cand = MemoryBreakdown(st.index, params_b, grads_b, master_b, optim_b, acts)
+        if best is None or cand.total > best.total:
+            best = cand
+    assert best is not None
+    compute = m * comp[crit]
+    time = TimeBreakdown(
+        compute=compute,
+        tp_comm=m * tpc[crit],
+        p2p=m * p2ps[crit],
+        bubble=bubble,
+        dp_comm=dp,
+        optimizer=opt,
+    )
+    return Estimate(
+        layout=layout,
+        global_batch=global_batch,
+        microbatch_size=b,
+        step_time=makespan + dp + opt,
+        time=time,
+        memory=best,
+        fits=best.total <= cluster.device_memory_bytes,
+        device_memory=cluster.device_memory_bytes,
+        in_flight=in_flight,
+        offload_bytes_per_step=offload_traffic,
+        spans=tuple((s.stage, s.microbatch, s.phase.value, s.start, s.end) for s in sim.spans),
+    )

@@ -1,0 +1,35 @@
+"""Small models for the planner's tests, built by ``tests.mp.plan_models:blocks`` (a factory, as
+``mp-plan`` and ``mp-partition`` take them)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+class Stack(nn.Module):
+    """``layers`` blocks of Linear(hidden, hidden) + ReLU and a Linear(hidden, 4) head."""
+
+    def __init__(self, layers: int, hidden: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(hidden) for _ in range(layers))
+        self.head = nn.Linear(hidden, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def blocks(layers: int = 4, hidden: int = 16, seq: int = 8) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """The model and one sample's input, shape (1, seq, hidden)."""
+    return Stack(layers, hidden), (torch.zeros(1, seq, hidden),)
