@@ -23,6 +23,7 @@ from mp.launch import (
     is_hydra,
     physical_cores,
     rank_cpu_sets,
+    read_hostfile,
 )
 from mp.launch import main as launch_main
 
@@ -157,6 +158,42 @@ def test_tag_output_tags_whole_lines_of_unbuffered_ranks(tmp_path: Path) -> None
         assert all(numbers == list(range(150)) for numbers in seen.values()), seen
         if last is not None:
             assert sorted(ends) == ["0", "1", "2"], stream[-500:]
+
+
+@pytest.mark.parametrize(
+    ("text", "spec"),
+    [
+        ("h1:2\nh2:2\n", "h1:2,h2:2"),  # MPICH
+        ("# hosts\nh1 slots=4\n\nh2 slots=4 max_slots=8  # second\n", "h1:4,h2:4"),  # DeepSpeed, Open MPI
+        ("node-a\nnode-b\n", "node-a,node-b"),  # one slot each
+    ],
+)
+def test_hostfiles_become_hydras_hosts(text: str, spec: str, tmp_path: Path) -> None:
+    (tmp_path / "hosts").write_text(text)
+    assert read_hostfile(str(tmp_path / "hosts")) == spec
+    (tmp_path / "x.py").write_text("")
+    argv = ["-n", "2", "--hostfile", str(tmp_path / "hosts"), str(tmp_path / "x.py")]
+    args = build_parser().parse_args(argv)
+    cmd = build_command(args, "mpiexec")
+    assert cmd[cmd.index("-hosts") + 1] == spec
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("h1 cores=2\n", "line 1: 'h1 cores=2'; expected 'host', 'host:slots' or 'host slots=N'"),
+        ("h1:2 slots=2\n", "gives the slots twice"),
+        ("# nothing\n", "names no host"),
+        ("h1:1\n", "has 1 slots for -n 2"),
+    ],
+)
+def test_bad_hostfiles_are_explained(text: str, message: str, tmp_path: Path) -> None:
+    (tmp_path / "hosts").write_text(text)
+    (tmp_path / "x.py").write_text("")
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        launch_main(["-n", "2", "--hostfile", str(tmp_path / "hosts"), str(tmp_path / "x.py")])
+    with pytest.raises(SystemExit, match="cannot be read"):
+        launch_main(["-n", "2", "--hostfile", str(tmp_path / "missing"), str(tmp_path / "x.py")])
 
 
 @pytest.mark.parametrize(

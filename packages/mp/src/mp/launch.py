@@ -1,6 +1,6 @@
 """`mp-launch`: run a training script on N ranks under mpiexec, and stop them all when one fails.
 
-    mp-launch -n 4 [--hosts a:4,b:4] [--config cfg.json] [--bind auto|none] train.py args...
+    mp-launch -n 4 [--hosts a:4,b:4 | --hostfile FILE] [--config cfg.json] [--bind auto|none] train.py args...
     mp-launch -n 4 -m package.module args...
 
 Every rank runs the script through `mp._rank_main`, which reports an uncaught exception (or a
@@ -79,16 +79,50 @@ def find_mpiexec(explicit: str | None = None) -> str:
     return found
 
 
-def _parse_hosts(spec: str, nprocs: int) -> str:
+def _parse_hosts(spec: str, nprocs: int, origin: str | None = None) -> str:
+    where = origin or f"--hosts {spec!r}"
     total = 0
     for item in spec.split(","):
         host, _, count = item.partition(":")
         if not host or (count and not count.isdigit()):
-            raise LaunchError(f"--hosts {spec!r}: expected 'host:slots,host:slots', e.g. 'a:4,b:4'.")
+            raise LaunchError(f"{where}: expected 'host:slots,host:slots', e.g. 'a:4,b:4'.")
         total += int(count) if count else 1
     if total < nprocs:
-        raise LaunchError(f"--hosts {spec!r} has {total} slots for -n {nprocs}; add hosts or slots.")
+        raise LaunchError(f"{where} has {total} slots for -n {nprocs}; add hosts or slots.")
     return spec
+
+
+def read_hostfile(path: str) -> str:
+    """A hostfile as a --hosts spec. Lines are MPICH's ``host`` or ``host:slots`` or DeepSpeed's (and
+    Open MPI's) ``host slots=N``; ``#`` starts a comment."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise LaunchError(
+            f"--hostfile {path!r} cannot be read ({exc.strerror}); give a file of hosts."
+        ) from None
+    items: list[str] = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host, *options = line.split()
+        slots = ""
+        for option in options:
+            key, _, value = option.partition("=")
+            if key in ("slots", "max_slots") and value.isdigit() and not slots:
+                slots = value
+            elif key not in ("slots", "max_slots"):
+                raise LaunchError(
+                    f"--hostfile {path!r} line {number}: {raw.strip()!r}; expected 'host', 'host:slots' "
+                    "or 'host slots=N'."
+                )
+        if slots and ":" in host:
+            raise LaunchError(f"--hostfile {path!r} line {number}: {raw.strip()!r} gives the slots twice.")
+        items.append(f"{host}:{slots}" if slots else host)
+    if not items:
+        raise LaunchError(f"--hostfile {path!r} names no host; write one 'host:slots' line per host.")
+    return ",".join(items)
 
 
 def core_groups(cpus: Iterable[int] | None = None) -> list[list[int]]:
@@ -192,7 +226,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a training script on N ranks under mpiexec; any rank failing stops all of them.",
     )
     parser.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
-    parser.add_argument("--hosts", help="hosts and slots, e.g. 'a:4,b:4' (default: this host)")
+    hosts = parser.add_mutually_exclusive_group()
+    hosts.add_argument("--hosts", help="hosts and slots, e.g. 'a:4,b:4' (default: this host)")
+    hosts.add_argument(
+        "--hostfile", help="a file of hosts, one per line: 'host:slots' (MPICH) or 'host slots=N' (DeepSpeed)"
+    )
+    parser.add_argument(
+        "--launcher-exec",
+        help="the program that starts processes on other hosts, instead of ssh (Hydra's -launcher-exec)",
+    )
     parser.add_argument("--config", help="the smp config: a JSON file or an inline JSON object")
     parser.add_argument("--mpiexec", help="the mpiexec to use (default: the one beside this Python)")
     parser.add_argument(
@@ -227,8 +269,15 @@ def build_command(
     if args.nprocs < 1:
         raise LaunchError(f"-n {args.nprocs}: the number of ranks must be at least 1.")
     cmd = [mpiexec, "-n", str(args.nprocs)]
-    if args.hosts:
+    if getattr(args, "hostfile", None):
+        origin = f"--hostfile {args.hostfile!r}"
+        cmd += ["-hosts", _parse_hosts(read_hostfile(args.hostfile), args.nprocs, origin)]
+    elif args.hosts:
         cmd += ["-hosts", _parse_hosts(args.hosts, args.nprocs)]
+    if getattr(args, "launcher_exec", None):
+        if shutil.which(args.launcher_exec) is None:
+            raise LaunchError(f"--launcher-exec {args.launcher_exec!r} is not an executable; give its path.")
+        cmd += ["-launcher", "ssh", "-launcher-exec", args.launcher_exec]
     if cpu_sets:
         cmd += bind_arguments(cpu_sets)
     # The runner is started as a file, not as `-m mp._rank_main`: that would import the whole mp
@@ -284,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stopped_timeout is None:
         args.stopped_timeout = default_stopped_timeout()
     mpiexec = find_mpiexec(args.mpiexec)
-    cpu_sets = placement(args.bind, args.nprocs, mpiexec, hosts=args.hosts)
+    cpu_sets = placement(args.bind, args.nprocs, mpiexec, hosts=args.hosts or args.hostfile)
     cmd = build_command(args, mpiexec, cpu_sets)
     env = dict(os.environ)
     env.update(_config_env(args.config))

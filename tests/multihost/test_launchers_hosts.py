@@ -1,0 +1,67 @@
+"""One script, no edit, started across two simulated hosts by each launcher a cluster offers: mp-launch
+with a hostfile, plain `mpiexec -f hostfile`, and torchrun's
+c10d rendezvous on each host. Every job trains equal to one process with the real host grouping."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.multihost.hosts import SimulatedHosts
+from tests.multihost.test_mpi_hosts import BIN, TRAIN, _env, _records
+
+CONFIG = {"pipeline_parallel_degree": 2, "microbatches": 2}
+
+
+def _check(out: Path, launcher: str) -> None:
+    records = _records(out, 4)
+    assert [r["host"] for r in records] == ["h1", "h1", "h2", "h2"]
+    assert [(r["local_rank"], r["local_size"]) for r in records] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    assert {r["launcher"] for r in records} == {launcher}
+    for r in records:
+        assert r["param_gap"] <= 1e-5 and r["loss_gap"] <= 1e-5, r
+
+
+def test_mp_launch_with_a_deepspeed_hostfile(hosts: SimulatedHosts, tmp_path: Path) -> None:
+    # (--hosts and MPICH-style hostfiles become the same -hosts argument: tests/mp/test_launch.py)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# the job's hosts\nh1 slots=2\nh2 slots=2\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [str(BIN / "mp-launch"), "-n", "4", "--hostfile", str(hostfile), "--launcher-exec", str(hosts.ssh)]
+    cmd += ["--config", json.dumps(CONFIG), str(TRAIN), str(out)]
+    proc = hosts.run(hosts.hosts[0], cmd, env=_env({}))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    _check(out, "mpi")
+
+
+def test_plain_mpiexec_with_a_hostfile(hosts: SimulatedHosts, tmp_path: Path) -> None:
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("h1:2\nh2:2\n")
+    cmd = [str(BIN / "mpiexec"), "-launcher-exec", str(hosts.ssh), "-f", str(hostfile), "-n", "4"]
+    cmd += [sys.executable, str(TRAIN), str(tmp_path)]
+    proc = hosts.run(hosts.hosts[0], cmd, env=_env(CONFIG))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    _check(tmp_path, "mpi")
+
+
+def test_torchrun_on_each_host(hosts: SimulatedHosts, tmp_path: Path) -> None:
+    # As on a cluster: the same torchrun command on every host, meeting at h1's c10d rendezvous.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
+    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h1:29400", "--rdzv-id", tmp_path.name]
+    cmd += [str(TRAIN), str(tmp_path)]
+    procs = [
+        hosts.popen(host, cmd, env=_env(CONFIG), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for host in hosts.hosts
+    ]
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=240)[0])
+        finally:
+            proc.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    _check(tmp_path, "torchrun")
+    assert [r["address"] for r in _records(tmp_path, 4)] == ["10.77.0.1"] * 2 + ["10.77.0.2"] * 2
