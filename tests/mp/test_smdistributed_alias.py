@@ -6,6 +6,7 @@ Each import runs in a fresh interpreter (the alias changes sys.meta_path and sys
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -90,6 +91,49 @@ def test_the_import_path_is_mp_itself(tmp_path: Path) -> None:
         tmp_path,
     )
     assert proc.returncode == 0 and "ALIAS OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+def _documented_names() -> dict[str, str]:
+    """Each name docs/migrating.md says the alias serves under smdistributed.modelparallel.torch, and
+    the mp module it is (from the bullets of 'What the alias does')."""
+    text = (ROOT / "docs" / "migrating.md").read_text()
+    served = re.search(r"is mp's `mp\.X` \(([^)]*)\)", text)
+    renamed = re.findall(r"`([\w.]+)` → `mp\.([\w.]+)`", text)
+    assert served is not None and renamed, "docs/migrating.md no longer lists the alias's names"
+    names = {name: "mp." + name for name in re.findall(r"`([\w.]+)`", served[1])}
+    names.update({name: "mp." + target for name, target in renamed})
+    assert {"nn", "amp", "state_mod", "exceptions", "optimizers.optimizer"} <= set(names), names
+    return names
+
+
+@pytest.mark.parametrize("form", ["from", "import"])
+def test_every_documented_name_imports_in_both_forms(tmp_path: Path, form: str) -> None:
+    # One fresh interpreter per form: `import a.b.c` binds c on a.b, after which `from a.b import c`
+    # would pass whether or not it works on its own. The names do not bind one another.
+    names = _documented_names()
+    proc = _python(
+        f"""
+        import importlib
+        failed = []
+        for name, target in {names!r}.items():
+            parent, _, leaf = ("smdistributed.modelparallel.torch." + name).rpartition(".")
+            try:
+                space = {{}}
+                if {form!r} == "from":
+                    exec(f"from {{parent}} import {{leaf}} as got", space)
+                else:
+                    exec(f"import {{parent}}.{{leaf}} as got", space)
+                got = space["got"]
+            except ImportError as exc:
+                failed.append(f"{{name}}: {{type(exc).__name__}}: {{exc}}")
+                continue
+            if got is not importlib.import_module(target):
+                failed.append(f"{{name}}: got {{got!r}}, expected {{target}}")
+        print("FAILED", failed) if failed else print("NAMES OK", len({names!r}))
+        """,
+        tmp_path,
+    )
+    assert proc.returncode == 0 and "NAMES OK" in proc.stdout, proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("namespace", [False, True])

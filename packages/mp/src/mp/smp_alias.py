@@ -49,9 +49,17 @@ _MARK = "mp.smp_alias"  # what every copy of mp's shim imports, and no real smdi
 
 
 def target_of(fullname: str) -> str | None:
-    """The mp module that serves ``fullname``, or None when ``fullname`` is outside the alias."""
+    """The mp module that serves ``fullname``, or None when ``fullname`` is outside the alias.
+
+    Besides ``smdistributed.modelparallel.torch[.X]``, the renamed names under mp's own (``mp.state_mod``,
+    ``mp.optimizers.optimizer``): ``from smdistributed.modelparallel.torch import state_mod`` looks the
+    name up as an attribute of mp, and where mp has none the import system imports the submodule by
+    the parent's own name, ``mp.state_mod``."""
     if fullname == PREFIX:
         return "mp"
+    if fullname.startswith("mp."):
+        renamed = RENAMES.get(fullname[len("mp.") :])
+        return None if renamed is None else "mp." + renamed
     if not fullname.startswith(PREFIX + "."):
         return None
     rest = fullname[len(PREFIX) + 1 :]
@@ -94,7 +102,9 @@ class AliasFinder(importlib.abc.MetaPathFinder):
         # that mp's package binds to something else (mp.state is the State object, mp.step the
         # decorator) would overwrite it. smp had no such modules either ("state_mod" is the module).
         parent_name, _, child = fullname.rpartition(".")
-        bound = getattr(sys.modules.get(parent_name), child, None)
+        # (mp.state_mod and the like are never bound to anything else, and the lookup would ask mp's
+        # __getattr__, which asks this finder again.)
+        bound = None if fullname.startswith("mp.") else getattr(sys.modules.get(parent_name), child, None)
         if bound is not None and getattr(bound, "__name__", None) != mp_name:
             raise ModuleNotFoundError(
                 f"No module named {fullname!r}: {parent_name}.{child} is a {type(bound).__name__}, not a "
