@@ -68,6 +68,13 @@ class Registration:
     """Full (reference-layout) state dict of the distributed module -> the original module's layout."""
     from_original: StateDictFn | None = None
     """The original module's state dict -> the reference layout."""
+    bind: Callable[[nn.Module], Registration] | None = None
+    """For translations that depend on the module's sizes (GPT-NeoX's head count): this entry with
+    them bound to one original module's."""
+
+    def for_module(self, module: nn.Module) -> Registration:
+        """This entry with its translations bound to ``module`` (an instance of the original class)."""
+        return self if self.bind is None else self.bind(module)
 
     @property
     def name(self) -> str:

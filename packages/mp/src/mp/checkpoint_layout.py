@@ -47,15 +47,23 @@ def load_merged_model(model: Any, merged: dict[str, Any], strict: bool) -> None:
 
 def original_names(model: Any, full: dict[str, Any]) -> dict[str, Any]:
     """``full`` with the saving job's TP blocks translated back where this model has the original
-    module (a tp = 1 job); unchanged where this model has the same TP blocks."""
+    module (a tp = 1 job without them); unchanged where this model has the same TP blocks.
+
+    The model itself counts: smp's whole-stack layout replaces the whole Hugging Face model (GPT-2,
+    GPT-J, GPT-NeoX...), so a job that builds the plain model finds the saved state under the
+    replacement's names at the root, and the root's registration translates all of it."""
     if set(full) <= set(model.module.state_dict(keep_vars=True)):
         return full
     out = dict(full)
+    done: list[str] = []
     for path, module in model.module.named_modules():
-        registration = default_registry.lookup(module)
-        if registration is None or not path:
+        prefix = path + "." if path else ""
+        if any(prefix.startswith(p) for p in done):
+            continue  # inside a module already translated: its keys are the original ones now
+        found = default_registry.lookup(module)
+        if found is None:
             continue
-        prefix = path + "."
+        registration = found.for_module(module)  # GPT-NeoX's translations need its head count
         part = {k[len(prefix) :]: v for k, v in full.items() if k.startswith(prefix)}
         if not part or set(part) <= set(module.state_dict(keep_vars=True)):
             continue
@@ -63,4 +71,5 @@ def original_names(model: Any, full: dict[str, Any]) -> dict[str, Any]:
             out.pop(prefix + key, None)
         translated = part if registration.to_original is None else registration.to_original(part)
         out.update({prefix + k: v for k, v in translated.items()})
+        done.append(prefix)
     return out

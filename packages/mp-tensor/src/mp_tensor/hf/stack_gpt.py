@@ -286,11 +286,14 @@ def _build_gptneox(module: nn.Module, ctx: TPContext, overrides: Mapping[str, An
     heads, tied = config.num_attention_heads, bool(getattr(config, "tie_word_embeddings", False))
     new.load_full_state_dict(gptneox_to_smp(module.state_dict(), heads, tied))
     # the translations need the head count (query_key_value's rows are ordered by head)
-    new.__dict__[REGISTRATION_ATTR] = _gptneox_registration(heads, tied)
+    new.__dict__[REGISTRATION_ATTR] = _bind_gptneox(module)
     return new
 
 
-def _gptneox_registration(heads: int, tied: bool | None = None) -> Registration:
+def _bind_gptneox(module: nn.Module) -> Registration:
+    """GPT-NeoX's registration with its translations bound to this model's head count."""
+    config = cast(Any, module).config
+    heads, tied = config.num_attention_heads, bool(getattr(config, "tie_word_embeddings", False))
     return Registration(
         GPTNEOX_MODEL,
         GPTNeoXDistributedLMHead,
@@ -298,6 +301,7 @@ def _gptneox_registration(heads: int, tied: bool | None = None) -> Registration:
         check=check_gptneox,
         to_original=lambda sd: gptneox_from_smp(sd, heads),
         from_original=lambda sd: gptneox_to_smp(sd, heads, tied),
+        bind=_bind_gptneox,
     )
 
 
@@ -331,5 +335,11 @@ def registrations() -> list[Registration]:
             from_original=gptneo_to_smp,
         ),
         # its translations are bound to each model's head count by the builder
-        Registration(GPTNEOX_MODEL, GPTNeoXDistributedLMHead, builder=_build_gptneox, check=check_gptneox),
+        Registration(
+            GPTNEOX_MODEL,
+            GPTNeoXDistributedLMHead,
+            builder=_build_gptneox,
+            check=check_gptneox,
+            bind=_bind_gptneox,
+        ),
     ]
