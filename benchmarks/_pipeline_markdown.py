@@ -3,6 +3,7 @@ payload that _pipeline_report.py computes and saves as JSON."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from _pipeline_gpt import GAP_KINDS
@@ -230,36 +231,69 @@ def markdown(p: dict[str, Any]) -> str:
     for r, ts in _with_split(p["rows"]):
         cells = [" / ".join(f"{g[k]:.1f}" for k in GAP_KINDS) for g in ts["gaps_ms"]]
         lines.append(f"| {r['system']} | {r['schedule']} | {r['microbatches']} | {cells[0]} | {cells[1]} |")
-    o = p["overhead"]
-    wire = o["wire_round_trip_us"]
-    steps = o["step_ms"]
-    lines += [
-        "",
-        f"Module-server overhead: {o['calls_per_step']} calls of an `nn.Identity` on a {o['tensor']} tensor "
-        f"per step (one microbatch), on pp_rank 1 (remote) vs on pp_rank 0 (local, same step machinery); "
-        f"median of {o['repetitions']} interleaved repetitions of {o['steps_per_sample']} steps.",
-        "",
-        "| quantity | µs |",
-        "|---|---:|",
-        f"| FWD request round trip (remote − local, per call) | {o['fwd_request_us']:.0f} |",
-        f"| BWD request round trip (remote − local, per call) | {o['bwd_request_us']:.0f} |",
-        f"| FWD + BWD pair per call in a training step: dynamic / static mode (replayed) | "
-        f"{o['fwd_bwd_pair_us']:.0f} / {o['fwd_bwd_pair_static_us']:.0f} |",
-        f"| fixed cost of an mp step (pp 2, one microbatch; local step − plain step; fwd-only / train) | "
-        f"{(steps['local']['fwd'] - steps['plain']['fwd']) * 1e3:.0f} / "
-        f"{(steps['local']['train'] - steps['plain']['train']) * 1e3:.0f} |",
-        f"| plain PyTorch `nn.Identity` call (fwd / bwd) | {o['plain_fwd_call_us']:.1f} / "
-        f"{o['plain_bwd_call_us']:.1f} |",
-        f"| raw round trip of the same tensor: mp MPI transport / gloo | {wire['mp_mpi_transport']:.0f} / "
-        f"{wire['gloo']:.0f} |",
-        "",
-        "Step times of the overhead model (ms; fwd-only / train): "
-        + "; ".join(f"{n} {v.get('fwd', float('nan')):.2f} / {v['train']:.2f}" for n, v in steps.items())
-        + ".",
-        "",
-    ]
+    lines += overhead_lines(p["overhead"])
     return "\n".join(lines)
 
 
 def _pct(v: float | None) -> float | None:
     return None if v is None else 100 * v
+
+
+_OVERHEAD_ROWS = (
+    ("remote default", "default config (fast mode), every block on pp_rank 1"),
+    ("remote full", "full path (`fast_mode: false`), every block on pp_rank 1"),
+    ("torch remote", "torch.distributed.pipelining, the chain as stage 1 (GPipe)"),
+    ("alternating default", "default config, block i on pp_rank i % 2"),
+    ("alternating full", "full path, block i on pp_rank i % 2"),
+    ("torch alternating", "torch.distributed.pipelining, block i as stage i on rank i % 2 (LoopedBFS)"),
+    ("local", "mp, every block on pp_rank 0 (the step machinery alone; over plain PyTorch)"),
+)
+
+
+def overhead_lines(o: dict[str, Any]) -> list[str]:
+    """The per-call overhead section (benchmarks/_pipeline_overhead.py's result)."""
+    if o.get("version") != 2:  # a result of the earlier overhead benchmark (Identity calls only)
+        return ["", f"Module-server overhead (earlier format): `{json.dumps(o)}`", ""]
+    wire = o["wire_round_trip_us"]
+    per = o["per_call_us"]
+    steps = o["step_ms"]
+    loads = ", ".join(f"{v:.1f}" for v in o["load_average_1min"])
+    lines = [
+        "",
+        f"Per-call overhead: a root on pp_rank 0 scales a {o['tensor']} input, calls {o['calls_per_step']} "
+        "blocks one after the other and sums (one microbatch, a training step: forward + backward); "
+        f"median of {o['repetitions']} interleaved repetitions of {o['steps_per_sample']} steps after the "
+        "warm-up (1-minute load average "
+        f"{loads} at the start of each repetition and at the end). Per call: (step − the same model with "
+        "every block on pp_rank 0 under mp) / calls for mp, (step − plain PyTorch) / calls for torch. "
+        "`python benchmarks/pipeline_vs_torch.py --overhead-only` regenerated this section.",
+        "",
+        "| variant | `nn.Identity` µs/call | `nn.Linear(16, 16)` µs/call |",
+        "|---|---:|---:|",
+    ]
+    for key, what in _OVERHEAD_ROWS:
+        lines.append(f"| {what} | {per['identity'][key]:.0f} | {per['linear'][key]:.0f} |")
+    lines += [
+        "",
+        "| raw message of the same tensor between the two ranks | round trip µs | one way µs |",
+        "|---|---:|---:|",
+    ]
+    for key, what in (
+        ("mpi4py", "mpi4py (MPICH)"),
+        ("mp_mpi_transport", "mp's MPI transport"),
+        ("gloo", "gloo"),
+    ):
+        lines.append(f"| {what} | {wire[key]:.0f} | {wire[key] / 2:.0f} |")
+    lines += [
+        "",
+        "Step times (ms), identity / linear: "
+        + "; ".join(f"{n} {steps['identity'][n]:.2f} / {steps['linear'][n]:.2f}" for n in steps["identity"])
+        + ". Largest |Δ| of the scale parameter's gradient against plain PyTorch over the variants: "
+        + ", ".join(
+            f"{kind} {max(d.values()) if d else float('nan'):.1e}"
+            for kind, d in o["scale_grad_max_abs_diff"].items()
+        )
+        + ".",
+        "",
+    ]
+    return lines

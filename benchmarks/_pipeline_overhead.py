@@ -1,18 +1,25 @@
-"""Per-request overhead of mp's module server (part of benchmarks/pipeline_vs_torch.py).
+"""Per-call overhead of mp's pipeline runtime (part of benchmarks/pipeline_vs_torch.py).
 
-A model whose root (on rank 0) scales a small input by a parameter and then calls ``calls`` ``nn.Identity``
-modules one after the other. Two placements of the same model, each under ``pipeline_parallel_degree`` 2
-and one microbatch:
+A model whose root (on pp_rank 0) scales a small float32 (1, 16) input by a parameter, calls ``calls``
+blocks one after the other and takes the sum of squares as the loss. Two kinds of block: ``nn.Identity`` (the runtime's cost
+alone) and ``nn.Linear(16, 16)`` (a small module with parameters, as a user's model has). Two placements
+under ``pipeline_parallel_degree`` 2 and one microbatch:
 
-* ``remote``: the Identity modules on pp_rank 1: every call is a FWD request to rank 1 and its answer,
-  and in a training step every call's backward is a BWD request;
-* ``local``: everything on pp_rank 0: the same step machinery (module server, step start and end), no
-  requests.
+* ``remote``: every block on pp_rank 1 (a chain of calls that stays on one remote rank);
+* ``alternating``: block ``i`` on pp_rank ``i % 2`` (every call crosses to the other rank);
 
-The per-call difference is the cost of one request round trip. A forward-only step (``torch.no_grad``)
-gives the FWD cost; a training step minus the forward-only step gives the BWD cost. Also measured:
-the same model in plain PyTorch (no mp: the cost of a local call and of the step itself), and a raw
-round trip of the same tensor on mp's MPI transport and on gloo (what the wire alone costs).
+each timed under mp's default config (``default``: fast mode, posted calls) and the full path
+(``full``: ``"fast_mode": false``, a request and a response per call and per backward), against the same
+model with every block on pp_rank 0 (``local``: the same step machinery, no requests) and in plain
+PyTorch (``plain``, rank 0 alone). The cost per call in a training step (forward + backward) is
+(step − local step) / calls for mp and (step − plain step) / calls for torch.distributed.pipelining on the
+same chain and the same cut (``remote``: stage 0 the scaling, stage 1 the chain, ScheduleGPipe;
+``alternating``: stage ``i`` = block ``i`` (stage 0 with the scaling) on rank ``i % 2``, ScheduleLoopedBFS,
+the sum as the loss). Also measured: the raw round trip of the same tensor between the two ranks on
+mpi4py, on mp's MPI transport and on gloo (the floor; one way is half of it).
+
+Every variant's first step checks the scale parameter's gradient against plain PyTorch. Variants are
+interleaved: each repetition runs every variant once, in a rotating order.
 """
 
 from __future__ import annotations
@@ -27,29 +34,55 @@ import torch.distributed as dist
 from _pipeline_runners import idle_barrier
 from torch import nn
 
-from mp_pipeline.static import default_record_steps
-
-__all__ = ["Chain", "measure_overhead"]
+__all__ = ["BLOCKS", "PLACEMENTS", "Chain", "measure_overhead"]
 
 WIDTH = 16
+BLOCKS = ("identity", "linear")
+PLACEMENTS = ("remote", "alternating")
+MP_VARIANTS = ("local", "remote default", "remote full", "alternating default", "alternating full")
+TORCH_VARIANTS = ("torch remote", "torch alternating")
+WARMUP = 8
+"""Steps before timing: fast mode learns in the first step and posts calls from the next ones."""
+
+
+def _block(kind: str) -> nn.Module:
+    return nn.Identity() if kind == "identity" else nn.Linear(WIDTH, WIDTH)
+
+
+class Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
 
 
 class Chain(nn.Module):
-    def __init__(self, calls: int) -> None:
+    def __init__(self, calls: int, kind: str) -> None:
         super().__init__()
-        self.scale = nn.Parameter(torch.ones(WIDTH))
-        self.calls = nn.ModuleList(nn.Identity() for _ in range(calls))
+        torch.manual_seed(0)  # the same weights in every variant
+        self.head = Scale()
+        self.calls = nn.ModuleList(_block(kind) for _ in range(calls))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x * self.scale
+        x = self.head(x)
         for layer in self.calls:
             x = layer(x)
-        return x.sum()
+        return _loss(x)
 
 
-def _mp_session(
-    calls: int, remote: bool, static: bool = False
-) -> tuple[Callable[[], None], Callable[[], None]]:
+def _owner(placement: str, i: int) -> int:
+    if placement == "local":
+        return 0
+    return 1 if placement == "remote" else i % 2
+
+
+Session = tuple[Callable[[], None], Callable[[], torch.Tensor | None], Callable[[], None]]
+"""(one training step, the scale parameter's gradient after the last step or None off rank 0, close)."""
+
+
+def _mp_session(calls: int, kind: str, placement: str, fast: bool) -> Session:
     import mp as smp
 
     smp.init(
@@ -58,19 +91,15 @@ def _mp_session(
             "microbatches": 1,
             "auto_partition": False,
             "default_partition": 0,
-            "static_mode": static,
+            "fast_mode": fast,
         }
     )
-    net = Chain(calls)
+    net = Chain(calls, kind)
     smp.set_partition(net, 0)
-    if remote:
-        smp.set_partition(net.calls, 1)
+    for i, block in enumerate(net.calls):
+        smp.set_partition(block, _owner(placement, i))
     model = smp.DistributedModel(net)
     x = torch.ones(1, WIDTH)
-
-    @smp.step
-    def fwd_step(model: Any, x: torch.Tensor) -> torch.Tensor:
-        return model(x)  # type: ignore[no-any-return]
 
     @smp.step
     def train_step(model: Any, x: torch.Tensor) -> torch.Tensor:
@@ -78,32 +107,90 @@ def _mp_session(
         model.backward(loss)
         return loss  # type: ignore[no-any-return]
 
-    def fwd() -> None:
-        with torch.no_grad():
-            fwd_step(model, x)
-
     def train() -> None:
-        train_step(model, x)
         model.zero_grad(set_to_none=True)
+        train_step(model, x)
 
-    return fwd, train
+    def grad() -> torch.Tensor | None:
+        g = net.head.scale.grad
+        return None if g is None else g.detach().clone()
+
+    return train, grad, smp.reset
 
 
-def _plain_session(calls: int, rank: int) -> tuple[Callable[[], None], Callable[[], None]]:
-    net = Chain(calls)
+def _plain_session(calls: int, kind: str, rank: int) -> Session:
+    net = Chain(calls, kind)
     x = torch.ones(1, WIDTH)
 
-    def fwd() -> None:
-        if rank == 0:
-            with torch.no_grad():
-                net(x)
-
     def train() -> None:
         if rank == 0:
-            net(x).backward()
             net.zero_grad(set_to_none=True)
+            net(x).backward()
 
-    return fwd, train
+    def grad() -> torch.Tensor | None:
+        g = net.head.scale.grad
+        return None if g is None or rank != 0 else g.detach().clone()
+
+    return train, grad, lambda: None
+
+
+class _Stage(nn.Module):
+    def __init__(self, head: nn.Module | None, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.head = head
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.head is not None:
+            x = self.head(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _loss(x: torch.Tensor) -> torch.Tensor:
+    # not x.sum(): its gradient is an expanded (stride 0) tensor, which torch's pipelining cannot receive
+    return (x * x).sum()
+
+
+def _sum_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return _loss(output)
+
+
+def _torch_session(calls: int, kind: str, placement: str, rank: int) -> Session:
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleLoopedBFS
+
+    net = Chain(calls, kind)
+    cpu = torch.device("cpu")
+    if placement == "remote":
+        module = _Stage(net.head, []) if rank == 0 else _Stage(None, list(net.calls))
+        stages = [PipelineStage(module, rank, 2, cpu)]
+        schedule: Any = ScheduleGPipe(stages[0], 1, loss_fn=_sum_loss)
+    else:
+        mine = [i for i in range(calls) if i % 2 == rank]
+        modules = [_Stage(net.head if i == 0 else None, [net.calls[i]]) for i in mine]
+        stages = [PipelineStage(m, i, calls, cpu) for m, i in zip(modules, mine, strict=True)]
+        schedule = ScheduleLoopedBFS(stages, 1, loss_fn=_sum_loss)
+    last = 1 if placement == "remote" else (calls - 1) % 2
+    x = torch.ones(1, WIDTH)
+    target = torch.zeros(1)
+
+    def train() -> None:
+        net.zero_grad(set_to_none=True)
+        if rank == 0 and rank == last:
+            schedule.step(x, target=target)
+        elif rank == 0:
+            schedule.step(x)
+        elif rank == last:
+            schedule.step(target=target)
+        else:
+            schedule.step()
+
+    def grad() -> torch.Tensor | None:
+        g = net.head.scale.grad
+        return None if g is None or rank != 0 else g.detach().clone()
+
+    return train, grad, lambda: None
 
 
 def _timed(comm: Any, fn: Callable[[], None], steps: int) -> float:
@@ -123,15 +210,24 @@ def _repeat(fn: Callable[[], None], n: int) -> Callable[[], None]:
     return run
 
 
-def _wire_round_trips(comm: Any, world: Any, iters: int) -> dict[str, float]:
-    """Round trip (µs) of the Identity's input tensor: mp's MPI transport (a second instance, same
-    code as the pipeline's) and gloo send/recv."""
+def _wire_round_trips(comm: Any, world: Any, iters: int, reps: int) -> dict[str, float]:
+    """Round trip (µs) of the chain's input tensor: mpi4py on its buffer, mp's MPI transport (a second
+    instance, same code as the pipeline's) and gloo send/recv."""
     from mp_comm.transport import MPITransport, TransportConfig
 
     rank, peer = comm.Get_rank(), 1 - comm.Get_rank()
     x = torch.ones(1, WIDTH)
     into = torch.empty(1, WIDTH)
-    transport = MPITransport(world.mpi_comm, config=TransportConfig(timeout=120.0))
+    raw = x.numpy()
+    transport = MPITransport(world.mpi_comm, config=TransportConfig(timeout=120.0).for_world(world))
+
+    def mpi4py() -> None:
+        if rank == 0:
+            comm.Send(raw, peer, 7)
+            comm.Recv(raw, peer, 7)
+        else:
+            comm.Recv(raw, peer, 7)
+            comm.Send(raw, peer, 7)
 
     def mp_transport() -> None:
         if rank == 0:
@@ -148,71 +244,84 @@ def _wire_round_trips(comm: Any, world: Any, iters: int) -> dict[str, float]:
             dist.recv(into, peer)
             dist.send(into, peer)
 
-    out: dict[str, list[float]] = {"mp_mpi_transport": [], "gloo": []}
-    for fn in (mp_transport, gloo):  # warm-up
+    fns = {"mpi4py": mpi4py, "mp_mpi_transport": mp_transport, "gloo": gloo}
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():  # warm-up
         for _ in range(10):
             fn()
-    for _ in range(5):
-        for name, fn in (("mp_mpi_transport", mp_transport), ("gloo", gloo)):
+    for _ in range(reps):
+        for name, fn in fns.items():
             out[name].append(_timed(comm, _repeat(fn, iters), 1) / iters)
     transport.close()
     return {k: statistics.median(v) * 1e6 for k, v in out.items()}
 
 
+def _max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None:
+    if a is None or b is None:
+        return None
+    return float((a - b).abs().max())
+
+
 def measure_overhead(comm: Any, world: Any, *, calls: int, steps: int, reps: int) -> dict[str, Any]:
-    """Interleaved repetitions of the three placements; per-call costs in µs (medians over repetitions
-    of the paired differences). Collective over both ranks; the result is valid on rank 0."""
-    import mp as smp
-
+    """Interleaved repetitions of every variant; per-call costs in µs (medians over repetitions of the
+    paired differences). Collective over both ranks; the result is valid on rank 0."""
     rank = comm.Get_rank()
-    names = ["remote", "local", "plain", "remote_static"]
-    raw: dict[str, dict[str, list[float]]] = {n: {"fwd": [], "train": []} for n in names}
-    for rep in range(reps):
-        order = names[rep % 4 :] + names[: rep % 4]
-        for name in order:
-            if name == "plain":
-                fwd, train = _plain_session(calls, rank)
-            else:
-                fwd, train = _mp_session(calls, remote=name != "local", static=name == "remote_static")
-            if name == "remote_static":
-                # static mode replays only a repeated flow: training steps only, after the recorded ones
-                for _ in range(default_record_steps() + 1):
-                    train()
-                raw[name]["train"].append(_timed(comm, train, steps))
-                smp.reset()
-                continue
-            fwd()  # the first step partitions the model
-            train()
-            raw[name]["fwd"].append(_timed(comm, fwd, steps))
-            raw[name]["train"].append(_timed(comm, train, steps))
-            if name != "plain":
-                smp.reset()
+    names = ["plain", *MP_VARIANTS, *TORCH_VARIANTS]
+    step_s: dict[str, dict[str, list[float]]] = {k: {n: [] for n in names} for k in BLOCKS}
+    grad_diff: dict[str, dict[str, float]] = {k: {} for k in BLOCKS}
+    loads: list[float] = []
+    import os
 
-    def per_call(a: list[float], b: list[float]) -> float:
+    for rep in range(reps):
+        loads.append(os.getloadavg()[0])
+        for kind in BLOCKS:
+            order = names[rep % len(names) :] + names[: rep % len(names)]
+            reference: torch.Tensor | None = None
+            for name in order:
+                if name == "plain":
+                    train, grad, close = _plain_session(calls, kind, rank)
+                elif name.startswith("torch"):
+                    train, grad, close = _torch_session(calls, kind, name.split()[1], rank)
+                else:
+                    placement, _, path = name.partition(" ")
+                    train, grad, close = _mp_session(calls, kind, placement, fast=path != "full")
+                for _ in range(WARMUP):
+                    train()
+                step_s[kind][name].append(_timed(comm, train, steps))
+                g = grad()
+                if name == "plain":
+                    reference = g
+                elif rank == 0 and reference is not None:
+                    diff = _max_diff(g, reference)
+                    if diff is not None:
+                        grad_diff[kind][name] = max(grad_diff[kind].get(name, 0.0), diff)
+                close()
+    loads.append(os.getloadavg()[0])
+
+    def per_call(kind: str, name: str, base: str) -> float:
+        a, b = step_s[kind][name], step_s[kind][base]
         return statistics.median((x - y) / calls * 1e6 for x, y in zip(a, b, strict=True))
 
-    rf, rt = raw["remote"]["fwd"], raw["remote"]["train"]
-    lf, lt = raw["local"]["fwd"], raw["local"]["train"]
-    pf, pt = raw["plain"]["fwd"], raw["plain"]["train"]
-    st = raw["remote_static"]["train"]
-    remote_bwd = [t - f for t, f in zip(rt, rf, strict=True)]
-    local_bwd = [t - f for t, f in zip(lt, lf, strict=True)]
-    wire = _wire_round_trips(comm, world, iters=200)
+    per_call_us = {
+        kind: {
+            name: per_call(kind, name, "plain" if name.startswith("torch") or name == "local" else "local")
+            for name in names
+            if name != "plain"
+        }
+        for kind in BLOCKS
+    }
+    wire = _wire_round_trips(comm, world, iters=200, reps=max(reps, 3))
     return {
+        "version": 2,
         "calls_per_step": calls,
         "steps_per_sample": steps,
         "repetitions": reps,
         "tensor": f"float32 (1, {WIDTH})",
         "step_ms": {
-            name: {kind: statistics.median(v) * 1e3 for kind, v in d.items() if v} for name, d in raw.items()
+            kind: {name: statistics.median(v) * 1e3 for name, v in d.items()} for kind, d in step_s.items()
         },
-        "fwd_bwd_pair_us": per_call(rt, lt),
-        "fwd_bwd_pair_static_us": per_call(st, lt),
-        "fwd_request_us": per_call(rf, lf),
-        "bwd_request_us": per_call(remote_bwd, local_bwd),
-        "local_fwd_call_us": statistics.median(f / calls * 1e6 for f in lf),
-        "plain_fwd_call_us": statistics.median(f / calls * 1e6 for f in pf),
-        "local_bwd_call_us": statistics.median(b / calls * 1e6 for b in local_bwd),
-        "plain_bwd_call_us": statistics.median((t - f) / calls * 1e6 for t, f in zip(pt, pf, strict=True)),
+        "per_call_us": per_call_us,
+        "scale_grad_max_abs_diff": grad_diff,
         "wire_round_trip_us": wire,
+        "load_average_1min": loads,
     }

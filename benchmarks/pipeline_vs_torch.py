@@ -59,8 +59,11 @@ Both assume each rank has a core to itself. Where the time goes instead is measu
   and each rank's gaps between its consecutive stage operations summed by transition (forward to
   forward, forward to backward, ...), which say where a runtime's idle time sits;
 * the CPU each rank spends per step (in all, in its main thread, in mp's MPI progress thread);
-* benchmarks/_pipeline_overhead.py: the per-request cost of mp's module server (a remote ``nn.Identity``
-  call on a small tensor, FWD and BWD, against the same call held locally) and the raw round trip.
+* benchmarks/_pipeline_overhead.py: the runtime's cost per call in a training step (a chain of
+  ``nn.Identity`` and of small ``nn.Linear`` blocks on one remote rank and alternating between the
+  ranks, under the default config and the full path, against torch.distributed.pipelining on the same
+  chain) and the raw round trip on mpi4py, mp's transport and gloo. ``--overhead-only`` runs only this
+  part and writes it into the saved JSON (``--out``'s or results/) and its markdown.
 
     python benchmarks/pipeline_vs_torch.py [--reps 3 --steps 2 --micro 4 8 --batch 16]
 
@@ -125,13 +128,18 @@ def main() -> None:
         action="store_true",
         help="split between blocks (the runs before 2026-11-24), not inside the middle block",
     )
-    parser.add_argument("--calls", type=int, default=64, help="remote calls per step (overhead part)")
-    parser.add_argument("--overhead-reps", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=32, help="blocks per step (overhead part)")
+    parser.add_argument("--overhead-reps", type=int, default=3)
+    parser.add_argument(
+        "--overhead-steps", type=int, default=5, help="timed steps per variant (overhead part)"
+    )
     parser.add_argument(
         "--quick", action="store_true", help="a small model and one repetition, results in a temporary folder"
     )
     parser.add_argument(
-        "--overhead-only", action="store_true", help="only the module-server overhead (printed, not saved)"
+        "--overhead-only",
+        action="store_true",
+        help="only the per-call overhead: written into the saved JSON and its markdown",
     )
     parser.add_argument(
         "--out",
@@ -204,9 +212,19 @@ def main() -> None:
     }
 
     if args.overhead_only:
-        out = measure_overhead(comm, world, calls=args.calls, steps=20, reps=args.overhead_reps)
+        out = measure_overhead(
+            comm, world, calls=args.calls, steps=args.overhead_steps, reps=args.overhead_reps
+        )
         if rank == 0:
             print(json.dumps(out, indent=2))
+            saved = (args.out or RESULTS) / "pipeline_vs_torch.json"
+            if saved.exists() and not args.quick:
+                from _pipeline_report import rerender
+
+                payload = json.loads(saved.read_text())
+                payload["overhead"] = out
+                saved.write_text(json.dumps(payload, indent=1) + "\n")
+                rerender(saved)
         comm.Free()
         return
     specs = make_specs(args.micro)
@@ -298,7 +316,9 @@ def main() -> None:
             gc.collect()
         load.append(os.getloadavg()[0])
     elapsed_main = time.monotonic() - started
-    overhead = measure_overhead(comm, world, calls=args.calls, steps=20, reps=args.overhead_reps)
+    overhead = measure_overhead(
+        comm, world, calls=args.calls, steps=args.overhead_steps, reps=args.overhead_reps
+    )
     load.append(os.getloadavg()[0])
     if rank == 0:
         from _pipeline_report import report
