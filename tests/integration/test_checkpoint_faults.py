@@ -7,7 +7,8 @@
 - a pickle payload planted in a part does not run.
 
 This module is also the crashing script: ``python test_checkpoint_faults.py FOLDER MODE POINT`` under
-mpiexec saves step 10, then dies at POINT while saving step 20.
+mpiexec saves step 10, then dies at POINT while saving step 20. MODE ``async`` saves with
+``async_save=True`` and trains on while the save runs in the background (where the rank dies).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _state(model: Any) -> dict[str, torch.Tensor]:
 
 
 def _save(model: Any, opt: Any, folder: str, mode: str, step: int) -> None:
-    if mode == "folder":
+    if mode in {"folder", "async"}:
         smp.save_checkpoint(
             folder,
             f"step{step}",
@@ -77,6 +78,7 @@ def _save(model: Any, opt: Any, folder: str, mode: str, step: int) -> None:
             optimizer=opt,
             user_content={"step": step},
             num_kept_partial_checkpoints=1,
+            async_save=mode == "async",
         )
     else:  # smp.save to a fixed name, every rank
         smp.save(
@@ -96,6 +98,8 @@ def main(folder: str, mode: str, point: str) -> None:
         if step == 20:
             os.environ["MP_CHECKPOINT_FAULT"] = point
         _save(model, opt, folder, mode, step)
+        if mode == "async":  # the next step runs while the save is written: it must not change it
+            _train(model, opt, step + 1)
     smp.barrier()
 
 
@@ -131,7 +135,7 @@ def _resume(world: Any, folder: str, mode: str) -> dict[str, Any]:
     model, _ = _build(1)
     before = {k: v.clone() for k, v in model.module.state_dict().items()}
     try:
-        if mode == "folder":
+        if mode in {"folder", "async"}:
             step = smp.resume_from_checkpoint(folder)["step"]
         else:
             loaded = smp.load(os.path.join(folder, "ckpt"), partial=True)
@@ -149,9 +153,12 @@ def _resume(world: Any, folder: str, mode: str) -> dict[str, Any]:
     return {"step": step, "wrong": wrong}
 
 
+@pytest.mark.parametrize("mode", ["folder", "async"])
 @pytest.mark.parametrize("point", ["part-half:1", "part-written:1", "agreed:0", "published:0", "newest:0"])
-def test_kill_during_save_checkpoint_keeps_the_last_good_one(worlds: Any, tmp_path: Path, point: str) -> None:
-    _crash(tmp_path, "folder", point)
+def test_kill_during_save_checkpoint_keeps_the_last_good_one(
+    worlds: Any, tmp_path: Path, point: str, mode: str
+) -> None:
+    _crash(tmp_path, mode, point)
     newest = (tmp_path / "newest").read_text()
     assert newest == ("step20" if point == "newest:0" else "step10"), (newest, sorted(os.listdir(tmp_path)))
     assert not [n for n in os.listdir(tmp_path / f"{newest}_partial") if ".tmp-" in n]

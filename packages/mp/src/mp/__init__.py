@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs (the table below
     from mp import amp, nn, optimizers, timeline
     from mp.activation_checkpointing import checkpoint as _checkpoint_call
     from mp.activation_checkpointing import checkpoint_sequential, set_activation_checkpointing
-    from mp.checkpoint import load, resume_from_checkpoint, save, save_checkpoint
+    from mp.checkpoint import load, resume_from_checkpoint, save, save_checkpoint, wait_checkpoint
     from mp.comm import (
         CommGroup,
         RankType,
@@ -138,7 +138,7 @@ _SOURCES: dict[str, str] = {
     # smp.checkpoint is the activation-checkpointing call (smp's patches.checkpoint.checkpoint); the
     # save/load module mp.checkpoint stays importable by its full name (smp.save, smp.load, ...).
     "mp.activation_checkpointing": "checkpoint checkpoint_sequential set_activation_checkpointing",
-    "mp.checkpoint": "load resume_from_checkpoint save save_checkpoint",
+    "mp.checkpoint": "load resume_from_checkpoint save save_checkpoint wait_checkpoint",
     # smp exposes every CommGroup member at top level too (smp.WORLD, smp.DP_GROUP, ...)
     "mp.comm": "CommGroup RankType allgather barrier broadcast dp_barrier gather mp_barrier pp_barrier "
     "rdp_barrier recv_from send tp_barrier WORLD=CommGroup.WORLD PP_GROUP=CommGroup.PP_GROUP "
@@ -341,4 +341,5 @@ __all__ = [
     "tp_register",
     "tp_register_with_module",
     "tp_size",
+    "wait_checkpoint",
 ]

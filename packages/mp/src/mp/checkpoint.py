@@ -58,9 +58,13 @@ __all__ = [
     "resume_from_checkpoint",
     "save",
     "save_checkpoint",
+    "wait_checkpoint",
 ]
 
 log = logging.getLogger(__name__)
+
+_background = engine.BackgroundSave()
+"""The ``save_checkpoint(async_save=True)`` in flight, if any, and the host buffers its copies reuse."""
 
 
 def _smp_error(exc: CheckpointError) -> SMPCheckpointError:
@@ -205,15 +209,72 @@ def load(  # noqa: PLR0917 - smp's positional signature
 
 
 # --------------------------------------------------------------------------- save_checkpoint / resume
-def _check_tag(tag: object) -> str:
+def _check_tag(tag: object, partial: object = True, async_save: object = False) -> str:
     if not isinstance(tag, str) or not tag or os.sep in tag or engine.publish.TMP_MARK in tag:
         raise SMPCheckpointError(f"checkpoint tag={tag!r}; expected a non-empty str without {os.sep!r}")
+    if not isinstance(async_save, bool):
+        raise SMPCheckpointError(f"save_checkpoint(async_save={async_save!r}); expected True or False")
     if state.initialized and state.require()[1].size > 1:
-        tags: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(tags, tag)
-        if len(set(tags)) > 1:
-            raise SMPCheckpointError(f"save_checkpoint tags differ between ranks: {tags}; pass the same tag")
+        calls: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(calls, (tag, bool(partial), async_save))
+        if len({t for t, _, _ in calls}) > 1:
+            raise SMPCheckpointError(
+                f"save_checkpoint tags differ between ranks: {[t for t, _, _ in calls]}; pass the same tag"
+            )
+        if len(set(calls)) > 1:
+            raise SMPCheckpointError(
+                f"save_checkpoint's (partial, async_save) differ between ranks: {[c[1:] for c in calls]}; "
+                "pass the same on every rank"
+            )
     return tag
+
+
+def _checkpoint_group() -> Any:
+    """The group background saves agree over: every rank, gloo, used by nothing else (so a background
+    agreement never meets training's collectives on their communicator). Made, collectively, by the
+    first async save; destroyed by smp.reset."""
+    if not state.initialized or state.require()[1].size == 1:
+        return None
+    if state.checkpoint_group is None:
+        pg = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
+        state.checkpoint_group = pg
+        state.created_groups.append(pg)
+    return state.checkpoint_group
+
+
+def _previous_failure(what: str) -> Exception | None:
+    """Wait for the background save in flight; its failure, named as the previous save's."""
+    try:
+        with _smp_errors():
+            _background.wait()
+    except Exception as exc:
+        kind = type(exc) if isinstance(exc, SMPCheckpointError) else SMPCheckpointError
+        return kind(
+            f"the background save before {what} failed, so this one was not started: {exc}\n"
+            "The checkpoints saved before the failed one are untouched (newest names the last complete one)"
+        )
+    return None
+
+
+def wait_checkpoint() -> None:
+    """Wait until the ``smp.save_checkpoint(..., async_save=True)`` in flight (if any) is published;
+    raise its failure as the synchronous save would have (the same error on every rank: the ranks agree
+    on the outcome in the background). Not collective; returns at once when no save is in flight.
+    ``save_checkpoint``, ``resume_from_checkpoint``, ``smp.reset`` and the end of the process wait too."""
+    with _smp_errors():
+        _background.wait()
+
+
+def finish_background() -> Exception | None:
+    """Wait for the background save in flight and drop its host buffers (smp.reset, exit); return its
+    failure as smp's exception, None if it succeeded or none was in flight."""
+    try:
+        wait_checkpoint()
+    except Exception as exc:
+        return exc
+    finally:
+        _background.release()
+    return None
 
 
 def _partial_names(c: engine.Layout) -> tuple[str, str]:
@@ -229,6 +290,8 @@ def save_checkpoint(  # noqa: PLR0917 - smp's positional signature
     user_content: Any = None,
     translate_if_full: bool = True,
     num_kept_partial_checkpoints: int | None = None,
+    *,
+    async_save: bool = False,
 ) -> None:
     """Write smp's checkpoint folder; call it on every rank with the same ``tag``.
 
@@ -240,8 +303,18 @@ def save_checkpoint(  # noqa: PLR0917 - smp's positional signature
     ``num_kept_partial_checkpoints`` removes the oldest complete partial checkpoints beyond that many.
     ``translate_if_full``: the full state already has the original (e.g. Hugging Face) key names, so
     there is nothing left to translate; ``False`` (smp's own distributed names) is refused.
+
+    ``async_save=True`` (mp's addition): return once the state is copied into host memory; the files,
+    the ranks' agreement, the manifest and ``newest`` are written in the background, with the same
+    guarantees. A failure there is raised by the next ``save_checkpoint``, by ``smp.wait_checkpoint()``
+    or ``smp.reset()``, and at exit (logged, exit status 1). Pass the same value on every rank.
     """
-    tag = _check_tag(tag)
+    tag = _check_tag(tag, partial, async_save)
+    what = f"smp.save_checkpoint({path!r}, tag={tag!r})"
+    previous = _previous_failure(what)
+    if previous is not None and not async_save:
+        # The ranks agreed on the background save's outcome, so every rank raises here.
+        raise previous
     if not partial and translate_if_full is not True:
         raise SMPCheckpointError(
             f"save_checkpoint(translate_if_full={translate_if_full!r}): mp writes a full checkpoint with the "
@@ -280,10 +353,33 @@ def save_checkpoint(  # noqa: PLR0917 - smp's positional signature
             if opt_full is not None:
                 files[f"optimizer_{tag}"] = opt_full
             files[f"user_content_{tag}"] = user_content
-    with _smp_errors():
-        engine.save_folder(
-            path, tag, c, _group(GroupKind.WORLD), files, partial=partial, keep=num_kept_partial_checkpoints
-        )
+    if not async_save:
+        with _smp_errors():
+            engine.save_folder(
+                path,
+                tag,
+                c,
+                _group(GroupKind.WORLD),
+                files,
+                partial=partial,
+                keep=num_kept_partial_checkpoints,
+            )
+        return
+    group = _checkpoint_group()
+    error: Exception | None = previous
+    staged: dict[str, Any] = {}
+    if error is None:
+        try:
+            staged = _background.stage(files)  # the copy: what later steps cannot change
+        except Exception as exc:
+            error = exc
+    with _smp_errors():  # the ranks agree that every copy was made before any write starts
+        engine.collective.agree(error, None, group, what, c.rank)
+
+    def write() -> None:
+        engine.save_folder(path, tag, c, group, staged, partial=partial, keep=num_kept_partial_checkpoints)
+
+    _background.start(write, what)
 
 
 def resume_from_checkpoint(  # noqa: PLR0917 - smp's positional signature
@@ -312,6 +408,7 @@ def resume_from_checkpoint(  # noqa: PLR0917 - smp's positional signature
     model = state.model
     if model is None:
         raise SMPCheckpointError("resume_from_checkpoint needs a smp.DistributedModel; create it first")
+    wait_checkpoint()  # a background save in flight is published (or has failed) first
     trusted = engine.is_trusted(trust_file)
     c = _layout()
     what = f"smp.resume_from_checkpoint({path!r}, tag={tag!r})"

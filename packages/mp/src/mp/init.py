@@ -15,6 +15,7 @@ from mp.atp_setup import setup_atp_mesh
 from mp.config import ConfigSource, check_paths, load_config, validate_world
 from mp.config_rules import refuse_not_built
 from mp.dp_backend import check_engines, world_backend, world_port
+from mp.errors import SMPCheckpointError
 from mp.state import State, state
 from mp_comm import (
     GroupKind,
@@ -130,6 +131,9 @@ def pipeline_transport(world: World) -> Transport:
 
 
 def _release(transport_timeout: float | None = None) -> None:
+    from mp.checkpoint import finish_background
+
+    failed = finish_background()  # a background checkpoint save ends before its group goes
     world = state.world
     runtime = getattr(state.model, "_runtime", None)
     if runtime is not None:
@@ -154,6 +158,8 @@ def _release(transport_timeout: float | None = None) -> None:
     fresh = State()
     for name in State.__dataclass_fields__:
         setattr(state, name, getattr(fresh, name))
+    if failed is not None:
+        raise failed
 
 
 def shutdown() -> None:
@@ -165,8 +171,15 @@ def _release_at_exit() -> None:
     # A script that ends without smp.shutdown (smp scripts do): reset's teardown, before mp_comm's stages
     # close the transports and destroy the groups it no longer references. The transport's close meets
     # the other ranks for a few seconds at most, so a rank that leaves while others run does not hang.
-    if state.initialized:
+    if not state.initialized:
+        return
+    try:
         _release(transport_timeout=EXIT_TIMEOUT)
+    except SMPCheckpointError as exc:  # the last background checkpoint save failed: never silently
+        log.error("%s\nThe process exits with status 1: its last checkpoint was not saved", exc)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(1)
 
 
 at_exit(Stage.USERS, _release_at_exit)

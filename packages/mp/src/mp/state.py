@@ -41,6 +41,9 @@ class State:
     """The point-to-point transport of the pipeline (mp_comm), opened by the first pipelined model."""
     model: Any = None
     optimizer: Any = None
+    checkpoint_group: Any = None
+    """The gloo group of every rank that background checkpoint saves agree over (mp.checkpoint; made by
+    the first ``save_checkpoint(async_save=True)``), apart from the groups training uses."""
     module_manager: ModuleManager = field(default_factory=ModuleManager)
 
     @property

@@ -2,6 +2,7 @@
 no code from the file, and smp's file layouts. Free of mp's other packages: the umbrella passes in the
 layout, the process groups and the state dicts."""
 
+from mp_memory.checkpoint.background import BackgroundSave
 from mp_memory.checkpoint.faults import POINTS, fault_point
 from mp_memory.checkpoint.files import load_full, load_partial, save_full, save_partial
 from mp_memory.checkpoint.folder import NEWEST, CheckpointFolder, prune, read_newest, save_folder
@@ -14,6 +15,7 @@ __all__ = [
     "NEWEST",
     "POINTS",
     "TRUST_ENV",
+    "BackgroundSave",
     "CheckpointFolder",
     "Layout",
     "Manifest",
