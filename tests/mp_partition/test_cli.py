@@ -11,6 +11,7 @@ import pytest
 
 from mp_partition import PartitionPlan
 from mp_partition.cli import main
+from mp_partition.errors import UnknownConfigFieldError
 
 pytest.importorskip("transformers")
 
@@ -30,6 +31,17 @@ def test_hf_model_type_with_overrides(tmp_path: Path, capsys: pytest.CaptureFixt
     assert [plan.owner(f"transformer.h.{i}") for i in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert (out / "report.txt").read_text() in printed
     assert (out / "plan.png").stat().st_size > 1000
+
+
+def test_set_takes_config_aliases_and_the_config_files_own_keys(tmp_path: Path) -> None:
+    from mp_partition.hf import load_hf_config
+
+    assert load_hf_config("gpt2", {"hidden_size": 48, "n_layer": 3}).n_embd == 48  # GPT-2's alias
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "my_extra_key": 1}))
+    assert load_hf_config(str(config), {"my_extra_key": 2}).my_extra_key == 2
+    with pytest.raises(UnknownConfigFieldError, match="did you mean 'my_extra_key'"):
+        load_hf_config(str(config), {"my_extra_kye": 2})
 
 
 def test_config_json_and_skip_tracing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -86,6 +98,18 @@ def test_factory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (["no_such_module_xyz:build", "-n", "2"], "cannot import"),
         (["gpt2", "-n", "0", *TINY_GPT2], "num_partitions 0"),
         (["gpt2", "-n", "2", "-a", "3", *TINY_GPT2], "memory_weight 3.0"),
+        # a misspelt field used to be kept as a stray attribute, and the unchanged model was planned
+        (
+            ["gpt2", "-n", "2", "--set", "n_layerz=4"],
+            "no field 'n_layerz'; expected a field of transformers' gpt2 config (a key of its "
+            "config.json); did you mean 'n_layer'?",
+        ),
+        (["t5-small", "-n", "2", "--set", "num_layer=2"], "did you mean 'num_layers'?"),
+        (
+            ["bert", "-n", "2", "--set", "zzzzzz=1"],
+            "no field 'zzzzzz'; expected a field of transformers' bert config (a key of its "
+            "config.json); fix the name",
+        ),
     ],
 )
 def test_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

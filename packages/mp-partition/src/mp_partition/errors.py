@@ -15,6 +15,7 @@ __all__ = [
     "PlanMismatchError",
     "SharedParameterPartitionError",
     "TracingError",
+    "UnknownConfigFieldError",
     "UnknownModulePathError",
 ]
 
@@ -96,3 +97,17 @@ class PlanMismatchError(PartitionError):
 
 class TracingError(PartitionError):
     """The tracing forward pass failed or was given unusable inputs."""
+
+
+class UnknownConfigFieldError(PartitionError):
+    """A config override names a field the architecture's config does not have."""
+
+    def __init__(self, field: str, model_type: str, nearest: str | None) -> None:
+        self.field = field
+        self.model_type = model_type
+        self.nearest = nearest
+        fix = f"did you mean {nearest!r}? (--set {nearest}=...)" if nearest is not None else "fix the name"
+        super().__init__(
+            f"--set {field}: the {model_type} config has no field {field!r}; expected a field of "
+            f"transformers' {model_type} config (a key of its config.json); {fix}"
+        )

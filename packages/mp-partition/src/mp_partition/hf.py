@@ -7,6 +7,7 @@ checkpoints), by a ``model_type`` that transformers knows (its default config), 
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import PartitionError
+from .errors import PartitionError, UnknownConfigFieldError
 
 __all__ = ["PRESETS", "TASKS", "HFModel", "build_hf_model", "load_hf_config", "partition_hf"]
 
@@ -72,18 +73,39 @@ def load_hf_config(spec: str, overrides: Mapping[str, Any] | None = None) -> Any
                 f"config {spec!r} has no 'model_type': expected a HuggingFace config.json; add e.g. "
                 '"model_type": "gpt2"'
             )
+        _check_overrides(tf, model_type, extra, also=data)
         data.update(extra)
         return tf.AutoConfig.for_model(model_type, **data)
     if spec in PRESETS:
         model_type, sizes = PRESETS[spec]
+        _check_overrides(tf, model_type, extra)
         return tf.AutoConfig.for_model(model_type, **{**sizes, **extra})
     try:
+        _check_overrides(tf, spec, extra)
         return tf.AutoConfig.for_model(spec, **extra)
     except ValueError as exc:
+        if isinstance(exc, PartitionError):
+            raise
         raise PartitionError(
             f"unknown architecture {spec!r}: expected a preset ({', '.join(sorted(PRESETS))}), a model_type "
             "that transformers knows (e.g. gpt2, t5, bert, llama), or a path to a config.json"
         ) from exc
+
+
+def _check_overrides(
+    tf: Any, model_type: str, overrides: Mapping[str, Any], also: Mapping[str, Any] | None = None
+) -> None:
+    """Refuse an override naming no field of the model type's config (transformers would keep it as a
+    stray attribute and build the unchanged model). Fields are the default config's keys, their aliases
+    (``hidden_size`` for GPT-2's ``n_embd``) and the keys of the config file being read (``also``)."""
+    if not overrides:
+        return
+    default = tf.AutoConfig.for_model(model_type)  # ValueError for an unknown model_type
+    fields = {*default.to_dict(), *getattr(default, "attribute_map", {}), *(also or {})}
+    for key in overrides:
+        if key not in fields:
+            nearest = difflib.get_close_matches(key, sorted(fields), n=1)
+            raise UnknownConfigFieldError(key, model_type, nearest[0] if nearest else None)
 
 
 def _auto_class(config: Any, task: str) -> Any:
@@ -122,6 +144,12 @@ class HFModel:
     example_kwargs: dict[str, torch.Tensor]
 
 
+def _ids(batch_size: int, length: int, vocab: int, device: str | torch.device) -> torch.Tensor:
+    if torch.device(device).type == "meta":
+        return torch.zeros(batch_size, length, dtype=torch.long, device=device)
+    return torch.randint(0, vocab, (batch_size, length), device=device)
+
+
 def build_hf_model(
     spec: str | Any,
     *,
@@ -130,10 +158,13 @@ def build_hf_model(
     device: str | torch.device = "meta",
     batch_size: int = 1,
     seq_len: int = 128,
+    decoder_seq_len: int | None = None,
 ) -> HFModel:
     """Builds a HuggingFace model from ``spec`` (preset, model_type, config path, or a config object)
     on ``device`` (meta by default: no memory is allocated) with ``input_ids`` (and
-    ``decoder_input_ids`` for sequence-to-sequence models) of shape ``(batch_size, seq_len)``."""
+    ``decoder_input_ids`` for sequence-to-sequence models) of shape ``(batch_size, seq_len)``;
+    ``decoder_seq_len`` gives the decoder inputs a length of their own (T5 pretrains on 512 source and
+    114 target tokens)."""
     config = load_hf_config(spec, overrides) if isinstance(spec, str) else spec
     auto_cls, chosen = _auto_class(config, task)
     with torch.device(device):
@@ -141,12 +172,12 @@ def build_hf_model(
     vocab = int(getattr(config, "vocab_size", 2) or 2)
     limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     length = min(seq_len, int(limit)) if limit else seq_len
-    ids = torch.zeros(batch_size, length, dtype=torch.long, device=device)
-    if device != "meta" and torch.device(device).type != "meta":
-        ids = torch.randint(0, vocab, (batch_size, length), device=device)
+    ids = _ids(batch_size, length, vocab, device)
     kwargs: dict[str, torch.Tensor] = {"input_ids": ids}
     if chosen == "seq2seq-lm" or getattr(config, "is_encoder_decoder", False):
-        kwargs["decoder_input_ids"] = ids.clone()
+        kwargs["decoder_input_ids"] = (
+            ids.clone() if decoder_seq_len is None else _ids(batch_size, decoder_seq_len, vocab, device)
+        )
     return HFModel(model=model, config=config, task=chosen, example_kwargs=kwargs)
 
 
@@ -162,6 +193,7 @@ def partition_hf(
     seq_len: int = 128,
     device: str | torch.device = "meta",
     allow_empty_partitions: bool = True,
+    decoder_seq_len: int | None = None,
 ) -> Any:
     """Builds a HuggingFace architecture (meta device by default) and auto-partitions it.
 
@@ -171,7 +203,13 @@ def partition_hf(
     from .api import auto_partition
 
     built = build_hf_model(
-        spec, task=task, overrides=overrides, device=device, batch_size=batch_size, seq_len=seq_len
+        spec,
+        task=task,
+        overrides=overrides,
+        device=device,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        decoder_seq_len=decoder_seq_len,
     )
     return auto_partition(
         built.model,
