@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from mp_comm import Launcher, WorldError, WorldInfo, detect_launcher, init_world
+from mp_comm.errors import NetworkError
+from mp_comm.network import preflight_timeout, rendezvous_candidates
 from mp_comm.transport import TransportConfig
-from mp_comm.world import _placement, _set_thread_count, _usable_cores
+from mp_comm.world import _placement, _set_thread_count, _slurm_coordinates, _usable_cores, first_slurm_host
 from tests._harness import run_script
 
 
@@ -25,10 +27,66 @@ from tests._harness import run_script
         ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, Launcher.TORCHRUN),
         ({"RANK": "0"}, Launcher.SINGLE),
         ({}, Launcher.SINGLE),
+        ({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS": "4"}, Launcher.SLURM),
+        # an sbatch script itself: the allocation's variables, no step's
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}, Launcher.SINGLE),
+        # srun --mpi=pmi2 of an MPI program: MPI's variables win
+        ({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4", "PMI_RANK": "1"}, Launcher.MPI),
     ],
 )
 def test_detect_launcher(env: dict[str, str], expected: Launcher) -> None:
     assert detect_launcher(env) is expected
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "first"),
+    [
+        ("h[1-2]", "h1"),
+        ("node[03-05,9],gpu1", "node03"),
+        ("a1,b2", "a1"),
+        ("gpu7,node[1-2]", "gpu7"),
+        ("x", "x"),
+    ],
+)
+def test_first_slurm_host(nodelist: str, first: str) -> None:
+    assert first_slurm_host(nodelist) == first
+
+
+def test_slurm_coordinates_follow_the_steps_variables() -> None:
+    env = {
+        "SLURM_PROCID": "3",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "2",
+        "SLURM_STEP_NUM_TASKS": "6",
+        "SLURM_STEP_NUM_NODES": "3",
+        "SLURM_STEP_TASKS_PER_NODE": "3,2,1",
+    }
+    info = _slurm_coordinates(env)
+    assert (info.rank, info.size, info.local_rank, info.local_size, info.node, info.num_nodes) == (
+        3,
+        6,
+        0,
+        1,
+        2,
+        3,
+    )
+    env["SLURM_STEP_TASKS_PER_NODE"], env["SLURM_NODEID"] = "2(x3)", "1"
+    assert _slurm_coordinates(env).local_size == 2
+    with pytest.raises(WorldError, match="SLURM_PROCID"):
+        _slurm_coordinates({"SLURM_STEP_NUM_TASKS": "2"})
+
+
+def test_rendezvous_candidates_follow_the_users_choice() -> None:
+    assert rendezvous_candidates({"MASTER_ADDR": "127.0.0.1"}) == ["127.0.0.1"]
+    assert rendezvous_candidates({"MP_IFNAME": "lo"}) == ["127.0.0.1"]
+    with pytest.raises(
+        NetworkError, match=r"MP_IFNAME='nosuch0' is not an interface.*this host has: lo \(127"
+    ):
+        rendezvous_candidates({"MP_IFNAME": "nosuch0"})
+    with pytest.raises(NetworkError, match=r"MASTER_ADDR='no\.such\.host\.invalid' does not resolve"):
+        rendezvous_candidates({"MASTER_ADDR": "no.such.host.invalid"})
+    with pytest.raises(NetworkError, match="MP_PREFLIGHT_TIMEOUT='soon'"):
+        preflight_timeout({"MP_PREFLIGHT_TIMEOUT": "soon"})
 
 
 def _host(local_size: int, *, bound: bool = False) -> WorldInfo:

@@ -26,3 +26,10 @@ def hosts() -> Iterator[SimulatedHosts]:
         yield made
     finally:
         made.teardown()
+
+
+@pytest.fixture(scope="session")
+def slurm(hosts: SimulatedHosts) -> dict[str, str]:
+    """A Slurm cluster (slurmctld on h1, a slurmd per host, munge) over the simulated hosts: the
+    environment its clients need."""
+    return hosts.start_slurm()

@@ -23,6 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SSHD = "/usr/sbin/sshd"
+# The cgroup (v1) controllers mounted again under the fresh /sys of `ip netns exec`, for slurmd.
+_CGROUP_V1 = (
+    "mount -t tmpfs cgroups /sys/fs/cgroup && for c in cpuset memory freezer devices cpu cpuacct; do "
+    "mkdir -p /sys/fs/cgroup/$c && mount -t cgroup -o $c cgroup /sys/fs/cgroup/$c || exit 1; done"
+)
 
 
 class HostsUnavailable(RuntimeError):
@@ -68,6 +73,7 @@ class SimulatedHosts:
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mp-hosts-")))
     _sshd: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _links: list[str] = field(default_factory=list)
+    _pidfiles: list[Path] = field(default_factory=list)
 
     @property
     def bridge(self) -> str:
@@ -223,12 +229,113 @@ class SimulatedHosts:
         """An ssh command (hydra's -launcher-exec) that reaches every host as root with the run's key."""
         return self.workdir / "ssh"
 
+    # -- slurm -----------------------------------------------------------------------------------------
+
+    def start_slurm(self) -> dict[str, str]:
+        """A Slurm cluster over the hosts (Debian's slurm-wlm and munge): one munged with a key of the
+        run's, slurmctld on h1, a slurmd on each host. Returns the environment its clients (srun,
+        sbatch, squeue) need. Stopped by `teardown`."""
+        for tool in ("munged", "slurmctld", "slurmd", "srun"):
+            if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
+                raise HostsUnavailable(f"Slurm needs {tool!r} (Debian: apt-get install slurm-wlm munge)")
+        folder = self.workdir / "slurm"
+        folder.mkdir()
+        key = folder / "munge.key"
+        key.write_bytes(secrets.token_bytes(1024))
+        key.chmod(0o400)
+        socket_path = folder / "munge.sock"
+        munged = shutil.which("munged") or "/usr/sbin/munged"
+        _run(
+            munged,
+            "--force",
+            f"--socket={socket_path}",
+            f"--key-file={key}",
+            f"--pid-file={folder / 'munged.pid'}",
+            f"--seed-file={folder / 'munged.seed'}",
+            f"--log-file={folder / 'munged.log'}",
+        )
+        self._pidfiles.append(folder / "munged.pid")
+        nodes = "\n".join(
+            f"NodeName={h.name} NodeAddr={h.address} CPUs={os.cpu_count() or 1} State=UNKNOWN"
+            for h in self.hosts
+        )
+        (folder / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\n")
+        conf = folder / "slurm.conf"
+        conf.write_text(
+            f"""ClusterName=mptest{self.tag}
+SlurmctldHost={self.hosts[0].name}({self.hosts[0].address})
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={socket_path}
+CredType=cred/munge
+StateSaveLocation={folder}/ctld
+SlurmdSpoolDir={folder}/spool-%n
+SlurmctldPidFile={folder}/slurmctld.pid
+SlurmdPidFile={folder}/slurmd-%n.pid
+SlurmctldPort=6817
+SlurmdPort=6818
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=none
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+SlurmctldLogFile={folder}/slurmctld.log
+SlurmdLogFile={folder}/slurmd-%n.log
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+{nodes}
+PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
+"""
+        )
+        env = {**os.environ, "SLURM_CONF": str(conf)}
+        log = open(folder / "daemons.log", "wb")  # noqa: SIM115 (owned by the processes)
+        self._sshd.append(
+            subprocess.Popen(
+                self.command(self.hosts[0], ["slurmctld", "-D", "-i"]), env=env, stdout=log, stderr=log
+            )
+        )
+        for host in self.hosts:
+            self._sshd.append(
+                # `ip netns exec` mounts a fresh /sys without the cgroup file systems, which slurmd needs:
+                # mount the v1 controllers there again, in the host's own mount namespace only.
+                subprocess.Popen(
+                    self.command(
+                        host,
+                        [
+                            "sh",
+                            "-c",
+                            f"{_CGROUP_V1} && exec slurmd -D -N {host.name}",
+                        ],
+                    ),
+                    env=env,
+                    stdout=log,
+                    stderr=log,
+                )
+            )
+        deadline = time.monotonic() + 60
+        while True:
+            info = self.run(self.hosts[0], ["sinfo", "-h", "-N", "-o", "%N %t"], env=env, timeout=30)
+            states = dict(line.split() for line in info.stdout.splitlines() if line.strip())
+            if all(states.get(h.name) == "idle" for h in self.hosts):
+                return env
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Slurm's nodes did not come up: {info.stdout!r} {info.stderr!r}")
+            time.sleep(0.5)
+
     # -- teardown --------------------------------------------------------------------------------------
 
     def teardown(self) -> None:
         """Stop every process in the hosts and remove the namespaces, links, files made by `start`."""
         for proc in self._sshd:
             proc.terminate()
+        for pidfile in self._pidfiles:
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(pidfile.read_text().strip()), signal.SIGTERM)
+        self._pidfiles.clear()
         for host in self.hosts:
             for pid in self.pids(host):
                 with contextlib.suppress(ProcessLookupError):

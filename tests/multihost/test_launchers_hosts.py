@@ -65,3 +65,24 @@ def test_torchrun_on_each_host(hosts: SimulatedHosts, tmp_path: Path) -> None:
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     _check(tmp_path, "torchrun")
     assert [r["address"] for r in _records(tmp_path, 4)] == ["10.77.0.1"] * 2 + ["10.77.0.2"] * 2
+
+
+def test_an_sbatch_script_that_calls_srun(
+    hosts: SimulatedHosts, slurm: dict[str, str], tmp_path: Path
+) -> None:
+    # A real Slurm: the batch script runs once on h1 (where mp must not start a world: it is no task of
+    # a step) and `srun` starts the 4 tasks; mp reads SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID,
+    # SLURM_STEP_NUM_TASKS, SLURM_STEP_TASKS_PER_NODE and SLURM_STEP_NODELIST.
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/sh\n#SBATCH --nodes=2 --ntasks=4 --ntasks-per-node=2\n"
+        f"{sys.executable} -c 'import mp_comm; print(mp_comm.detect_launcher().value)'\n"
+        f"srun {sys.executable} {TRAIN} {tmp_path}\n"
+    )
+    env = {**_env(CONFIG), **{k: v for k, v in slurm.items() if k.startswith("SLURM")}}
+    cmd = ["sbatch", "--wait", f"--output={tmp_path}/job.out", str(script)]
+    proc = hosts.run(hosts.hosts[0], cmd, env=env, timeout=280)
+    log = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+    assert proc.returncode == 0, proc.stderr[-2000:] + log[-4000:]
+    assert log.splitlines()[0] == "single", log[-2000:]
+    _check(tmp_path, "slurm")

@@ -38,8 +38,10 @@ from mp_comm.world_info import (  # noqa: F401 (tests import _check_launched_siz
     _mpi_coordinates,
     _placement,
     _set_thread_count,
+    _slurm_coordinates,
     _usable_cores,
     detect_launcher,
+    first_slurm_host,
 )
 
 __all__ = [
@@ -301,6 +303,8 @@ def init_world(
             num_nodes=max(1, size // max(1, local_size)),
             launcher=Launcher.TORCHRUN,
         )
+    elif launcher is Launcher.SLURM:
+        info = _slurm_coordinates(env)
     else:
         info = WorldInfo(rank=0, size=1, local_rank=0, local_size=1, node=0, num_nodes=1, launcher=launcher)
 
@@ -361,6 +365,10 @@ def init_world(
             )
         else:
             dist.init_process_group(chosen, init_method="env://", timeout=timeout)
+    elif launcher is Launcher.SLURM:
+        store, network = _slurm_store(env, info, port, timeout)
+        _use_interface(network, info.num_nodes, environ is None)
+        dist.init_process_group(chosen, store=store, rank=info.rank, world_size=info.size, timeout=timeout)
     else:
         dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     if launcher is Launcher.MPI and info.size > 1:
@@ -385,6 +393,43 @@ def _use_interface(network: JobAddress, num_nodes: int, own_environment: bool) -
         return
     for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         os.environ.setdefault(variable, network.interface)
+
+
+def _slurm_store(
+    env: Mapping[str, str], info: WorldInfo, port: int | None, timeout: datetime.timedelta
+) -> tuple[dist.Store, JobAddress]:
+    """The rendezvous of an srun step: rank 0's store on the step's first host (MASTER_ADDR when set)
+    at a port every task derives alike (the config's, MASTER_PORT, else one from the job id)."""
+    if info.num_nodes == 1:
+        host = env.get("MASTER_ADDR", "127.0.0.1")
+    else:
+        host = env.get("MASTER_ADDR") or first_slurm_host(_env_str(env, "SLURM_STEP_NODELIST"))
+    if port is None:
+        port = _env_int(env, "MASTER_PORT", 20000 + _env_int(env, "SLURM_JOB_ID", 0) % 20000)
+    bound = preflight_timeout(env)
+    if info.rank == 0:
+        address = socket.gethostbyname(host)
+        store: dist.Store = _free_port_store(address, info.size, timeout, port)
+    else:
+        try:
+            store = dist.TCPStore(host, port, info.size, False, timeout=datetime.timedelta(seconds=bound))
+        except (RuntimeError, OSError) as exc:
+            raise NetworkError(
+                f"rank {info.rank} on {socket.gethostname()} could not connect to the rendezvous store of "
+                f"rank 0 at {host}:{port} within {bound:g} s ({str(exc).splitlines()[0]}). Fix: set "
+                "MASTER_ADDR to rank 0's address on the network the hosts share (and MASTER_PORT to a free "
+                "port), or raise MP_PREFLIGHT_TIMEOUT"
+            ) from None
+        store.set_timeout(timeout)
+    if info.num_nodes == 1:
+        return store, JobAddress("127.0.0.1", "127.0.0.1", "lo")
+    return store, address_towards(host, port, bound)
+
+
+def _env_str(env: Mapping[str, str], name: str) -> str:
+    if not env.get(name):
+        raise WorldError(f"{name} is not set; srun sets it. Start the job's tasks with srun.")
+    return env[name]
 
 
 def _mpi_store(

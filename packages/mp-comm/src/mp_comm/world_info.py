@@ -15,7 +15,7 @@ import torch
 
 from mp_comm.errors import WorldError
 
-__all__ = ["Launcher", "WorldInfo", "detect_launcher"]
+__all__ = ["Launcher", "WorldInfo", "detect_launcher", "first_slurm_host"]
 
 # Environment variables that MPI launchers set in every rank (MPICH/hydra, Open MPI, PMIx, Intel MPI).
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
@@ -26,6 +26,8 @@ class Launcher(enum.Enum):
 
     MPI = "mpi"
     TORCHRUN = "torchrun"
+    SLURM = "slurm"
+    """Slurm's srun, without MPI (`srun -N2 -n4 python train.py`): ranks from SLURM_PROCID and friends."""
     SINGLE = "single"
 
 
@@ -55,13 +57,52 @@ class WorldInfo:
 
 
 def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher:
-    """MPI if an MPI launcher's variables are present, torchrun if RANK/WORLD_SIZE are, else single."""
+    """MPI if an MPI launcher's variables are present, torchrun if RANK/WORLD_SIZE are, Slurm if srun
+    started this process as a task of a job step, else single."""
     env = os.environ if environ is None else environ
     if any(var in env for var in _MPI_RANK_VARS):
         return Launcher.MPI
     if "RANK" in env and "WORLD_SIZE" in env:
         return Launcher.TORCHRUN
+    # srun sets the step's variables; an sbatch script itself (one process, SLURM_NTASKS of the whole
+    # allocation) has none of them and runs as a single process.
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        return Launcher.SLURM
     return Launcher.SINGLE
+
+
+def _slurm_tasks_per_node(spec: str) -> list[int]:
+    """Slurm's SLURM_STEP_TASKS_PER_NODE ("2(x3),1") as one count per node."""
+    counts: list[int] = []
+    for item in spec.split(","):
+        count, _, repeat = item.partition("(x")
+        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    return counts
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm host list ("node[03-05,9],gpu1" -> "node03")."""
+    head = nodelist.split(",", 1)[0] if "[" not in nodelist.split(",", 1)[0] else nodelist
+    prefix, bracket, rest = head.partition("[")
+    if not bracket:
+        return prefix
+    first = rest.split("]", 1)[0].split(",", 1)[0].split("-", 1)[0]
+    return prefix + first
+
+
+def _slurm_coordinates(env: Mapping[str, str]) -> WorldInfo:
+    size = _env_int(env, "SLURM_STEP_NUM_TASKS")
+    node = _env_int(env, "SLURM_NODEID", 0)
+    per_node = _slurm_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", str(size)))
+    return WorldInfo(
+        rank=_env_int(env, "SLURM_PROCID"),
+        size=size,
+        local_rank=_env_int(env, "SLURM_LOCALID", 0),
+        local_size=per_node[node] if node < len(per_node) else 1,
+        node=node,
+        num_nodes=_env_int(env, "SLURM_STEP_NUM_NODES", len(per_node)),
+        launcher=Launcher.SLURM,
+    )
 
 
 def _cpus() -> set[int]:
@@ -151,7 +192,10 @@ def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> i
     raw = env.get(name)
     if raw is None:
         if default is None:
-            raise WorldError(f"{name} is not set; torchrun sets it. Start the job with torchrun or mpiexec.")
+            raise WorldError(
+                f"{name} is not set; the launcher (torchrun, srun) sets it. Start the job with torchrun, "
+                "srun or mpiexec."
+            )
         return default
     try:
         return int(raw)
