@@ -102,3 +102,22 @@ def test_ten_billion_parameters_trace_on_meta() -> None:
 def test_too_few_modules() -> None:
     with pytest.raises(ModelTooSmallError):
         partition_hf(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16), 64, seq_len=4)
+
+
+def test_t5_11b_partitions_as_figures_9_and_10_with_a_shorter_target() -> None:
+    # Appendix D: alpha 1.0 gives the encoder and the decoder four partitions each (Figure 9), alpha 0.2
+    # three and five (Figure 10). With equal source and target lengths, alpha 1.0 gives 3/5 here (the
+    # decoder's parameters and activations are 57% of the model); with a target 2/3 of the source (T5
+    # pretrains on 512 / 114 tokens) the encoder's activations weigh enough for 4/4.
+    from mp_partition import trace_model
+
+    built = build_hf_model("t5-11b", seq_len=192, decoder_seq_len=128)
+    assert tuple(built.example_kwargs["decoder_input_ids"].shape) == (1, 128)
+    trace = trace_model(built.model, (), built.example_kwargs)
+    for alpha, expected in ((1.0, (4, 4)), (0.2, (3, 5))):
+        plan = auto_partition(
+            built.model, 8, example_kwargs=built.example_kwargs, trace=trace, memory_weight=alpha
+        )
+        encoder = {plan.owner(f"encoder.block.{i}") for i in range(24)}
+        decoder = {plan.owner(f"decoder.block.{i}") for i in range(24)}
+        assert (len(encoder), len(decoder)) == expected, (alpha, sorted(encoder), sorted(decoder))

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=1, help="tracing batch size (HF models)")
     parser.add_argument("--seq-len", type=int, default=128, help="tracing sequence length (HF models)")
     parser.add_argument(
+        "--decoder-seq-len", type=int, default=None, help="decoder input length of encoder-decoder models"
+    )
+    parser.add_argument(
         "--device", default=None, help="device to build on (HF default: meta; factories: as they build)"
     )
     parser.add_argument("--factory-kwargs", default=None, help="JSON object passed to the factory")
@@ -123,6 +126,7 @@ def run(args: argparse.Namespace) -> PartitionPlan:
         device=args.device or "meta",
         batch_size=args.batch_size,
         seq_len=args.seq_len,
+        decoder_seq_len=args.decoder_seq_len,
     )
     return auto_partition(
         built.model,

@@ -170,11 +170,14 @@ def profile_model(
     task: str = "auto",
     decoder_seq_len: int | None = None,
     hidden: int | None = None,
+    device: str = "meta",
 ) -> ModelProfile:
     """Builds ``model`` on meta and profiles one sample of ``seq_len`` tokens (see the module docstring).
 
     ``model`` is a HuggingFace preset/model_type/config path or ``package.module:factory`` (the factory
-    returns the module and example inputs of one sample, as for ``mp-partition``).
+    returns the module and example inputs of one sample, as for ``mp-partition``). ``device``: where
+    the model is built and traced (``meta`` allocates nothing; ``cpu`` for models whose forward reads
+    values, e.g. a Hugging Face mask check that calls ``.item()``).
     """
     from mp_partition import build_hf_model, trace_model
     from mp_partition.factory import load_factory
@@ -182,7 +185,7 @@ def profile_model(
     config: Any = None
     module, sep, attr = model.partition(":")
     if sep and module and attr and not model.endswith(".json"):
-        made = load_factory(model, dict(factory_kwargs or {}), device="meta")
+        made = load_factory(model, dict(factory_kwargs or {}), device=device)
         net, args, kwargs = made.model, made.args, dict(made.kwargs)
         if not (args or kwargs):
             raise PlanError(
@@ -192,7 +195,12 @@ def profile_model(
     else:
         try:
             built = build_hf_model(
-                model, task=task, overrides=dict(overrides or {}), device="meta", seq_len=seq_len
+                model,
+                task=task,
+                overrides=dict(overrides or {}),
+                device=device,
+                seq_len=seq_len,
+                decoder_seq_len=decoder_seq_len,
             )
         except Exception as exc:
             raise PlanError(
@@ -200,8 +208,6 @@ def profile_model(
                 "config.json or package.module:factory"
             ) from exc
         net, args, kwargs, config = built.model, (), dict(built.example_kwargs), built.config
-        if decoder_seq_len is not None and "decoder_input_ids" in kwargs:
-            kwargs["decoder_input_ids"] = torch.zeros(1, decoder_seq_len, dtype=torch.long, device="meta")
     net.train()
     trace = trace_model(net, args, kwargs)
     flops = count_flops(net, args, kwargs)
