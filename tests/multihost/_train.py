@@ -1,16 +1,22 @@
 """One training script for every launcher of the multi-host tests, started with no edit.
 
+    _train.py OUT [--save DIR] [--resume DIR] [--forever]
+
 The config comes from MP_CONFIG (as `mp-launch --config` passes it). Trains a small MLP for a few steps,
 each data-parallel replica on its own batch, and checks on every rank that its losses and parameters equal
-plain single-process PyTorch trained on the whole batch. Writes one JSON record per rank to argv[1]:
-where the rank ran (host, local rank, groups) and what it checked. Exits non-zero on a mismatch.
+plain single-process PyTorch trained on the whole batch. Writes one JSON record per rank to OUT: where the
+rank ran (host, local rank, groups) and what it checked. Exits non-zero on a mismatch. `--save` writes a
+partial checkpoint after the steps; `--resume` loads one first and trains the steps after it (compared
+with plain PyTorch trained through both); `--forever` trains until it is stopped, printing each step.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +39,16 @@ def batch(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main() -> None:
-    out = sys.argv[1]
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--save")
+    parser.add_argument("--resume")
+    parser.add_argument("--forever", action="store_true")
+    args = parser.parse_args()
+    out = args.out
     smp.init()
     model = smp.DistributedModel(build())
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
 
     @smp.step
     def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -44,25 +56,43 @@ def main() -> None:
         model.backward(loss)  # type: ignore[operator]
         return loss
 
+    first = 0
+    if args.resume:
+        first = int(smp.resume_from_checkpoint(args.resume)["next_step"])
     losses = []
-    for step in range(STEPS):
+    step = first
+    while step < first + STEPS or args.forever:
         x, y = batch(step, smp.dp_rank())
         optimizer.zero_grad()
         loss = train_step(model, x, y).reduce_mean()
         optimizer.step()
         losses.append(smp.allgather(float(loss), smp.DP_GROUP))
+        if args.forever and smp.rank() == 0:
+            print(f"step {step}", flush=True)
+            time.sleep(0.05)
+        step += 1
+    if args.save:
+        smp.save_checkpoint(
+            args.save,
+            tag="after",
+            partial=True,
+            model=model,
+            optimizer=optimizer,
+            user_content={"next_step": step},
+        )
 
     # Plain PyTorch: the mean loss over every replica's batch (what data parallelism averages).
     ref = build()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     ref_losses = []
-    for step in range(STEPS):
+    for step in range(first + STEPS):
         data = [batch(step, r) for r in range(smp.dp_size())]
         ref_opt.zero_grad()
         per = [F.cross_entropy(ref(x), y) for x, y in data]
         torch.stack(per).mean().backward()
         ref_opt.step()
         ref_losses.append([v.item() for v in per])
+    ref_losses = ref_losses[first:]
     mine = {n.removeprefix("module."): p for n, p in model.local_named_parameters()}
     expected = dict(ref.named_parameters())
     gaps = [float((p.detach() - expected[n].detach()).abs().max()) for n, p in mine.items()]

@@ -123,6 +123,10 @@ class SimulatedHosts:
     def exec_ip(self, host: Host, *args: str) -> None:
         _run("ip", "-n", host.namespace, *args)
 
+    def exec_tc(self, host: Host, *args: str, check: bool = True) -> None:
+        """tc in `host`'s namespace (tc netem shapes its links)."""
+        _run("ip", "netns", "exec", host.namespace, "tc", *args, check=check)
+
     def add_isolated_interface(self, host: Host, name: str, address: str) -> None:
         """Give `host` a further interface whose network no other host reaches (one end of a veth pair
         whose other end stays in the host too: not every kernel has the dummy device)."""

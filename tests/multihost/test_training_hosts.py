@@ -1,0 +1,133 @@
+"""Training across two simulated hosts: a pipeline whose stages sit on different hosts equals one
+process (also over a slow, lossy link where the kernel has tc netem); its checkpoint, written to a
+folder both hosts share, resumes on one host; and a host that dies or drops off the network ends the
+job within its bound, named."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.multihost.hosts import SimulatedHosts
+from tests.multihost.test_mpi_hosts import BIN, TRAIN, _env, _hydra, _records
+
+SPREAD = {"pipeline_parallel_degree": 2, "microbatches": 2, "placement_strategy": "spread"}
+
+
+@pytest.fixture
+def lossy(hosts: SimulatedHosts) -> Iterator[None]:
+    """5 ms more delay and 1% loss on every packet a host sends (tc netem), removed afterwards."""
+    try:
+        hosts.exec_tc(
+            hosts.hosts[0], "qdisc", "add", "dev", "eth0", "root", "netem", "delay", "5ms", "loss", "1%"
+        )
+    except RuntimeError as exc:
+        if "qdisc kind is unknown" in str(exc):
+            pytest.skip("this kernel has no netem queueing discipline (sch_netem), so no link can be slowed")
+        raise
+    for host in hosts.hosts[1:]:
+        hosts.exec_tc(host, "qdisc", "add", "dev", "eth0", "root", "netem", "delay", "5ms", "loss", "1%")
+    try:
+        yield
+    finally:
+        for host in hosts.hosts:
+            hosts.exec_tc(host, "qdisc", "del", "dev", "eth0", "root", check=False)
+
+
+def test_pipeline_across_hosts_on_a_lossy_link(hosts: SimulatedHosts, lossy: None, tmp_path: Path) -> None:
+    cmd = _hydra(hosts, "-hosts", "h1:2,h2:2", sys.executable, str(TRAIN), str(tmp_path))
+    proc = hosts.run(hosts.hosts[0], cmd, env=_env(SPREAD))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for r in _records(tmp_path, 4):
+        assert r["param_gap"] <= 1e-5 and r["loss_gap"] <= 1e-5, r
+
+
+def test_pipeline_across_hosts_then_resume_on_one_host(hosts: SimulatedHosts, tmp_path: Path) -> None:
+    first, second, ckpt = tmp_path / "first", tmp_path / "second", tmp_path / "ckpt"
+    first.mkdir()
+    second.mkdir()
+    cmd = _hydra(hosts, "-hosts", "h1:2,h2:2", sys.executable, str(TRAIN), str(first), "--save", str(ckpt))
+    proc = hosts.run(hosts.hosts[0], cmd, env=_env(SPREAD))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    records = _records(first, 4)
+    # "spread": each pipeline has a stage on each host, the replicas of a stage share a host.
+    assert [r["pp_group"] for r in records] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r["host"] for r in records] == ["h1", "h1", "h2", "h2"]
+    for r in records:
+        assert r["param_gap"] <= 1e-5 and r["loss_gap"] <= 1e-5, r
+    # The partial checkpoint, written by both hosts into the shared folder, resumes on h1 alone, under
+    # another placement; the steps after it equal plain PyTorch trained through both runs.
+    config = {"pipeline_parallel_degree": 2, "microbatches": 2}
+    cmd = [str(BIN / "mpiexec"), "-n", "4", sys.executable, str(TRAIN), str(second), "--resume", str(ckpt)]
+    proc = hosts.run(hosts.hosts[0], cmd, env=_env(config))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for r in _records(second, 4):
+        assert r["host"] == "h1"
+        assert r["param_gap"] <= 1e-5 and r["loss_gap"] <= 1e-5, r
+
+
+def _run_until_step(hosts: SimulatedHosts, tmp_path: Path, step: int) -> subprocess.Popen[str]:
+    cmd = [str(BIN / "mp-launch"), "-n", "4", "--hosts", "h1:2,h2:2", "--launcher-exec", str(hosts.ssh)]
+    cmd += [str(TRAIN), str(tmp_path), "--forever"]
+    env = _env(SPREAD, MP_HEARTBEAT_TIMEOUT="5")
+    proc = hosts.popen(hosts.hosts[0], cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None
+    seen = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        seen.append(line)
+        if line.strip() == f"step {step}":
+            return proc
+        if not line:
+            break
+    proc.kill()
+    pytest.fail("the job did not reach step {step}:\n" + "".join(seen)[-3000:])
+
+
+def _finish(proc: subprocess.Popen[str], limit: float) -> tuple[str, float]:
+    start = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=limit + 60)
+    finally:
+        proc.kill()
+    return out, time.monotonic() - start
+
+
+def test_a_host_whose_processes_are_all_killed_ends_the_job(hosts: SimulatedHosts, tmp_path: Path) -> None:
+    proc = _run_until_step(hosts, tmp_path, 3)
+    h2 = hosts.hosts[1]
+    for pid in hosts.pids(h2):  # the ranks and Hydra's proxy: everything of the job on h2
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"sshd" not in cmdline:
+            os.kill(pid, signal.SIGKILL)
+    out, took = _finish(proc, 10)
+    assert proc.returncode != 0, out[-3000:]
+    assert took < 10, f"the job took {took:.1f} s to end:\n{out[-3000:]}"
+    assert h2.address in out or "h2" in out, out[-3000:]  # the host is named (its address, at least)
+
+
+def test_a_host_cut_off_the_network_is_named_within_the_heartbeat_timeout(
+    hosts: SimulatedHosts, tmp_path: Path
+) -> None:
+    proc = _run_until_step(hosts, tmp_path, 3)
+    cable = hosts.link(hosts.hosts[1])
+    subprocess.run(["ip", "link", "set", cable, "down"], check=True)
+    try:
+        out, took = _finish(proc, 5 + 10)
+    finally:
+        subprocess.run(["ip", "link", "set", cable, "up"], check=True)
+    assert proc.returncode != 0, out[-3000:]
+    assert took < 5 + 10, f"the job took {took:.1f} s to end:\n{out[-3000:]}"
+    assert "stopped answering" in out and "host h2" in out, out[-3000:]
+    assert "rank 2 " in out or "rank 3 " in out, out[-3000:]
