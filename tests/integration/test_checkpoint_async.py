@@ -4,7 +4,7 @@
   resume from it trains on exactly as the run that never stopped; a second async save waits for the first;
 - a write that fails in the background on one rank (a file size limit: a full disk) reaches every rank
   at ``smp.wait_checkpoint()`` and, for the next failure, at the next save; ``newest`` keeps the last good
-  checkpoint;
+  checkpoint; so does state that cannot be copied on one rank;
 - the process ends only once the save is published, and a failed last save ends it with status 1.
 
 The crash-at-any-moment cases of the background save are in test_checkpoint_faults.py (mode ``async``).
@@ -134,6 +134,10 @@ def _failing_saves(world: Any, folder: str) -> dict[str, Any]:
     out["newest_after_failures"] = (Path(folder) / "newest").read_text()
     smp.save_checkpoint(folder, "step5", model=model, optimizer=opt, async_save=True)
     smp.wait_checkpoint()
+    # user_content (rank 0's part) that cannot be copied: the call returns, every rank learns it at wait
+    lock = {"lock": threading.Lock()}
+    smp.save_checkpoint(folder, "step6", model=model, optimizer=opt, user_content=lock, async_save=True)
+    out["uncopyable"] = _error(smp.wait_checkpoint)
     out["listing"] = sorted(os.listdir(folder))
     smp.reset()
     return out
@@ -149,6 +153,8 @@ def test_a_background_failure_reaches_every_rank(worlds: Any, tmp_path: Path) ->
         assert nxt is not None and "the background save before" in nxt and "tag='step4'" in nxt, (rank, nxt)
         assert "tag='step3'" in nxt and "rank 1 could not write checkpoint file" in nxt, (rank, nxt)
         assert r["newest_after_failures"] == "step1", (rank, r)
+        bad = r["uncopyable"]
+        assert bad is not None and "tag='step6'" in bad and "rank 0: TypeError" in bad, (rank, bad)
     assert results[0]["listing"] == ["newest", "step1_partial", "step5_partial"], results[0]["listing"]
     assert (tmp_path / "newest").read_text() == "step5"
 

@@ -312,8 +312,7 @@ def save_checkpoint(  # noqa: PLR0917 - smp's positional signature
     tag = _check_tag(tag, partial, async_save)
     what = f"smp.save_checkpoint({path!r}, tag={tag!r})"
     previous = _previous_failure(what)
-    if previous is not None and not async_save:
-        # The ranks agreed on the background save's outcome, so every rank raises here.
+    if previous is not None:  # the ranks agreed on the background save's outcome: every rank raises
         raise previous
     if not partial and translate_if_full is not True:
         raise SMPCheckpointError(
@@ -366,17 +365,16 @@ def save_checkpoint(  # noqa: PLR0917 - smp's positional signature
             )
         return
     group = _checkpoint_group()
-    error: Exception | None = previous
+    error: Exception | None = None
     staged: dict[str, Any] = {}
-    if error is None:
-        try:
-            staged = _background.stage(files)  # the copy: what later steps cannot change
-        except Exception as exc:
-            error = exc
-    with _smp_errors():  # the ranks agree that every copy was made before any write starts
-        engine.collective.agree(error, None, group, what, c.rank)
+    try:
+        staged = _background.stage(files)  # the copy: what later steps cannot change
+    except Exception as exc:  # agreed on in the background (no collective while the loop blocks)
+        error = exc
 
     def write() -> None:
+        # Every rank learns whether every copy was made before any file is written.
+        engine.collective.agree(error, None, group, what, c.rank)
         engine.save_folder(path, tag, c, group, staged, partial=partial, keep=num_kept_partial_checkpoints)
 
     _background.start(write, what)
