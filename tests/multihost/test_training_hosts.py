@@ -131,3 +131,18 @@ def test_a_host_cut_off_the_network_is_named_within_the_heartbeat_timeout(
     assert took < 5 + 10, f"the job took {took:.1f} s to end:\n{out[-3000:]}"
     assert "stopped answering" in out and "host h2" in out, out[-3000:]
     assert "rank 2 " in out or "rank 3 " in out, out[-3000:]
+
+
+def test_hf_gpt2_tensor_parallel_within_hosts_pipelined_across(hosts: SimulatedHosts, tmp_path: Path) -> None:
+    # The default placement puts a TP group on neighbouring ranks (one host) and the stages across hosts.
+    config = {"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2, "microbatches": 2}
+    script = Path(__file__).with_name("_train_gpt2.py")
+    cmd = _hydra(hosts, "-hosts", "h1:2,h2:2", sys.executable, str(script), str(tmp_path))
+    proc = hosts.run(hosts.hosts[0], cmd, env=_env(config))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    records = _records(tmp_path, 4)
+    assert [r["tp_group"] for r in records] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["pp_group"] for r in records] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r["host"] for r in records] == ["h1", "h1", "h2", "h2"]
+    for r in records:
+        assert not r["key_mismatch"] and r["state_gap"] <= 1e-5 and r["loss_gap"] <= 1e-5, r
