@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import re
 import select
 import signal
 import socket
@@ -340,6 +341,24 @@ def start(world: Any, label: str = "", *, timeout: float | None = None) -> Heart
     _HEARTBEAT.append(beat)
     log.debug("rank %d: heartbeat every %.1f s, timeout %g s", world.rank, beat.interval, limit)
     return beat.start()
+
+
+def who_is_at(text: str) -> str | None:
+    """Which hosts and ranks the IPv4 addresses in an error message are (gloo names a peer that went away
+    only by address: "Connection closed by peer [10.0.0.2]:41217"), from this process's heartbeat, or
+    None when it names none of the job's addresses or the job runs on one host."""
+    if not _HEARTBEAT:
+        return None
+    peers = _HEARTBEAT[-1].peers
+    if len({p.address[0] for p in peers}) < 2:
+        return None
+    found = []
+    for address in dict.fromkeys(re.findall(r"(?<![\d.])(\d{1,3}(?:\.\d{1,3}){3})(?![\d.])", text)):
+        at = [p for p in peers if p.address[0] == address]
+        if at:
+            ranks = ", ".join(str(p.rank) for p in at)
+            found.append(f"{address} is host {at[0].host} (rank{'s' if len(at) > 1 else ''} {ranks})")
+    return "; ".join(found) or None
 
 
 def stop() -> None:

@@ -494,6 +494,16 @@ def _validate_everywhere(validate: Callable[[WorldInfo], None], info: WorldInfo,
         )
 
 
+def _name_peers(exc: BaseException) -> None:
+    """Add to `exc` which hosts and ranks the addresses in its message are (mp_comm.heartbeat knows)."""
+    from mp_comm.heartbeat import who_is_at
+
+    with contextlib.suppress(Exception):
+        note = who_is_at(str(exc))
+        if note:
+            exc.add_note(f"mp: {note}")
+
+
 def _abort_job_after(report: Callable[..., Any], rank: int) -> Callable[..., None]:
     """A sys.excepthook that reports an uncaught exception, then aborts the whole MPI job.
 
@@ -505,6 +515,7 @@ def _abort_job_after(report: Callable[..., Any], rank: int) -> Callable[..., Non
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
         try:
+            _name_peers(exc)
             report(exc_type, exc, tb)
             print(
                 f"[rank {rank}] mp: uncaught {exc_type.__name__}; aborting the MPI job so that no rank "

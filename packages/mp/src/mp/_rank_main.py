@@ -39,6 +39,15 @@ def _user_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
+def _name_peers(exc: BaseException) -> None:
+    # A peer that went away is named by address alone in gloo's errors: say which host and ranks it is.
+    if "mp_comm.heartbeat" in sys.modules:
+        with contextlib.suppress(Exception):
+            note = sys.modules["mp_comm.heartbeat"].who_is_at(str(exc))
+            if note:
+                exc.add_note(f"mp: {note}")
+
+
 def _fail(rank: int, code: int, text: str) -> None:
     sys.stdout.flush()
     failure_dir = os.environ.get("MP_LAUNCH_FAILURE_DIR")
@@ -111,6 +120,7 @@ def main() -> None:
         else:
             _fail(rank, 1, f"exited with sys.exit({code!r})\n")
     except BaseException as exc:
+        _name_peers(exc)
         _fail(rank, 1, _user_traceback(exc))
 
 
