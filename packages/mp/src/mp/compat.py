@@ -110,8 +110,14 @@ NOTES: dict[str, tuple[Status, str]] = {
     "get_tp_process_group": ("built", _DDP),
     "get_pp_process_group": ("built", _DDP),
     "get_rdp_process_group": ("built", _DDP),
-    "param_shard_rank": ("not built", "sharded data parallelism is not built"),
-    "param_shard_size": ("not built", "sharded data parallelism is not built"),
+    "param_shard_rank": (
+        "not built",
+        "smp's internal name; sharded data parallelism is built (sharded_data_parallel_degree)",
+    ),
+    "param_shard_size": (
+        "not built",
+        "smp's internal name; sharded data parallelism is built (sharded_data_parallel_degree)",
+    ),
     # -- DistributedModel
     "DistributedModel(trace_device)": (
         "differs",
