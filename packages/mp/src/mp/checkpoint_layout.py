@@ -7,7 +7,7 @@ is needed. The model keeps what its own partition assigns it; the optimizer stat
 parameters by name (each local optimizer part carries its parameters' names).
 
 Another tensor-parallel degree: each rank reads every part, concatenates the TP shards along the split
-dimension each part records (``_smp_layout``), and, where this model has the original module instead of
+dimension each part records (its TP layout), and, where this model has the original module instead of
 the saving job's TP block, translates the block back with its registration's ``to_original``. The
 result is a full state (and a name-keyed full optimizer state) that loads under any layout.
 """
@@ -18,6 +18,7 @@ from typing import Any
 
 from mp.errors import IncompatibleCheckpointFoundError
 from mp.state_dicts import local_layout_check
+from mp_memory.checkpoint.schema import read_header
 from mp_tensor.registry import default_registry
 
 __all__ = ["load_merged_model", "original_names"]
@@ -26,10 +27,8 @@ __all__ = ["load_merged_model", "original_names"]
 def load_merged_model(model: Any, merged: dict[str, Any], strict: bool) -> None:
     """Load the whole-model state at this rank's TP shards: all of it before partitioning (pp > 1: the
     partition then frees what other stages own), this rank's stage after."""
-    layout = merged.get("_smp_layout")
-    if isinstance(layout, dict):
-        local_layout_check(model, layout)
-    sd = {k: v for k, v in merged.items() if not k.startswith("_smp_")}
+    header, sd = read_header(merged)
+    local_layout_check(model, header.tp_layout)
     if sd and all(k.startswith("module.") for k in sd):
         sd = {k[len("module.") :]: v for k, v in sd.items()}
     keys = list(model.module.state_dict(keep_vars=True))

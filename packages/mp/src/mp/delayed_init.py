@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from mp_memory.checkpoint.schema import read_header
 from mp_memory.delayed_init import DelayedInitError, has_meta_parameters, materialize, parameters_on_meta
 from mp_tensor.nn.base import is_distributed_parameter, param_init
 
@@ -126,7 +127,7 @@ def _defer_loads(model: Any) -> None:
     def load_state_dict(state_dict: Any, strict: bool = True, *args: Any, **kwargs: Any) -> Any:
         if model.partitioned or not delayed(model.module):
             return original(state_dict, strict, *args, **kwargs)
-        saved_partition = state_dict.get("_smp_partition") if isinstance(state_dict, dict) else None
+        saved_partition = read_header(state_dict)[0].partition if isinstance(state_dict, dict) else None
         same_partition = kwargs.get("same_partition_load", args[1] if len(args) > 1 else True)
         if saved_partition is not None and same_partition and model._pp > 1:
             model._pin_partition(saved_partition)

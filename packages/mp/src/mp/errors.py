@@ -39,6 +39,7 @@ __all__ = [
     "DistTransformerConfigError",
     "DistributedModelNotWrappedError",
     "DistributedModelWrappedError",
+    "FullHalfStateUnderTPError",
     "FwdExecutionNotInStepFnError",
     "IncompatibleCheckpointFoundError",
     "IncompatibleCheckpointRankFoundError",
@@ -166,6 +167,11 @@ class CheckpointingConfigError(SMPValidationError):
 
 class SMPCheckpointError(SMPValidationError):
     """A checkpoint cannot be saved or loaded as asked."""
+
+
+class FullHalfStateUnderTPError(SMPCheckpointError, SMPUnsupportedError):
+    """The full fp16/bf16 optimizer state under tensor parallelism (an unsupported combination, so also
+    an SMPUnsupportedError): only the partial state is saved and loaded there."""
 
 
 class MissingCheckpointFilesError(SMPCheckpointError):

@@ -21,6 +21,7 @@ from mp.sharded import local_state_dict as sharded_local_state_dict
 from mp.state import state
 from mp.state_dicts import full_state_dict, layout_of, load_full_state_dict, local_layout_check
 from mp_comm import GroupKind
+from mp_memory.checkpoint.schema import Header, read_header, write_header
 
 if TYPE_CHECKING:
     from mp.model import DistributedModel
@@ -50,8 +51,8 @@ class StateDictMixin(PartitionMixin):
         return cast("DistributedModel", self)
 
     def local_state_dict(self, *args: Any, cast_to_cpu: bool = True, **kwargs: Any) -> dict[str, Any]:
-        """This rank's part of the model's state (its stage, its TP shards), with ``_smp_is_partial``,
-        the partition (``_smp_partition``, pp > 1) and, with TP shards, the layout (``_smp_layout``)."""
+        """This rank's part of the model's state (its stage, its TP shards), with a partial header
+        (``mp_memory.checkpoint.schema``): the partition (pp > 1) and, with TP shards, their layout."""
         if self._sharded is not None:  # this rank's shards (mp.sharded)
             return sharded_local_state_dict(self._sharded)
         out: dict[str, Any] = OrderedDict()
@@ -59,15 +60,13 @@ class StateDictMixin(PartitionMixin):
             if self._owner(key) != self._pp_rank:
                 continue
             out[key] = value.detach().cpu() if cast_to_cpu and isinstance(value, torch.Tensor) else value
-        out["_smp_is_partial"] = True
-        if self._pp > 1 and self._assignment:
-            # The partition travels with the parts: loaded before the first step of another run, it
-            # replaces that run's own partitioning (which could differ: traced times vary).
-            out["_smp_partition"] = dict(self._assignment)
+        # The partition travels with the parts: loaded before the first step of another run, it
+        # replaces that run's own partitioning (which could differ: traced times vary).
+        partition = dict(self._assignment) if self._pp > 1 and self._assignment else None
         layout = layout_of(self._whole())
-        if layout["split"]:  # TP shards: which tp_rank's they are, so no other rank loads them
-            out["_smp_layout"] = layout
-        return out
+        # TP shards: which tp_rank's they are, so no other rank loads them
+        header = Header(partial=True, partition=partition, tp_layout=layout if layout.split else None)
+        return write_header(out, header)
 
     def state_dict(  # type: ignore[override]
         self,
@@ -115,23 +114,19 @@ class StateDictMixin(PartitionMixin):
         sd = dict(state_dict)
         if translate_function is not None:
             sd = dict(translate_function(sd))
-        partial = bool(sd.pop("_smp_is_partial", False))
-        saved_partition = sd.pop("_smp_partition", None)
-        saved_layout = sd.pop("_smp_layout", None)
+        header, sd = read_header(sd)
         if sd and all(k.startswith("module.") for k in sd):
             sd = {k[len("module.") :]: v for k, v in sd.items()}
         if self._sharded is not None:
-            if partial:
-                sd["_smp_layout"] = saved_layout  # the shard layout, checked by mp.sharded
-                return load_sharded_local_state_dict(self._sharded, sd)
+            if header.partial:  # the shard layout, checked by mp.sharded
+                return load_sharded_local_state_dict(self._sharded, sd, header.sdp_layout)
             return self._sharded.load_full_state_dict(sd, strict)
-        if not partial:
+        if not header.partial:
             return load_full_state_dict(self._whole(), sd, strict)
-        if isinstance(saved_layout, dict):
-            local_layout_check(self._whole(), saved_layout)
+        local_layout_check(self._whole(), header.tp_layout)
         if not self._partitioned and self._pp > 1:
-            if saved_partition is not None and same_partition_load:
-                self._pin_partition(saved_partition)
+            if header.partition is not None and same_partition_load:
+                self._pin_partition(header.partition)
             loaded = set(sd)
             if strict:
                 self.register_post_partition_hook(lambda m, _opt: m._check_partial_keys(loaded, True))

@@ -24,6 +24,7 @@ from mp.optimizer_state import has_tp_roots, load_named_state, named_state
 from mp.state import state
 from mp.state_dicts import layout_of, local_layout_check
 from mp_comm import GroupKind
+from mp_memory.checkpoint.schema import Header, read_header, write_header
 
 __all__ = ["DistributedOptimizer", "keep_local_parameters"]
 
@@ -74,13 +75,13 @@ def _pipelined(model: Any) -> bool:
 def _local_state_dict(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """This rank's optimizer state, with the names of its parameters and the layout (checked when
     loading: a TP shard's state must not load on another tp_rank)."""
-    sd = dict(torch.optim.Optimizer.state_dict(self))
-    sd["_smp_is_partial"] = True
-    sd["_smp_param_names"] = _param_names(self)
     layout = layout_of(state.model) if state.model is not None else None
-    if layout is not None and layout["split"]:
-        sd["_smp_layout"] = layout
-    return sd
+    header = Header(
+        partial=True,
+        param_names=_param_names(self),
+        tp_layout=layout if layout is not None and layout.split else None,
+    )
+    return write_header(torch.optim.Optimizer.state_dict(self), header)
 
 
 def _param_name_to_index(self: torch.optim.Optimizer) -> dict[str, int]:
@@ -101,7 +102,7 @@ def _state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
     """The full optimizer state, numbered as the unpartitioned optimizer numbers its parameters.
 
     With pp > 1 it is gathered over the pipeline group: call it on every rank of the pipeline. It
-    carries the full groups' parameter names (``_smp_param_names``). Under tensor parallelism it is keyed
+    carries the full groups' parameter names (in its header). Under tensor parallelism it is keyed
     by the original model's parameter names instead, with full tensors (``mp.optimizer_state``):
     collective over the TP group too."""
     model = state.model
@@ -109,11 +110,12 @@ def _state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
         assert model is not None
         return named_state(self, model, _all_params(self))
     local = dict(torch.optim.Optimizer.state_dict(self))
+    param_names = None
     if model is not None:
         names = {id(p): n for n, p in model.module.named_parameters()}
-        local["_smp_param_names"] = [[names.get(id(p)) for p in g] for g in _all_params(self)]
+        param_names = [[names.get(id(p)) for p in g] for g in _all_params(self)]
     if not _pipelined(model):
-        return local
+        return write_header(local, Header(param_names=param_names))
     flat = [i for group in _global_indices(self) for i in group]
     mine = {
         flat[i]: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
@@ -132,8 +134,8 @@ def _state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
         {**{k: v for k, v in g.items() if k != "params"}, "params": list(range(offsets[gi], offsets[gi + 1]))}
         for gi, g in enumerate(local["param_groups"])
     ]
-    names = local["_smp_param_names"]
-    return {"state": dict(sorted(merged.items())), "param_groups": groups, "_smp_param_names": names}
+    full = {"state": dict(sorted(merged.items())), "param_groups": groups}
+    return write_header(full, Header(param_names=param_names))
 
 
 def _localize(optimizer: torch.optim.Optimizer, full: dict[str, Any]) -> dict[str, Any]:
@@ -168,21 +170,19 @@ def _load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) ->
 
     Before the model is partitioned (pp > 1) a local state is kept until partitioning has cut the
     groups down to this rank's parameters; a full state loads at once (the groups are still full)."""
-    sd = dict(state_dict)
-    partial = bool(sd.pop("_smp_is_partial", False))
-    names = sd.pop("_smp_param_names", None)
-    saved_layout = sd.pop("_smp_layout", None)
+    header, sd = read_header(state_dict)
+    partial, names = header.partial, header.param_names
     model = state.model
-    keyed = bool(sd.pop("_smp_keyed_by_name", False))
-    if keyed or (not partial and names is not None and has_tp_roots(model)):
+    if header.keyed_by_name or (not partial and names is not None and has_tp_roots(model)):
         assert model is not None
-        shards = bool(sd.pop("_smp_tp_shards", False))  # a partial state moved to another pp degree
-        if not keyed:
+        if not header.keyed_by_name:
+            assert names is not None
             sd = _by_name(sd, names)  # saved without TP, loading with it
-        load_named_state(self, model, sd, _all_params(self), translate=not shards)
+        # tp_shards: a partial state moved to another pp degree (this rank's shards, mp's names)
+        load_named_state(self, model, sd, _all_params(self), translate=not header.tp_shards)
         return
-    if partial and model is not None and isinstance(saved_layout, dict):
-        local_layout_check(model, saved_layout)
+    if partial and model is not None:
+        local_layout_check(model, header.tp_layout)
     if partial and model is not None and not model.partitioned and model._pp > 1:
         model.register_post_partition_hook(lambda _model, _opt: _load_local(self, sd, names))
         return

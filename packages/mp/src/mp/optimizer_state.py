@@ -20,6 +20,7 @@ import torch.distributed as dist
 from mp.errors import IncompatibleCheckpointFoundError
 from mp.state import state
 from mp_comm import GroupKind
+from mp_memory.checkpoint.schema import Header, write_header
 from mp_tensor.nn.base import DistributedModule, param_spec
 from mp_tensor.replace import ORIGINAL_ATTR, Replacement
 from mp_tensor.state_dict import distributed_roots
@@ -150,11 +151,8 @@ def named_state(
                     else:
                         into[key] = value
         _translate_deferred(mine, deferred, roots)
-    return {
-        "state": mine,
-        "param_groups": _named_groups(optimizer, model, all_groups, roots, names),
-        "_smp_keyed_by_name": True,
-    }
+    full = {"state": mine, "param_groups": _named_groups(optimizer, model, all_groups, roots, names)}
+    return write_header(full, Header(keyed_by_name=True))
 
 
 def _translate_deferred(

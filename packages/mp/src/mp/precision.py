@@ -28,11 +28,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from mp.errors import IncompatibleCheckpointFoundError, SMPCheckpointError, SMPValidationError
+from mp.errors import (
+    FullHalfStateUnderTPError,
+    IncompatibleCheckpointFoundError,
+    SMPCheckpointError,
+    SMPValidationError,
+)
 from mp.optimizer import clip_by_global_norm
 from mp.state import state
 from mp.zero import sharding_of
 from mp_comm import GroupKind
+from mp_memory.checkpoint.schema import Header, read_header, write_header
 from mp_memory.errors import PrecisionError
 from mp_memory.loss_scaler import make_loss_scaler
 from mp_memory.precision import HALF_DTYPES, Bit16Optimizer
@@ -75,20 +81,23 @@ def _model_sharding() -> Any:
     return getattr(state.model, "_sharded", None)
 
 
-def _refuse_full_under_tp(what: str, precision: str) -> None:
+def refuse_full_half_state_under_tp(what: str, precision: str) -> None:
     """The full fp16/bf16 state holds each TP rank's masters of its own shards under mp's names, and a
-    full checkpoint keeps rank 0's only: at tp > 1 an error, not TP rank 0's shards loaded everywhere."""
+    full checkpoint keeps rank 0's only: under tensor parallelism (with or without sharded data
+    parallelism) an error, not TP rank 0's shards loaded everywhere."""
     from mp.optimizer_state import has_tp_roots
 
     group = state.process_groups.get(GroupKind.TP)
-    if group is not None and dist.get_world_size(group) > 1 and has_tp_roots(state.model):
-        raise SMPCheckpointError(
-            f"{what} under {precision} with tensor_parallel_degree {dist.get_world_size(group)}: the fp32 "
-            "masters and their optimizer state are this TP rank's shards, not translated to the original "
-            "model's names (smp refused the full optimizer state under tensor parallelism too), so a full "
-            "checkpoint would load TP rank 0's shards on every TP rank. Fix: save and load "
-            "optimizer.local_state_dict() (smp.save_checkpoint(partial=True), smp.save(..., partial=True)); "
-            "model.state_dict() gives the full weights"
+    tp = dist.get_world_size(group) if group is not None else 1
+    sharding = _model_sharding()
+    if (tp > 1 and has_tp_roots(state.model)) or (sharding is not None and sharding.tp is not None):
+        raise FullHalfStateUnderTPError(
+            f"{what} under {precision} with tensor_parallel_degree {tp}: the fp32 masters and their "
+            "optimizer state are this TP rank's shards, not translated to the original model's names (smp "
+            "refused the full optimizer state under tensor parallelism too), so a full checkpoint would "
+            "load TP rank 0's shards on every TP rank. Fix: save and load optimizer.local_state_dict() "
+            "(smp.save_checkpoint(partial=True), smp.save(..., partial=True)); model.state_dict() gives "
+            "the full weights"
         )
 
 
@@ -185,24 +194,26 @@ class DistributedBit16Optimizer(Bit16Optimizer):
                 if m in store:
                     states[n] = {k: save(v) for k, v in store[m].items()}
         zero = self._zero_params()
-        extra: dict[str, Any] = {}
-        if zero is not None:
-            extra["_mp_zero_param_names"] = [names[id(m)] for m in zero]
         sharded = _model_sharding()
+        sdp_layout = None
         if sharded is not None and not full:
             from mp.sharded import layout_of
 
-            extra["_mp_sdp_layout"] = layout_of(sharded)
-        return {
-            **extra,
-            "_smp_is_partial": True,
-            "_mp_precision": self.precision,
+            sdp_layout = layout_of(sharded)
+        header = Header(
+            partial=not full,
+            sdp_layout=sdp_layout,
+            zero_param_names=None if zero is None else [names[id(m)] for m in zero],
+            precision=self.precision,
+        )
+        state_ = {
             "param_groups": groups,
             "state": states,
             "fp32_master_params": masters,
             "loss_scaler": self.loss_scaler.state_dict(),
             "overflow": self.overflow,
         }
+        return write_header(state_, header)
 
     def state_dict(self) -> dict[str, Any]:
         """The whole model's (gathered over the pipeline: call it on every rank of the pipeline)."""
@@ -214,12 +225,8 @@ class DistributedBit16Optimizer(Bit16Optimizer):
                 "Save optimizer.local_state_dict() (smp.save(..., partial=True) or "
                 "smp.save_checkpoint(partial=True))"
             )
-        from mp.sharded import refuse_full_half_state_under_tp
-
-        refuse_full_half_state_under_tp(_model_sharding(), "optimizer.state_dict()", self.precision)
-        _refuse_full_under_tp("optimizer.state_dict()", self.precision)
+        refuse_full_half_state_under_tp("optimizer.state_dict()", self.precision)
         sd = self._collect(full=True)
-        del sd["_smp_is_partial"]
         model = state.model
         if model is None or model._pp == 1:
             return sd
@@ -239,7 +246,7 @@ class DistributedBit16Optimizer(Bit16Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``local_state_dict()`` or ``state_dict()`` of an fp16/bf16 optimizer (any layout whose
         parameters include this rank's). Before the masters exist it is kept until they do."""
-        if "_mp_precision" not in state_dict:
+        if read_header(state_dict)[0].precision is None:
             raise IncompatibleCheckpointFoundError(
                 f"the optimizer state (keys {sorted(state_dict)[:6]}) was not saved by an fp16/bf16 "
                 f"optimizer; this one trains in {self.precision}. Load a state saved with the same "
@@ -255,7 +262,8 @@ class DistributedBit16Optimizer(Bit16Optimizer):
         if model is None or model._pp == 1 or model.partitioned:
             self._ready("load_state_dict")
 
-    def _apply(self, sd: dict[str, Any]) -> None:
+    def _apply(self, state_dict: dict[str, Any]) -> None:
+        header, sd = read_header(state_dict)
         names = self._names()
         masters, states = sd["fp32_master_params"], sd["state"]
         saved_groups = sd["param_groups"]
@@ -277,24 +285,20 @@ class DistributedBit16Optimizer(Bit16Optimizer):
                 "this layout"
             )
         zero = self._zero_params()
-        if zero is not None and sd.get("_mp_zero_param_names") != [names[id(m)] for m in zero]:
+        if zero is not None and header.zero_param_names != [names[id(m)] for m in zero]:
             raise IncompatibleCheckpointFoundError(
                 f"the {self.precision} optimizer state was not saved as this rank's share under "
                 "shard_optimizer_state with this layout: load a local_state_dict() saved with the same "
                 "layout, partition and data-parallel size"
             )
-        full = not sd.get("_smp_is_partial", False)
         sharded = _model_sharding()
+        full = not header.partial
         if full:
-            from mp.sharded import refuse_full_half_state_under_tp
-
-            what = "optimizer.load_state_dict() of a full state"
-            refuse_full_half_state_under_tp(sharded, what, self.precision)
-            _refuse_full_under_tp(what, self.precision)
-        if sharded is not None and not full:
+            refuse_full_half_state_under_tp("optimizer.load_state_dict() of a full state", self.precision)
+        if sharded is not None and header.partial:
             from mp.sharded import check_layout
 
-            check_layout(sharded, sd.get("_mp_sdp_layout"), "fp16/bf16 optimizer")
+            check_layout(sharded, header.sdp_layout, "fp16/bf16 optimizer")
         store = self._store()
         pair_of = {id(m): p for p, m in self.pairs()}
         with torch.no_grad():

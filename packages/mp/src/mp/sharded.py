@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from mp.errors import IncompatibleCheckpointFoundError, SMPUnsupportedError, SMPValidationError
 from mp.state import state
 from mp_comm import GroupKind
+from mp_memory.checkpoint.schema import Header, SDPLayout, read_header, write_header
 from mp_memory.precision import HALF_DTYPES, Bit16Optimizer
 from mp_memory.sharded import (
     ShardedDataParallel,
@@ -44,8 +45,6 @@ __all__ = [
     "shard_optimizer",
     "sharding_of",
 ]
-
-_LAYOUT_KEY = "_smp_layout"  # the checkpoint files' layout entry (mp_memory.checkpoint)
 
 
 def sharding_of(model: Any) -> ShardedDataParallel | None:
@@ -152,45 +151,42 @@ def partial_file_names(model: Any) -> tuple[str, str, bool] | None:
     if sharding is None:
         return None
     layout = layout_of(sharding)
-    name = f"sdp{layout['sdp_shard']}of{layout['sdp_degree']}"
-    if "tp_rank" in layout:
-        name += f"_tp{layout['tp_rank']}"
+    name = f"sdp{layout.shard}of{layout.degree}"
+    if layout.tp_rank is not None:
+        name += f"_tp{layout.tp_rank}"
     return f"model_{name}.pt", f"optimizer_{name}.pt", sharding.replica_index == 0
 
 
 def local_state_dict(sharding: ShardedDataParallel) -> dict[str, Any]:
-    out: dict[str, Any] = dict(sharding.local_state_dict())
-    out["_smp_is_partial"] = True
-    out[_LAYOUT_KEY] = layout_of(sharding)
-    return out
+    return write_header(sharding.local_state_dict(), Header(partial=True, sdp_layout=layout_of(sharding)))
 
 
-def load_local_state_dict(sharding: ShardedDataParallel, sd: dict[str, Any]) -> None:
-    check_layout(sharding, sd.pop(_LAYOUT_KEY, None), "model")
+def load_local_state_dict(sharding: ShardedDataParallel, sd: dict[str, Any], saved: SDPLayout | None) -> None:
+    """Load this rank's shards (``sd`` without its header; ``saved``: the shard it was saved from)."""
+    check_layout(sharding, saved, "model")
     try:
         sharding.load_local_state_dict(sd)
     except ShardingError as exc:
         raise IncompatibleCheckpointFoundError(str(exc)) from None
 
 
-def layout_of(sharding: ShardedDataParallel) -> dict[str, int]:
+def layout_of(sharding: ShardedDataParallel) -> SDPLayout:
     """The sharding degree and this rank's shard index (saved with partial states, checked on load)."""
     _, world, topo = state.require()
-    degree = sharding.config.degree
-    out = {"sdp_degree": degree, "sdp_shard": sharding.shard_index}
-    if sharding.tp is not None:
-        out["tp_rank"] = topo.coords(world.rank).tp_rank
-    return out
+    tp_rank = topo.coords(world.rank).tp_rank if sharding.tp is not None else None
+    return SDPLayout(sharding.config.degree, sharding.shard_index, tp_rank)
 
 
-def check_layout(sharding: ShardedDataParallel, saved: Any, what: str) -> None:
+def check_layout(sharding: ShardedDataParallel, saved: SDPLayout | None, what: str) -> None:
     """Refuse a partial state saved for another shard (IncompatibleCheckpointFoundError)."""
     here = layout_of(sharding)
     if saved != here:
+        shown = None if saved is None else saved.to_dict()
         raise IncompatibleCheckpointFoundError(
-            f"the partial {what} state holds the shards of {saved!r} (sharded_data_parallel_degree and shard "
-            f"index); this rank holds {here}. Fix: load it with the degree it was saved with, or save and "
-            "load the full state (model.state_dict(), optimizer.state_dict(), or partial=False)"
+            f"the partial {what} state holds the shards of {shown!r} (sharded_data_parallel_degree and "
+            f"shard index); this rank holds {here.to_dict()}. Fix: load it with the degree it was saved "
+            "with, or save and load the full state (model.state_dict(), optimizer.state_dict(), or "
+            "partial=False)"
         )
 
 
@@ -263,21 +259,19 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, sharding: ShardedDataParal
             return sharding.full_optimizer_state_dict(self)
 
     def local_state_dict(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        sd = local_optimizer_state(self)
-        sd["_smp_is_partial"] = True
-        sd[_LAYOUT_KEY] = layout_of(sharding)
-        return sd
+        header = Header(partial=True, sdp_layout=layout_of(sharding))
+        return write_header(local_optimizer_state(self), header)
 
     def load_state_dict(self: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
-        sd = dict(sd)
-        if sd.pop("_smp_is_partial", False):
-            check_layout(sharding, sd.pop(_LAYOUT_KEY, None), "optimizer")
+        header, sd = read_header(sd)
+        if header.partial:
+            check_layout(sharding, header.sdp_layout, "optimizer")
             load_local_optimizer_state(self, sd)
             return
         if sharding.tp is not None:
-            _load_full_tp_state(self, sd)
+            _load_full_tp_state(self, sd, header.param_names)
             return
-        sd.pop("_smp_keyed_by_name", None)  # a name-keyed state is what DCP's full state is too
+        # a name-keyed state (its header dropped) is what DCP's full state is too
         with _torch_methods(self):
             sharding.load_full_optimizer_state_dict(self, sd)
 
@@ -315,15 +309,15 @@ def _full_tp_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return named_state(cast(torch.optim.Optimizer, _WholeStates(optimizer)), state.model, groups)
 
 
-def _load_full_tp_state(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
-    """Load a full state keyed by parameter names (``_full_tp_state``'s, TP's without sharding, FSDP2's
-    full state of the model without TP, or an index-numbered one that carries its names): each rank
-    keeps its TP shard's part of this rank's shard."""
+def _load_full_tp_state(
+    optimizer: torch.optim.Optimizer, sd: dict[str, Any], names: list[list[str | None]] | None
+) -> None:
+    """Load a full state (without its header) keyed by parameter names (``_full_tp_state``'s, TP's
+    without sharding, FSDP2's full state of the model without TP), or an index-numbered one with the
+    ``names`` its header carries: each rank keeps its TP shard's part of this rank's shard."""
     from mp.optimizer_state import load_named_state
 
     assert state.model is not None
-    sd.pop("_smp_keyed_by_name", None)
-    names = sd.pop("_smp_param_names", None)
     if names is not None:  # index-numbered (a job without TP or sharding): by the names it carries
         flat = [n for group in names for n in group]
         sd = {
@@ -348,19 +342,6 @@ def _load_full_tp_state(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) ->
             for k, v in st.items():
                 if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0:
                     st[k] = as_like(v, p, full=True)
-
-
-def refuse_full_half_state_under_tp(sharding: ShardedDataParallel | None, what: str, precision: str) -> None:
-    """The fp16/bf16 optimizer's full state holds this TP rank's shards under their own names, and a
-    full checkpoint keeps rank 0's only: under sharding with TP an error instead of other ranks' values."""
-    if sharding is not None and sharding.tp is not None:
-        raise SMPUnsupportedError(
-            f"{what} under {precision} with sharded_data_parallel_degree > 1 and tensor_parallel_degree "
-            "> 1: mp's full fp16/bf16 optimizer state (fp32 masters and their optimizer state) is not "
-            "translated from the TP shards to the original model's names, so one TP rank's shards would "
-            "load on the others. Fix: save and load optimizer.local_state_dict() "
-            "(smp.save_checkpoint(partial=True)); model.state_dict() gives the full weights"
-        )
 
 
 def refuse_under_sharding(model: Any, what: str) -> None:

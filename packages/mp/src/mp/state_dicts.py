@@ -7,9 +7,10 @@
   ``DistributedModel`` of any layout, each rank keeping its own shards.
   A distributed module that the pipeline split over stages (smp's whole GPT-2, whose layers are
   partitioned) is gathered stage by stage in its own layout and translated once all stages are in.
-- Local (``local_state_dict``): this rank's stage, TP shards as they are, with ``_smp_is_partial`` and
-  ``_smp_layout`` (the pp/tp degrees and ranks and each shard's split dimension), so that loading it on
-  another rank or layout is refused instead of silently taking another rank's shard.
+- Local (``local_state_dict``): this rank's stage, TP shards as they are, with a partial header and the
+  TP layout (``mp_memory.checkpoint.schema``: the pp/tp degrees and ranks and each shard's split
+  dimension), so that loading it on another rank or layout is refused instead of silently taking another
+  rank's shard.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from mp.errors import IncompatibleCheckpointFoundError
 from mp.state import state
 from mp_comm import GroupKind
+from mp_memory.checkpoint.schema import TPLayout
 from mp_tensor import gather_state_dict, load_original_state_dict
 from mp_tensor.nn.base import DistributedModule, param_spec
 from mp_tensor.replace import ORIGINAL_ATTR, Replacement
@@ -188,8 +190,8 @@ def _load_stage_part(
     root.load_full_state_dict({k: v for k, v in part.items() if k in mine}, strict=False)
 
 
-def layout_of(model: DistributedModel) -> dict[str, Any]:
-    """``_smp_layout`` of a local state dict: degrees, ranks, and each TP shard's split dimension."""
+def layout_of(model: DistributedModel) -> TPLayout:
+    """The TP layout of a local state dict: degrees, ranks, and each TP shard's split dimension."""
     tp = state.process_groups.get(GroupKind.TP) if state.initialized else None
     tp_size = dist.get_world_size(tp) if tp is not None else 1
     tp_rank = dist.get_rank(tp) if tp is not None else 0
@@ -199,18 +201,18 @@ def layout_of(model: DistributedModel) -> dict[str, Any]:
             spec = param_spec(p)
             if spec is not None and spec.split_dim is not None:
                 split[prefix + name] = spec.split_dim % max(p.dim(), 1)
-    return {"pp": model._pp, "pp_rank": model._pp_rank, "tp": tp_size, "tp_rank": tp_rank, "split": split}
+    return TPLayout(model._pp, model._pp_rank, tp_size, tp_rank, split)
 
 
-def local_layout_check(model: DistributedModel, saved: dict[str, Any]) -> None:
+def local_layout_check(model: DistributedModel, saved: TPLayout | None) -> None:
     """Refuse a local state saved by another TP rank or degree when it holds TP shards."""
-    if not saved.get("split"):
+    if saved is None or not saved.split:
         return
     mine = layout_of(model)
-    if (saved.get("tp"), saved.get("tp_rank")) != (mine["tp"], mine["tp_rank"]):
+    if (saved.tp, saved.tp_rank) != (mine.tp, mine.tp_rank):
         raise IncompatibleCheckpointFoundError(
-            f"this partial state dict holds the tensor-parallel shards of tp_rank {saved.get('tp_rank')} of "
-            f"{saved.get('tp')}; this rank is tp_rank {mine['tp_rank']} of {mine['tp']}: load each rank's "
+            f"this partial state dict holds the tensor-parallel shards of tp_rank {saved.tp_rank} of "
+            f"{saved.tp}; this rank is tp_rank {mine.tp_rank} of {mine.tp}: load each rank's "
             "own part (smp.load(..., partial=True) picks it), or load the full model.state_dict(), which "
             "loads under any layout"
         )

@@ -22,6 +22,7 @@ import torch
 from mp.errors import IncompatibleCheckpointFoundError, SMPCheckpointError, SMPValidationError
 from mp.state import state
 from mp_comm import GroupKind
+from mp_memory.checkpoint.schema import Header, read_header, write_header
 from mp_memory.zero import ZeroSharding
 
 __all__ = ["shard_optimizer_state", "sharding_of"]
@@ -64,10 +65,8 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
     def local_state_dict(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> dict[str, Any]:
         _ready(sharding, "local_state_dict")
-        sd = sharding.local_state_dict()
-        sd["_smp_is_partial"] = True
-        sd["_mp_zero_param_names"] = _names(sharding.local_params())
-        return sd
+        header = Header(partial=True, zero_param_names=_names(sharding.local_params()))
+        return write_header(sharding.local_state_dict(), header)
 
     def state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
         raise SMPCheckpointError(
@@ -77,9 +76,8 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         )
 
     def _load(sd: dict[str, Any]) -> None:
-        sd = dict(sd)
-        sd.pop("_smp_is_partial", None)
-        names = sd.pop("_mp_zero_param_names", None)
+        header, sd = read_header(sd)
+        names = header.zero_param_names
         running = _names(sharding.local_params())
         if names is None or names != running:
             raise IncompatibleCheckpointFoundError(
@@ -90,7 +88,7 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         sharding.load_local(sd)
 
     def load_state_dict(self: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
-        if "_mp_zero_param_names" not in sd:
+        if read_header(sd)[0].zero_param_names is None:
             raise IncompatibleCheckpointFoundError(
                 "the optimizer state was not saved under shard_optimizer_state (no per-rank share): "
                 "load a local_state_dict() saved with shard_optimizer_state and this layout"

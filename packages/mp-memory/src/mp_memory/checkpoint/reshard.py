@@ -4,19 +4,21 @@ Another pipeline degree at the same tensor-parallel degree: :func:`merge_model_p
 :func:`merge_optimizer_parts` join every stage's part of one tp_rank (names stay; optimizer state is
 keyed by the parameter names each part records). Another tensor-parallel degree:
 :func:`full_model_from_parts` and :func:`full_optimizer_from_parts` concatenate each tp_rank's shards
-along the split dimensions the parts record (``_smp_layout``) into full tensors, then ``translate``
-(passed in by the caller, which knows the model's tensor-parallel blocks) renames them for the loading
-model. Pure functions of the parts: no process groups, no model.
+along the split dimensions the parts record (their ``schema.TPLayout``) into full tensors, then
+``translate`` (passed in by the caller, which knows the model's tensor-parallel blocks) renames them
+for the loading model. Pure functions of the parts: no process groups, no model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from mp_memory.checkpoint.errors import CheckpointLayoutError
+from mp_memory.checkpoint.schema import KEYS, Header, read_header, write_header
 
 __all__ = ["full_model_from_parts", "full_optimizer_from_parts", "merge_model_parts", "merge_optimizer_parts"]
 
@@ -26,26 +28,30 @@ Translate = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 def merge_model_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """One state of the whole model from every stage's local state (same tp_rank)."""
+    """One state of the whole model from every stage's local state (same tp_rank), with the first
+    part's TP layout (the split dimensions of every stage's shards)."""
     merged: dict[str, Any] = {}
+    layout = None
     for part in parts:
-        merged.update({k: v for k, v in part.items() if not k.startswith("_smp_")})
-    layouts = [p["_smp_layout"] for p in parts if "_smp_layout" in p]
-    if layouts:
-        merged["_smp_layout"] = layouts[0]
-    return merged
+        header, state = read_header(part)
+        merged.update(state)
+        layout = layout or header.tp_layout
+    if layout is not None:
+        layout = replace(layout, split={k: d for p in parts for k, d in _split_of(p).items()})
+    return write_header(merged, Header(tp_layout=layout))
 
 
 def merge_optimizer_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Every stage's local optimizer state, keyed by parameter name (this rank's TP shards)."""
     named: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
-    for part in parts:
-        names = part.get("_smp_param_names")
+    for raw in parts:
+        header, part = read_header(raw)
+        names = header.param_names
         if names is None:
             raise CheckpointLayoutError(
-                "a partial optimizer state without '_smp_param_names' cannot move to another "
-                "pipeline_parallel_degree; resume it with the layout it was saved with"
+                f"a partial optimizer state without its parameter names ({KEYS['param_names']!r}) cannot "
+                "move to another pipeline_parallel_degree; resume it with the layout it was saved with"
             )
         for gi, (group, listed) in enumerate(zip(part["param_groups"], names, strict=True)):
             for index, name in zip(group["params"], listed, strict=True):
@@ -54,15 +60,19 @@ def merge_optimizer_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
             if gi >= len(groups):
                 groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": []})
             groups[gi]["params"] += [n for n in listed if n is not None]
-    return {"state": named, "param_groups": groups, "_smp_keyed_by_name": True, "_smp_tp_shards": True}
+    state = {"state": named, "param_groups": groups}
+    return write_header(state, Header(keyed_by_name=True, tp_shards=True))
+
+
+def _split_of(part: dict[str, Any]) -> dict[str, int]:
+    layout = read_header(part)[0].tp_layout
+    return {} if layout is None else dict(layout.split)
 
 
 def _split(parts: Parts) -> dict[str, int]:
     split: dict[str, int] = {}
     for part in parts.values():
-        layout = part.get("_smp_layout")
-        if isinstance(layout, dict):
-            split.update(layout.get("split", {}))
+        split.update(_split_of(part))
     return split
 
 
@@ -80,9 +90,7 @@ def _concat(per_tp: list[dict[str, Any]], split: dict[str, int]) -> dict[str, An
 def full_model_from_parts(parts: Parts, tp: int, translate: Translate) -> dict[str, Any]:
     """The full state of the saved model; ``translate`` renames it for the loading model."""
     stages = sorted({p for p, _ in parts})
-    per_tp = [merge_model_parts([parts[(p, t)] for p in stages]) for t in range(tp)]
-    for merged in per_tp:
-        merged.pop("_smp_layout", None)
+    per_tp = [read_header(merge_model_parts([parts[(p, t)] for p in stages]))[1] for t in range(tp)]
     return translate(_concat(per_tp, _split(parts)))
 
 
@@ -92,7 +100,7 @@ def full_optimizer_from_parts(
     """A name-keyed full optimizer state from every rank's local one (optimizer.load_state_dict takes
     it under any layout)."""
     stages = sorted({p for p, _ in parts})
-    per_tp = [merge_optimizer_parts([parts[(p, t)] for p in stages]) for t in range(tp)]
+    per_tp = [read_header(merge_optimizer_parts([parts[(p, t)] for p in stages]))[1] for t in range(tp)]
     split = _split(model_parts)
     keys = sorted({k for st in per_tp[0]["state"].values() for k in st})
     state: dict[str, dict[str, Any]] = {}
@@ -113,4 +121,4 @@ def full_optimizer_from_parts(
     groups = [
         {**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in per_tp[0]["param_groups"]
     ]
-    return {"state": state, "param_groups": groups, "_smp_keyed_by_name": True}
+    return write_header({"state": state, "param_groups": groups}, Header(keyed_by_name=True))

@@ -25,6 +25,7 @@ from mp_memory.checkpoint.errors import (
 )
 from mp_memory.checkpoint.manifest import verify_file
 from mp_memory.checkpoint.publish import PartRecord
+from mp_memory.checkpoint.schema import read_header
 
 __all__ = ["TRUST_ENV", "check_metadata", "is_trusted", "load_part"]
 
@@ -90,25 +91,12 @@ def load_part(
         ) from exc
 
 
-_META: dict[str, type | tuple[type, ...]] = {
-    "_smp_is_partial": bool,
-    "_smp_partition": dict,
-    "_smp_param_names": list,
-    "_smp_layout": dict,
-    "_smp_keyed_by_name": bool,
-}
-
-
 def check_metadata(obj: Any, path: str) -> None:
-    """Refuse a state dict whose mp metadata (keys starting with ``_smp_``) is not one mp writes."""
+    """Refuse a state dict whose mp entries are not the records mp writes
+    (:func:`mp_memory.checkpoint.schema.read_header`)."""
     if not isinstance(obj, dict):
         return
-    for key, value in obj.items():
-        if not (isinstance(key, str) and key.startswith("_smp_")):
-            continue
-        expected = _META.get(key)
-        if expected is None or not isinstance(value, expected):
-            raise CheckpointCorruptError(
-                f"checkpoint file {path!r} has metadata {key!r} of type {type(value).__name__}; mp writes "
-                f"only {sorted(_META)} with types {[t.__name__ for t in _META.values()]}"  # type: ignore[union-attr]
-            )
+    try:
+        read_header(obj)
+    except CheckpointCorruptError as exc:
+        raise CheckpointCorruptError(f"checkpoint file {path!r}: {exc}") from None
