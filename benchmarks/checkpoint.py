@@ -12,6 +12,13 @@ pp=2 (half of the layers on each rank), each rank writing and reading its own ha
 - DCP: ``torch.distributed.checkpoint.save`` / ``load`` of the same local state dict (its file writer
   fsyncs; loading copies into the model's tensors in place).
 
+The background saves, on the same state and in the same rotation: ``smp.save_checkpoint(...,
+async_save=True)`` and DCP's ``async_save`` (as called by default, a new stager per call; and with one
+``DefaultStager`` kept across calls, which reuses its host copies as mp does). Each is timed twice: the
+call (what the training loop blocks for) and the wait for it to finish (``smp.wait_checkpoint()``,
+the future's ``result()``). A first, untimed call of each before the repetitions allocates their host
+buffers; its blocking time is reported as ``cold``.
+
 Each repetition runs the engines in a rotating order; a time is the slowest rank's, from a barrier to a
 barrier; throughput is the bytes of both ranks' tensors over that time, median over repetitions.
 Files go to ``--dir`` (default: a temporary folder on the same disk as /tmp) and are removed after each
@@ -136,6 +143,35 @@ def main() -> None:
     def dcp_load(folder: str) -> None:
         dcp.load({"model": local}, checkpoint_id=folder)
 
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    kept_stager = DefaultStager(StagingOptions(False, False, False, False))  # CPU: no pinning, no streams
+    futures: list[Any] = []
+    # DCP's background thread runs collectives; on the default group they would meet this loop's barriers.
+    dcp_group = dist.new_group(backend="gloo")
+
+    def mp_async(folder: str) -> None:
+        smp.save_checkpoint(folder, "bench", partial=True, model=model, async_save=True)
+
+    def dcp_async(folder: str) -> None:
+        futures.append(dcp.async_save({"model": local}, checkpoint_id=folder, process_group=dcp_group))
+
+    def dcp_async_kept(folder: str) -> None:
+        futures.append(
+            dcp.async_save(
+                {"model": local}, checkpoint_id=folder, process_group=dcp_group, async_stager=kept_stager
+            )
+        )
+
+    def dcp_finish() -> None:
+        futures.pop().result()
+
+    background: dict[str, tuple[Callable[[str], None], Callable[[], None]]] = {
+        "mp async": (mp_async, smp.wait_checkpoint),
+        "dcp async_save": (dcp_async, dcp_finish),
+        "dcp async_save, kept stager": (dcp_async_kept, dcp_finish),
+    }
+
     engines = {
         "mp": (mp_save, mp_load),
         "torch": (torch_save, torch_load),
@@ -143,20 +179,36 @@ def main() -> None:
         "dcp": (dcp_save, dcp_load),
     }
     times: dict[str, dict[str, list[float]]] = {e: {"save": [], "load": []} for e in engines}
+    blocking: dict[str, dict[str, list[float]]] = {e: {"call": [], "finish": []} for e in background}
+    cold: dict[str, float] = {}
+    for name, (start, finish) in background.items():  # the first call allocates the host copies
+        folder = os.path.join(root, f"cold-{name.replace(' ', '_').replace(',', '')}")
+        cold[name] = _timed(lambda start=start, folder=folder: start(folder))
+        finish()
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
     for rep in range(args.reps):
-        names = list(engines)
+        names = [*engines, *background]
         order = names[rep % len(names) :] + names[: rep % len(names)]
         for name in order:
-            save, load = engines[name]
-            folder = os.path.join(root, f"{name}{rep}")
-            times[name]["save"].append(_timed(lambda save=save, folder=folder: save(folder)))
-            # Untimed: write back what the save left dirty, so that it is not charged to the next engine.
-            os.sync()
-            times[name]["load"].append(_timed(lambda load=load, folder=folder: load(folder)))
+            folder = os.path.join(root, f"{name.replace(' ', '_').replace(',', '')}{rep}")
+            if name in background:
+                start, finish = background[name]
+                blocking[name]["call"].append(_timed(lambda start=start, folder=folder: start(folder)))
+                blocking[name]["finish"].append(_timed(finish))
+                os.sync()
+            else:
+                save, load = engines[name]
+                times[name]["save"].append(_timed(lambda save=save, folder=folder: save(folder)))
+                # Untimed: write back what the save left dirty, so that it is not charged to the next one.
+                os.sync()
+                times[name]["load"].append(_timed(lambda load=load, folder=folder: load(folder)))
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(folder, ignore_errors=True)
             dist.barrier()
+    kept_stager.close()
 
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
@@ -164,6 +216,24 @@ def main() -> None:
             e: {op: total / statistics.median(ts) / 1e9 for op, ts in ops.items()} for e, ops in times.items()
         }
         ratio = {op: gbps["mp"][op] / max(gbps["torch"][op], gbps["dcp"][op]) for op in ("save", "load")}
+        med = {e: {k: statistics.median(v) for k, v in ops.items()} for e, ops in blocking.items()}
+        sync_save = {
+            "mp": statistics.median(times["mp"]["save"]),
+            "dcp": statistics.median(times["dcp"]["save"]),
+        }
+        of_sync = {e: med[e]["call"] / sync_save["mp" if e.startswith("mp") else "dcp"] for e in background}
+        labels = {
+            "mp async": "mp save_checkpoint(async_save=True)",
+            "dcp async_save": "dcp.async_save",
+            "dcp async_save, kept stager": "dcp.async_save, kept stager",
+        }
+        rows: list[tuple[str, float, float | None, float, float | None]] = [
+            ("mp save_checkpoint (sync)", sync_save["mp"], None, sync_save["mp"], None),
+            ("dcp.save (sync)", sync_save["dcp"], None, sync_save["dcp"], None),
+        ]
+        for e, label in labels.items():
+            rows.append((label, med[e]["call"], cold[e], med[e]["call"] + med[e]["finish"], of_sync[e]))
+        rows = [rows[0], rows[2], rows[1], rows[3], rows[4]]
         result = {
             "config": {
                 "layers": args.layers,
@@ -180,6 +250,9 @@ def main() -> None:
             "seconds": times,
             "gb_per_s": gbps,
             "mp_over_best_peer": ratio,
+            "background_seconds": blocking,
+            "background_cold_call_seconds": cold,
+            "background_call_over_sync_save": of_sync,
         }
         lines = [
             "# Checkpoint throughput: mp vs torch.save/torch.load and DCP (pp=2)",
@@ -194,6 +267,20 @@ def main() -> None:
             "",
             f"mp / the better of torch and DCP: save {ratio['save']:.2f}x, load {ratio['load']:.2f}x "
             "(target >= 0.8x).",
+            "",
+            "## Background saves: how long the training loop blocks",
+            "",
+            "Seconds (median; slowest rank). `blocks` is the call, `cold` the first call (it allocates the "
+            "host copies), `until published` the call plus the wait for the background write; `of sync` "
+            "is blocks over the same engine's synchronous save (target for mp <= 0.2x).",
+            "",
+            "| save | blocks (s) | cold (s) | until published (s) | of sync |",
+            "|---|---|---|---|---|",
+            *(
+                f"| {name} | {call:.3f} | {'' if c is None else f'{c:.3f}'} | {total:.3f} | "
+                f"{'' if r is None else f'{r:.3f}x'} |"
+                for name, call, c, total, r in rows
+            ),
             "",
             "mp and DCP fsync what they write, plain torch.save does not: its bytes may still be in the page "
             "cache when it returns (`torch+fsync` adds the fsync). After each save, untimed, `os.sync()` "
