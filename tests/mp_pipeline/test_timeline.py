@@ -4,8 +4,16 @@ picture; then real recordings (two loopback ranks in one process, and a 2-rank M
 
 from __future__ import annotations
 
+import contextlib
+import importlib.abc
 import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +27,44 @@ from mp_pipeline.timeline import STEP_MODULE, Event, busy_segments
 from tests.mp_pipeline.models import build
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+NO_MATPLOTLIB = """
+import importlib.abc, sys
+
+class NoMatplotlib(importlib.abc.MetaPathFinder):
+    \"\"\"Any import of matplotlib fails, as where it is not installed.\"\"\"
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, NoMatplotlib())
+"""
+"""A sitecustomize.py: a process started with its folder on PYTHONPATH cannot import matplotlib."""
+
+
+class _NoMatplotlib(importlib.abc.MetaPathFinder):
+    """NO_MATPLOTLIB's finder, for a process of the test pool (see `no_matplotlib`)."""
+
+    def find_spec(self, name: str, path: Sequence[str] | None = None, target: Any = None) -> None:
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+@contextlib.contextmanager
+def no_matplotlib() -> Iterator[None]:
+    """In this process, importing matplotlib fails until the block ends (then it is as before)."""
+    saved = {k: m for k, m in sys.modules.items() if k == "matplotlib" or k.startswith("matplotlib.")}
+    for name in saved:
+        del sys.modules[name]
+    finder = _NoMatplotlib()
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+        sys.modules.update(saved)
 
 
 def ev(
@@ -159,6 +205,41 @@ def test_chrome_trace_is_valid_json_with_complete_events_per_rank_and_thread(tmp
     assert procs == {0: "rank 0 (pp 0, dp 0)", 1: "rank 1 (pp 1, dp 0)"}
 
 
+def test_without_matplotlib_the_trace_is_written_with_one_warning(tmp_path: Path) -> None:
+    # A fresh interpreter where matplotlib cannot be imported (a sitecustomize on PYTHONPATH).
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(NO_MATPLOTLIB)
+    code = f"""
+        import logging
+        from tests.mp_pipeline.test_timeline import two_rank_trace
+        from mp_pipeline import Timeline
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+        try:
+            import matplotlib
+        except ImportError:
+            pass
+        else:
+            raise SystemExit("matplotlib was importable")
+        paths = Timeline.merge(two_rank_trace()).write({str(tmp_path / "out" / "tl")!r})
+        print("PATHS", [str(p) for p in paths])
+        """
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join([str(tmp_path / "site"), str(root), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"PATHS {[str(tmp_path / 'out' / 'tl.json')]}" in proc.stdout, proc.stdout
+    assert json.loads((tmp_path / "out" / "tl.json").read_text())["traceEvents"]
+    assert not (tmp_path / "out" / "tl.png").exists()
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1 and "pip install 'mp-pipeline[plot]'" in warnings[0], proc.stderr
+
+
 def test_png_is_written(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     json_path, png_path = Timeline.merge(two_rank_trace()).write(tmp_path / "out" / "tl", title="test")
@@ -228,10 +309,24 @@ def record_gpt2_step(world: Any, prefix: str, microbatches: int) -> dict[str, An
         assert smp.timeline.is_recording()
         train_step(ids)
     assert not smp.timeline.is_recording()
+    # The docs' block again where matplotlib cannot be imported: rank 0 writes the trace, warns once
+    # and goes on (it used to raise ImportError, and mp-launch ended the job).
+    bare = prefix + "-without-matplotlib"
+    warned: list[str] = []
+    catch = logging.Handler(logging.WARNING)
+    catch.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("mp_pipeline.timeline").addHandler(catch)
+    try:
+        with no_matplotlib(), smp.timeline.record(bare) as bare_rec:
+            train_step(ids)
+    finally:
+        logging.getLogger("mp_pipeline.timeline").removeHandler(catch)
     if smp.rank() != 0:
-        assert rec.timeline is None and rec.paths is None
+        assert rec.timeline is None and rec.paths is None and bare_rec.paths is None and not warned
         return {}
     assert rec.timeline is not None and rec.paths is not None
+    assert bare_rec.paths == (Path(bare + ".json"),) and not Path(bare + ".png").exists()
+    assert len(warned) == 1 and "pip install 'mp-pipeline[plot]'" in warned[0], warned
     return {"timeline": rec.timeline, "paths": [str(p) for p in rec.paths]}
 
 
@@ -240,7 +335,7 @@ def test_smp_timeline_on_two_ranks_holds_fwd_and_bwd_of_every_microbatch(worlds:
     pytest.importorskip("matplotlib")
     pytest.importorskip("transformers")
     prefix = str(tmp_path / "timeline")
-    results = worlds.run(2, record_gpt2_step, prefix, 4, timeout=180)
+    results = worlds.run(2, record_gpt2_step, prefix, 4, timeout=300)
     assert results[1] == {}
     timeline: Timeline = results[0]["timeline"]
     assert results[0]["paths"] == [prefix + ".json", prefix + ".png"]

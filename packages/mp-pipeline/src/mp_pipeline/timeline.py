@@ -22,6 +22,7 @@ Recording is in :mod:`mp_pipeline.timeline_record`, re-exported here.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -49,6 +50,8 @@ __all__ = [
     "Timeline",
     "busy_segments",
 ]
+
+_log = logging.getLogger(__name__)
 
 
 def busy_segments(start: int, end: int, holes: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -205,7 +208,7 @@ class Timeline:
             from matplotlib import colormaps
             from matplotlib.figure import Figure
             from matplotlib.patches import Patch
-        except ImportError as exc:  # pragma: no cover - exercised only without matplotlib
+        except ImportError as exc:
             raise ImportError("drawing a timeline needs matplotlib: pip install 'mp-pipeline[plot]'") from exc
         ranks = self.ranks
         mbs = sorted({e.microbatch for e in self.events if e.kind in EXECUTIONS and e.microbatch >= 0})
@@ -302,10 +305,18 @@ class Timeline:
         fig.savefig(target, dpi=130)
         return target
 
-    def write(self, path_prefix: str | os.PathLike[str], *, title: str | None = None) -> tuple[Path, Path]:
-        """Write ``<prefix>.json`` (Chrome trace) and ``<prefix>.png``; returns both paths."""
+    def write(self, path_prefix: str | os.PathLike[str], *, title: str | None = None) -> tuple[Path, ...]:
+        """Write ``<prefix>.json`` (Chrome trace) and ``<prefix>.png``; returns the paths written.
+
+        The picture is optional: without matplotlib only the trace is written (and returned), and one
+        warning says how to get the picture, so that a recording inside a training run never ends it."""
         prefix = os.fspath(path_prefix)
-        return self.write_chrome(prefix + ".json"), self.render(prefix + ".png", title=title)
+        trace = self.write_chrome(prefix + ".json")
+        try:
+            return trace, self.render(prefix + ".png", title=title)
+        except ImportError as exc:
+            _log.warning("timeline trace written to %s; no picture: %s", trace, exc)
+            return (trace,)
 
 
 def _thread_order(key: tuple[int, str]) -> tuple[int, int, list[str | int]]:

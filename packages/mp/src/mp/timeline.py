@@ -4,6 +4,7 @@
         loss = train_step(model, data).reduce_mean()
     if smp.rank() == 0:
         print(rec.paths)     # out/timeline.json (Chrome trace: https://ui.perfetto.dev), out/timeline.png
+                             # (the picture only where matplotlib is installed)
 
 or ``smp.timeline.start()`` ... ``smp.timeline.stop("out/timeline")``. Every rank records its own events
 (mp_pipeline.timeline); at the end of the block (or at ``stop``) they are gathered to global rank 0
@@ -33,8 +34,10 @@ class Recording:
 
     timeline: Timeline | None = None
     """The merged timeline of every rank (None on other ranks and until the block ends)."""
-    paths: tuple[Path, Path] | None = None
-    """The Chrome trace (``<prefix>.json``) and the picture (``<prefix>.png``) written by rank 0."""
+    paths: tuple[Path, ...] | None = None
+    """The files rank 0 wrote: the Chrome trace (``<prefix>.json``), then the picture (``<prefix>.png``)
+    where matplotlib is installed (without it, a warning says how to get the picture and the run goes
+    on)."""
 
 
 def is_recording() -> bool:
