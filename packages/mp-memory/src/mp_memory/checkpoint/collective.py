@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import traceback
 from typing import Any
 
@@ -15,26 +16,44 @@ __all__ = ["agree"]
 
 def agree(error: BaseException | None, payload: Any, group: Any, what: str, rank: int) -> list[Any]:
     """All-gather ``payload`` over ``group`` (None: this process alone) and raise on every rank if any
-    rank passed an ``error``, naming the ranks and their errors. Returns the payloads in group order."""
+    rank passed an ``error``, naming the ranks and their errors. Returns the payloads in group order.
+
+    Every rank raises the same class: that of the first failing rank's checkpoint error (a ValueError,
+    as ``CorruptCheckpointError``), so that ``except smp.CorruptCheckpointError`` catches it on every
+    rank and not only where the file was read; any other failure is raised as a ``CheckpointError``."""
     if group is None or dist.get_world_size(group) == 1:
         if error is not None:
             raise error
         return [payload]
-    text = None
+    text = kind = None
     if error is not None:
         text = f"rank {rank}: {type(error).__name__}: {error}"
-        if not isinstance(error, ValueError):  # an unexpected failure: where it happened
+        if isinstance(error, ValueError):  # a checkpoint error: its class travels (by name)
+            kind = (type(error).__module__, type(error).__qualname__)
+        else:  # an unexpected failure: where it happened
             text += "\n" + "".join(traceback.format_exception(type(error), error, error.__traceback__))
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, (text, payload), group=group)
-    failed = [t for t, _ in out if t is not None]
+    dist.all_gather_object(out, (text, kind, payload), group=group)
+    failed = [(t, k) for t, k, _ in out if t is not None]
     if failed:
-        message = f"{what} failed on {len(failed)} rank(s):\n" + "\n".join(failed)
+        message = f"{what} failed on {len(failed)} rank(s):\n" + "\n".join(t for t, _ in failed)
+        combined = _agreed_error(failed[0][1], message)
         if error is None:
-            raise CheckpointError(message)
-        combined: Exception = CheckpointError(message)
-        if isinstance(error, ValueError):  # a checkpoint error: keep this rank's kind (smp's classes)
-            with contextlib.suppress(Exception):
-                combined = type(error)(message)
+            raise combined
         raise combined from error
-    return [p for _, p in out]
+    return [p for _, _, p in out]
+
+
+def _agreed_error(kind: tuple[str, str] | None, message: str) -> Exception:
+    """The failing rank's error class (named by module and qualified name) with the agreed message; a
+    CheckpointError where that class cannot be found here or made from a message alone."""
+    if kind is not None:
+        with contextlib.suppress(Exception):
+            cls: Any = importlib.import_module(kind[0])
+            for part in kind[1].split("."):
+                cls = getattr(cls, part)
+            if isinstance(cls, type) and issubclass(cls, Exception):
+                made = cls(message)
+                if str(made) == message:  # a class whose constructor rewrites the message is not used
+                    return made
+    return CheckpointError(message)
