@@ -90,7 +90,7 @@ class PlanResult:
             f"{p.hidden}), global batch {self.global_batch} x seq {p.seq_len}"
         )
         shown = list(self.fitting) or list(self.estimates)
-        return format_estimates(shown, self.cluster, top=top, title=title)
+        return format_estimates(shown, self.cluster, top=top, title=title, searched=len(self.estimates))
 
 
 def plan(

@@ -29,7 +29,12 @@ def checked_config(est: Estimate) -> dict[str, Any]:
 
 
 def format_estimates(
-    estimates: Sequence[Estimate], cluster: Cluster, *, top: int = 10, title: str = ""
+    estimates: Sequence[Estimate],
+    cluster: Cluster,
+    *,
+    top: int = 10,
+    title: str = "",
+    searched: int | None = None,
 ) -> str:
     """The ranked layouts as an aligned text table (fitting ones first)."""
     head = (
