@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -101,6 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
     )
+    if os.getcwd() not in sys.path:  # package.module:factory from the current directory, as python -m does
+        sys.path.insert(0, os.getcwd())
     from mp.plan import PlanError, calibrate_cpu, get_cluster, plan
     from mp.plan.profile import parse_json_object
     from mp.plan.report import checked_config, render_timeline, to_dict
