@@ -313,7 +313,8 @@ smp.shutdown()
 """
 
 
-def test_the_printed_config_runs_unchanged_under_mp_launch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pins", [[], ["--pp", "2"]], ids=["free", "pp2"])
+def test_the_printed_config_runs_unchanged_under_mp_launch(tmp_path: Path, pins: list[str]) -> None:
     cfg = tmp_path / "plan.json"
     code = plan_main(
         [
@@ -329,6 +330,7 @@ def test_the_printed_config_runs_unchanged_under_mp_launch(tmp_path: Path) -> No
             "--no-calibrate",
             "--config-out",
             str(cfg),
+            *pins,
         ]
     )
     assert code == 0
@@ -345,3 +347,5 @@ def test_the_printed_config_runs_unchanged_under_mp_launch(tmp_path: Path) -> No
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "trained" in proc.stdout, proc.stdout + proc.stderr
+    if pins:
+        assert json.loads(cfg.read_text())["pipeline_parallel_degree"] == 2
