@@ -49,6 +49,7 @@ from mp_memory.checkpoint.reshard import (
     merge_model_parts,
     merge_optimizer_parts,
 )
+from mp_memory.checkpoint.schema import read_header
 
 __all__ = [
     "CorruptCheckpointError",
@@ -277,8 +278,17 @@ def finish_background() -> Exception | None:
     return None
 
 
+def _zero() -> bool:
+    """Whether the optimizer state is sharded over the rdp group (``shard_optimizer_state``, ZeRO-1):
+    each rdp rank holds its own share, so each writes and reads its own optimizer file."""
+    return state.initialized and state.require()[0].shard_optimizer_state
+
+
 def _partial_names(c: engine.Layout) -> tuple[str, str]:
-    return f"model_{c.pp_rank}_{c.tp_rank}_0.pt", f"optimizer_{c.pp_rank}_{c.tp_rank}_0.pt"
+    """(model file, optimizer file) of this rank in a partial checkpoint: smp's
+    ``{kind}_{pp}_{tp}_{rdp}.pt``, whose rdp index is 0 except for a ZeRO optimizer share."""
+    share = c.rdp_rank if _zero() else 0
+    return f"model_{c.pp_rank}_{c.tp_rank}_0.pt", f"optimizer_{c.pp_rank}_{c.tp_rank}_{share}.pt"
 
 
 def save_checkpoint(  # noqa: PLR0917 - smp's positional signature
@@ -296,10 +306,12 @@ def save_checkpoint(  # noqa: PLR0917 - smp's positional signature
     """Write smp's checkpoint folder; call it on every rank with the same ``tag``.
 
     Partial: ``path/{tag}_partial/`` holds ``model_{pp}_{tp}_0.pt``, ``optimizer_{pp}_{tp}_0.pt``
-    (written by the rdp_rank 0 replicas), ``user_content.pt`` and ``manifest.json``. Full: ``path/{tag}``
-    holds the gathered model state (the original module's key names: it loads into the unwrapped model),
-    ``path/optimizer_{tag}`` the gathered optimizer state (smp dropped it), ``path/user_content_{tag}``
-    and ``path/manifest_{tag}.json``. ``path/newest`` names the tag once every part is on disk.
+    (written by the rdp_rank 0 replicas; under ``shard_optimizer_state`` every rdp rank writes its share
+    of the optimizer state, ``optimizer_{pp}_{tp}_{rdp}.pt``), ``user_content.pt`` and ``manifest.json``.
+    Full: ``path/{tag}`` holds the gathered model state (the original module's key names: it loads
+    into the unwrapped model), ``path/optimizer_{tag}`` the gathered optimizer state (smp dropped it),
+    ``path/user_content_{tag}`` and ``path/manifest_{tag}.json``. ``path/newest`` names the tag once
+    every part is on disk.
     ``num_kept_partial_checkpoints`` removes the oldest complete partial checkpoints beyond that many.
     ``translate_if_full``: the full state already has the original (e.g. Hugging Face) key names, so
     there is nothing left to translate; ``False`` (smp's own distributed names) is refused.
@@ -329,17 +341,18 @@ def save_checkpoint(  # noqa: PLR0917 - smp's positional signature
     c = _layout()
     model = model if model is not None else state.model
     files: dict[str, Any] = {}
+    shares = False
     sharded = partial_file_names(model)  # sharded data parallelism: one part per shard index
     if partial:
         model_name, opt_name = _partial_names(c)
         writes = c.rdp_rank == 0
+        shares = sharded is None and _zero()  # ZeRO-1: the rdp ranks' optimizer states differ
         if sharded is not None:
             model_name, opt_name, writes = sharded
-        if writes:
-            if model is not None:
-                files[model_name] = model.local_state_dict()
-            if optimizer is not None:
-                files[opt_name] = optimizer.local_state_dict()
+        if writes and model is not None:
+            files[model_name] = model.local_state_dict()
+        if (writes or shares) and optimizer is not None:
+            files[opt_name] = optimizer.local_state_dict()
         if c.rank == 0:
             files["user_content.pt"] = user_content
     else:
@@ -362,6 +375,7 @@ def save_checkpoint(  # noqa: PLR0917 - smp's positional signature
                 files,
                 partial=partial,
                 keep=num_kept_partial_checkpoints,
+                replicated=not (partial and shares),
             )
         return
     group = _checkpoint_group()
@@ -375,7 +389,16 @@ def save_checkpoint(  # noqa: PLR0917 - smp's positional signature
     def write() -> None:
         # Every rank learns whether every copy was made before any file is written.
         engine.collective.agree(error, None, group, what, c.rank)
-        engine.save_folder(path, tag, c, group, staged, partial=partial, keep=num_kept_partial_checkpoints)
+        engine.save_folder(
+            path,
+            tag,
+            c,
+            group,
+            staged,
+            partial=partial,
+            keep=num_kept_partial_checkpoints,
+            replicated=not (partial and shares),
+        )
 
     _background.start(write, what)
 
@@ -445,6 +468,8 @@ def _read(
     tag = tag if tag is not None else engine.read_newest(path)
     ckpt = engine.CheckpointFolder(path, tag, partial)
     ckpt.check()
+    if partial and load_optimizer and _zero():
+        _check_zero_layout(ckpt, c)
     change = _partial_layout_change(ckpt, c) if partial else None
     if change is not None:
         # Another layout: see mp.checkpoint_layout.
@@ -455,7 +480,9 @@ def _read(
             sd = merge_model_parts([ckpt.load(f"model_{p}_{c.tp_rank}_0.pt") for p in stages])
             opt_sd = None
             if load_optimizer:
-                opt_sd = merge_optimizer_parts([ckpt.load(f"optimizer_{p}_{c.tp_rank}_0.pt") for p in stages])
+                stage_parts = [ckpt.load(f"optimizer_{p}_{c.tp_rank}_0.pt") for p in stages]
+                _refuse_shares(ckpt, stage_parts, c)
+                opt_sd = merge_optimizer_parts(stage_parts)
             return sd, opt_sd, user, True
         model_parts = {(p, t): ckpt.load(f"model_{p}_{t}_0.pt") for p in stages for t in tps}
 
@@ -466,6 +493,7 @@ def _read(
         opt_sd = None
         if load_optimizer:
             opt_parts = {(p, t): ckpt.load(f"optimizer_{p}_{t}_0.pt") for p in stages for t in tps}
+            _refuse_shares(ckpt, list(opt_parts.values()), c)
             opt_sd = full_optimizer_from_parts(opt_parts, model_parts, len(tps), translate)
         return sd, opt_sd, user, False
     if partial:
@@ -485,6 +513,8 @@ def _read(
         opt_sd = ckpt.load(opt_name) if load_optimizer and ckpt.has(opt_name) else None
         if load_optimizer and opt_sd is None:
             raise CheckpointMissingError(f"partial checkpoint {ckpt.folder!r} has no {opt_name!r}")
+        if opt_sd is not None and not _zero():
+            _refuse_shares(ckpt, [opt_sd], c)
         user = ckpt.load("user_content.pt", trusted=trusted)
         return sd, opt_sd, user, False
     sd = ckpt.load(tag)
@@ -492,6 +522,42 @@ def _read(
     opt_sd = ckpt.load(opt_name) if load_optimizer and ckpt.has(opt_name) else None
     user = ckpt.load(f"user_content_{tag}", trusted=trusted) if ckpt.has(f"user_content_{tag}") else None
     return sd, opt_sd, user, False
+
+
+def _check_zero_layout(ckpt: engine.CheckpointFolder, c: engine.Layout) -> None:
+    """Under shard_optimizer_state each rdp rank loads its own share: the checkpoint must hold one per
+    rdp rank of this job (saved with shard_optimizer_state and the same data-parallel size)."""
+    saved = ckpt.manifest.layout if ckpt.manifest is not None else None
+    if saved is not None and saved["rdp"] != c.rdp:
+        raise CheckpointLayoutError(
+            f"partial checkpoint {ckpt.folder!r} was saved with a reduced-data-parallel size of "
+            f"{saved['rdp']}, this job has {c.rdp}; under shard_optimizer_state each rdp rank holds its own "
+            "share of the optimizer state, which loads only under the size it was saved with. Resume with "
+            f"the same data-parallel size (rdp {saved['rdp']}), or pass load_sharded_optimizer_state=False "
+            "to load the model and start the optimizer afresh"
+        )
+    name = _partial_names(c)[1]
+    if not ckpt.has(name) and ckpt.has(f"optimizer_{c.pp_rank}_{c.tp_rank}_0.pt"):
+        raise CheckpointLayoutError(
+            f"partial checkpoint {ckpt.folder!r} has no {name!r}, the optimizer share of rdp_rank "
+            f"{c.rdp_rank} under shard_optimizer_state: it was saved without shard_optimizer_state, or by "
+            "an mp that kept rdp_rank 0's share only. Resume it as it was saved (without "
+            "shard_optimizer_state), or pass load_sharded_optimizer_state=False to start the optimizer afresh"
+        )
+
+
+def _refuse_shares(ckpt: engine.CheckpointFolder, parts: list[dict[str, Any]], c: engine.Layout) -> None:
+    """A ZeRO share (one rdp rank's part of the optimizer state) loads only into the same share: refuse
+    it where a whole optimizer state is needed (no shard_optimizer_state, or another pp/tp degree)."""
+    if any(read_header(p)[0].zero_param_names is not None for p in parts):
+        saved = ckpt.manifest.layout if ckpt.manifest is not None else None
+        raise CheckpointLayoutError(
+            f"partial checkpoint {ckpt.folder!r} holds the optimizer state sharded over the rdp ranks "
+            f"(shard_optimizer_state, saved under {saved}); this job (pp {c.pp}, tp {c.tp}, rdp {c.rdp}, "
+            f"shard_optimizer_state {_zero()}) needs a whole one. Resume with shard_optimizer_state and the "
+            "layout it was saved with, or pass load_sharded_optimizer_state=False (load_optimizer=False) to "
+            "start the optimizer afresh"
+        )
 
 
 def _partial_layout_change(ckpt: engine.CheckpointFolder, c: engine.Layout) -> str | None:

@@ -44,9 +44,19 @@ def full_manifest_name(tag: str) -> str:
 
 
 def save_folder(
-    path: str, tag: str, layout: Layout, group: Any, files: dict[str, Any], *, partial: bool, keep: int | None
+    path: str,
+    tag: str,
+    layout: Layout,
+    group: Any,
+    files: dict[str, Any],
+    *,
+    partial: bool,
+    keep: int | None,
+    replicated: bool = True,
 ) -> None:
-    """Write ``files`` (name -> object; each rank passes its own) as checkpoint ``tag`` of ``path``."""
+    """Write ``files`` (name -> object; each rank passes its own) as checkpoint ``tag`` of ``path``; the
+    manifest lists every rank's. ``replicated=False``: some parts differ between rdp ranks (each wrote
+    its own, e.g. ZeRO optimizer shares)."""
     what = f"smp.save_checkpoint({path!r}, tag={tag!r})"
     token, error = None, None
     if layout.rank == 0:
@@ -85,7 +95,9 @@ def save_folder(
     try:
         if layout.rank == 0:
             parts = {n: r for rs in gathered for n, r in rs.items()}
-            manifest = Manifest("partial" if partial else "full", layout.degrees(), parts)
+            manifest = Manifest(
+                "partial" if partial else "full", layout.degrees(), parts, replicated=replicated
+            )
             if partial:
                 staging = _staging(path, tag, token)
                 write_manifest(os.path.join(staging, MANIFEST), manifest, layout.rank)
