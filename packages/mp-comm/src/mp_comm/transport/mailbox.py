@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 import torch
 
@@ -22,6 +22,17 @@ from mp_comm.message import Tag
 
 if TYPE_CHECKING:
     from mp_comm.transport.config import TransportConfig
+
+
+class Bell(Protocol):
+    """What a waiting thread sleeps on instead of the mailbox's condition (mp_comm.transport.doorbell)."""
+
+    def wait(self, timeout: float) -> None: ...
+
+    def drain(self) -> None: ...
+
+    def ring_self(self) -> None: ...
+
 
 __all__ = ["ANY_SOURCE", "ANY_TAG", "Arrival", "Mailbox"]
 
@@ -85,6 +96,9 @@ class Mailbox:
         self.waiters = 0
         """Threads blocked in `take` now (progress threads poll faster while it is non-zero)."""
         self._sleepers = 0  # threads of `take` inside `self._cond.wait` now: only they need a notify
+        self.bell: Bell | None = None
+        """Where a waiting thread that drives progress sleeps (a transport's doorbell), if any."""
+        self._bell_sleepers = 0  # threads of `take` waiting on the bell now: a delivery rings it
 
     def deliver(self, arrival: Arrival) -> None:
         with self._cond:
@@ -103,14 +117,21 @@ class Mailbox:
                 self._ready.append(early.pop(expect))
                 expect += 1
             self._expect[src] = expect
-            if self._sleepers:
-                self._cond.notify_all()
+            self._wake()
+
+    def _wake(self) -> None:
+        # called with the condition held
+        if self._sleepers:
+            self._cond.notify_all()
+        if self._bell_sleepers and self.bell is not None:
+            self.bell.ring_self()
 
     def fail_peer(self, peer: int, error: BaseException) -> None:
         """Receives from `peer` (and from any source) raise `error` once its delivered messages are taken."""
         with self._cond:
             self._peer_errors.setdefault(peer, error)
             self._cond.notify_all()
+            self._wake()
 
     def fail(self, error: BaseException) -> None:
         """Every present and future take raises `error` (the transport stopped)."""
@@ -118,6 +139,7 @@ class Mailbox:
             if self._fatal is None:
                 self._fatal = error
             self._cond.notify_all()
+            self._wake()
 
     def pending(self) -> list[tuple[int, Tag]]:
         """(source, tag) of the messages delivered and not yet taken."""
@@ -140,7 +162,8 @@ class Mailbox:
         without a hand-off from the progress thread. While `drive` returns True, or for
         `config.spin_time` after, it polls (yielding the CPU between polls); then it sleeps on the
         mailbox (woken by deliveries), from `config.poll_min` up to `config.poll_max` at a time, driving
-        between naps so that it keeps helping.
+        between naps so that it keeps helping. With a `bell` (a transport's doorbell) it naps on the bell
+        instead, which a message sent to this rank or delivered by another thread rings.
         """
         now = time.monotonic()
         deadline = now + timeout
@@ -171,11 +194,13 @@ class Mailbox:
                     # answer) off the CPU; measured 2-3x slower ping-pongs at 256 KB-4 MB without it.
                     _pause(config)
                     continue
+                bell = self.bell if drive is not None else None
                 with self._cond:
                     found = self._find(source, tag, timeout, deadline)
                     if found is not None:
                         return found
-                    if drive is None or time.monotonic() - last_work >= spin:
+                    sleep = drive is None or time.monotonic() - last_work >= spin
+                    if sleep and bell is None:
                         left = deadline - time.monotonic()
                         self._sleepers += 1
                         try:
@@ -184,7 +209,20 @@ class Mailbox:
                             self._sleepers -= 1
                         nap = min(longest_nap, nap * 2)  # a long wait polls less and less often
                         continue
-                _pause(config)
+                    if sleep:
+                        self._bell_sleepers += 1
+                if not sleep:
+                    _pause(config)
+                    continue
+                assert bell is not None
+                # On the bell: a message sent here, or delivered by another thread, ends the nap at once.
+                try:
+                    bell.wait(max(0.0, min(deadline - time.monotonic(), nap)))
+                finally:
+                    with self._cond:
+                        self._bell_sleepers -= 1
+                bell.drain()  # the next drive sees what rang; what comes later rings again
+                nap = min(longest_nap, nap * 2)
         finally:
             waits.leave(token)
             with self._cond:

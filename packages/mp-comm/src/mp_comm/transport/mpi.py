@@ -10,7 +10,9 @@ communicator:
 * the header (the pickled object with stubs and the tensor metadata) goes with tag ``HEADER_TAG``;
 * each non-empty tensor payload follows as raw bytes with tag ``2 + wire % (TAG_UB - 2)``, where `wire`
   counts the sender's messages to that destination, so payloads of different messages never match
-  each other's receives.
+  each other's receives;
+* once all are posted, the sender rings the destination's doorbell (:mod:`mp_comm.transport.doorbell`),
+  which ends the nap of a receiver waiting for a message.
 
 The receiving side (matched probes, payloads received straight into the tensors) is in
 :mod:`mp_comm.transport.mpi_receiving`, the import of mpi4py in :mod:`mp_comm.transport.mpi_setup`.
@@ -46,6 +48,7 @@ from mp_comm.transport.base import (
     Outgoing,
     TransportConfig,
 )
+from mp_comm.transport.doorbell import Doorbell
 from mp_comm.transport.mpi_receiving import (
     _FIRST_DATA_TAG,
     HEADER_TAG,
@@ -145,6 +148,9 @@ class MPITransport(MPIReceiving):
             device_map=device_map,
         )
         self._data_tags = int(self._comm.Get_attr(mpi.TAG_UB)) - _FIRST_DATA_TAG
+        self._bell = Doorbell(self._comm)  # collective too; a napping receiver wakes when rung
+        if self.mailbox.bell is None and self._bell.usable:
+            self.mailbox.bell = self._bell
         self._outq: collections.deque[Outgoing] = collections.deque()
         self._wake = threading.Event()
         self._progress = threading.Lock()  # held by whichever thread makes progress: all op state is under it
@@ -213,6 +219,8 @@ class MPITransport(MPIReceiving):
         self._stopping = True
         self._wake.set()
         self._thread.join(self._close_timeout + 5.0)
+        if not self._thread.is_alive():
+            self._bell.close()
         closed = TransportClosedError(f"the MPI transport of rank {self.rank} was closed")
         self._fail_all(self._error or closed)
         if self._thread.is_alive():
@@ -329,11 +337,13 @@ class MPITransport(MPIReceiving):
                     if nbytes and i not in inline:
                         keep.append(t)
                         reqs.append(comm.Isend(_buffer(mpi, t, nbytes, readonly=True), out.dest, tag))
-                if mpi.Request.Testall(reqs):  # small messages leave at once (MPI's eager protocol)
-                    out.handle._complete()
-                    continue
+                done = mpi.Request.Testall(reqs)  # small messages leave at once (MPI's eager protocol)
             except mpi.Exception as exc:
                 out.handle._fail(self._wrap_error(f"sending tag {out.tag!r}", exc, out.dest))
+                continue
+            self._bell.ring(out.dest)
+            if done:
+                out.handle._complete()
                 continue
             self._sends.append(_SendOp(out, reqs, keep))
         return worked
