@@ -118,6 +118,7 @@ def main() -> None:
     }
     with open(f"{out}/rank{smp.rank()}.json", "w") as f:
         json.dump(record, f)
+    print(f"rank {record['rank']} done on {record['host']}", flush=True)
     smp.barrier()
     smp.shutdown()
     if worst > 1e-5 or loss_gap > 1e-5:

@@ -53,6 +53,15 @@ def missing_requirements() -> str | None:
     return None
 
 
+def free_subnet(prefix: str = "10.77", skip: int = 0) -> str:
+    """The first ``prefix.N`` /24 that no interface here has an address in (skipping the first `skip`)."""
+    used = _run("ip", "-4", "-o", "addr", "show").stdout
+    for n in range(skip, 256):
+        if f" {prefix}.{n}." not in used:
+            return f"{prefix}.{n}"
+    raise HostsUnavailable(f"every {prefix}.N.0/24 is in use on this machine")
+
+
 @dataclass
 class Host:
     name: str
@@ -67,7 +76,9 @@ class SimulatedHosts:
     """Hosts h1..hN on a bridge. Use `start()` (or the context manager `simulated_hosts`)."""
 
     count: int = 2
-    subnet: str = "10.77.0"
+    subnet: str = ""
+    """The hosts' /24, "A.B.C" (default: the first 10.77.N.0/24 no interface of this machine uses, so that
+    runs side by side, or a run beside leftovers, never share addresses)."""
     tag: str = field(default_factory=lambda: secrets.token_hex(2))
     hosts: list[Host] = field(default_factory=list)
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mp-hosts-")))
@@ -98,6 +109,8 @@ class SimulatedHosts:
     # -- network ---------------------------------------------------------------------------------------
 
     def _make_network(self) -> None:
+        if not self.subnet:
+            self.subnet = free_subnet()
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         self._links.append(self.bridge)
         _run("ip", "addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)
@@ -359,7 +372,7 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
 
 
 @contextlib.contextmanager
-def simulated_hosts(count: int = 2, subnet: str = "10.77.0") -> Iterator[SimulatedHosts]:
+def simulated_hosts(count: int = 2, subnet: str = "") -> Iterator[SimulatedHosts]:
     hosts = SimulatedHosts(count=count, subnet=subnet).start()
     try:
         yield hosts

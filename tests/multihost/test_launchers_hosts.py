@@ -31,10 +31,13 @@ def test_mp_launch_with_a_deepspeed_hostfile(hosts: SimulatedHosts, tmp_path: Pa
     out = tmp_path / "out"
     out.mkdir()
     cmd = [str(BIN / "mp-launch"), "-n", "4", "--hostfile", str(hostfile), "--launcher-exec", str(hosts.ssh)]
-    cmd += ["--config", json.dumps(CONFIG), str(TRAIN), str(out)]
+    cmd += ["--tag-output", "--config", json.dumps(CONFIG), str(TRAIN), str(out)]
     proc = hosts.run(hosts.hosts[0], cmd, env=_env({}))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     _check(out, "mpi")
+    # --tag-output: the other host's ranks' lines reach mp-launch whole, tagged with their rank.
+    for rank, host in enumerate(["h1", "h1", "h2", "h2"]):
+        assert f"[{rank}] rank {rank} done on {host}\n" in proc.stdout, proc.stdout[-3000:]
 
 
 def test_plain_mpiexec_with_a_hostfile(hosts: SimulatedHosts, tmp_path: Path) -> None:
@@ -64,7 +67,8 @@ def test_torchrun_on_each_host(hosts: SimulatedHosts, tmp_path: Path) -> None:
             proc.kill()
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     _check(tmp_path, "torchrun")
-    assert [r["address"] for r in _records(tmp_path, 4)] == ["10.77.0.1"] * 2 + ["10.77.0.2"] * 2
+    h1, h2 = (h.address for h in hosts.hosts)
+    assert [r["address"] for r in _records(tmp_path, 4)] == [h1, h1, h2, h2]
 
 
 def test_an_sbatch_script_that_calls_srun(
