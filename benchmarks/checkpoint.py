@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2, help="training steps timed while a save is written")
     parser.add_argument("--dir", default=None)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
@@ -179,7 +180,16 @@ def main() -> None:
         "dcp": (dcp_save, dcp_load),
     }
     times: dict[str, dict[str, list[float]]] = {e: {"save": [], "load": []} for e in engines}
-    blocking: dict[str, dict[str, list[float]]] = {e: {"call": [], "finish": []} for e in background}
+    blocking: dict[str, dict[str, list[float]]] = {
+        e: {"call": [], "steps": [], "finish": []} for e in background
+    }
+    steps_alone: list[float] = []
+    batch = torch.randn(1, args.hidden)
+
+    def train() -> None:
+        for _ in range(args.steps):
+            step(batch)
+
     cold: dict[str, float] = {}
     for name, (start, finish) in background.items():  # the first call allocates the host copies
         folder = os.path.join(root, f"cold-{name.replace(' ', '_').replace(',', '')}")
@@ -189,6 +199,7 @@ def main() -> None:
         if rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
     for rep in range(args.reps):
+        steps_alone.append(_timed(train))
         names = [*engines, *background]
         order = names[rep % len(names) :] + names[: rep % len(names)]
         for name in order:
@@ -196,6 +207,7 @@ def main() -> None:
             if name in background:
                 start, finish = background[name]
                 blocking[name]["call"].append(_timed(lambda start=start, folder=folder: start(folder)))
+                blocking[name]["steps"].append(_timed(train))  # training goes on while the save is written
                 blocking[name]["finish"].append(_timed(finish))
                 os.sync()
             else:
@@ -227,12 +239,15 @@ def main() -> None:
             "dcp async_save": "dcp.async_save",
             "dcp async_save, kept stager": "dcp.async_save, kept stager",
         }
-        rows: list[tuple[str, float, float | None, float, float | None]] = [
-            ("mp save_checkpoint (sync)", sync_save["mp"], None, sync_save["mp"], None),
-            ("dcp.save (sync)", sync_save["dcp"], None, sync_save["dcp"], None),
+        alone = statistics.median(steps_alone)
+        slower = {e: med[e]["steps"] / alone for e in background}
+        rows: list[tuple[str, float, float | None, float, float | None, float | None]] = [
+            ("mp save_checkpoint (sync)", sync_save["mp"], None, sync_save["mp"], None, None),
+            ("dcp.save (sync)", sync_save["dcp"], None, sync_save["dcp"], None, None),
         ]
         for e, label in labels.items():
-            rows.append((label, med[e]["call"], cold[e], med[e]["call"] + med[e]["finish"], of_sync[e]))
+            until = med[e]["call"] + med[e]["steps"] + med[e]["finish"]
+            rows.append((label, med[e]["call"], cold[e], until, of_sync[e], slower[e]))
         rows = [rows[0], rows[2], rows[1], rows[3], rows[4]]
         result = {
             "config": {
@@ -253,6 +268,9 @@ def main() -> None:
             "background_seconds": blocking,
             "background_cold_call_seconds": cold,
             "background_call_over_sync_save": of_sync,
+            "steps": args.steps,
+            "steps_alone_seconds": steps_alone,
+            "steps_while_writing_over_alone": slower,
         }
         lines = [
             "# Checkpoint throughput: mp vs torch.save/torch.load and DCP (pp=2)",
@@ -271,15 +289,17 @@ def main() -> None:
             "## Background saves: how long the training loop blocks",
             "",
             "Seconds (median; slowest rank). `blocks` is the call, `cold` the first call (it allocates the "
-            "host copies), `until published` the call plus the wait for the background write; `of sync` "
-            "is blocks over the same engine's synchronous save (target for mp <= 0.2x).",
+            f"host copies); then {args.steps} training steps run while the save is written, and the wait "
+            "for it: `until published` is the call, the steps and the wait; `of sync` is blocks over the "
+            "same engine's synchronous save (target for mp <= 0.2x); `steps` is the time of those steps "
+            f"over the same steps with no save in flight ({alone:.3f} s).",
             "",
-            "| save | blocks (s) | cold (s) | until published (s) | of sync |",
-            "|---|---|---|---|---|",
+            "| save | blocks (s) | cold (s) | until published (s) | of sync | steps |",
+            "|---|---|---|---|---|---|",
             *(
                 f"| {name} | {call:.3f} | {'' if c is None else f'{c:.3f}'} | {total:.3f} | "
-                f"{'' if r is None else f'{r:.3f}x'} |"
-                for name, call, c, total, r in rows
+                f"{'' if r is None else f'{r:.3f}x'} | {'' if w is None else f'{w:.2f}x'} |"
+                for name, call, c, total, r, w in rows
             ),
             "",
             "mp and DCP fsync what they write, plain torch.save does not: its bytes may still be in the page "
