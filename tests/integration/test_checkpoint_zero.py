@@ -2,7 +2,8 @@
 
 Every rdp rank holds its own share of the optimizer state, so every one writes it
 (``optimizer_{pp}_{tp}_{rdp}.pt``) and the manifest lists them all. A job trains 2 Adam steps, saves a
-partial checkpoint (synchronously or in the background) and trains 2 more; a fresh job (another seed)
+partial checkpoint (synchronously, in the background, or under bf16 with its fp32 masters) and trains 2
+more; a fresh job (another seed)
 resumes from it and trains the same 2 steps: its losses, parameters and every rank's optimizer share
 equal the uninterrupted run's (1e-6). Resuming the shares under another data-parallel size, or without
 shard_optimizer_state, is refused naming both layouts and the fix.
@@ -32,6 +33,8 @@ def _flat_state(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
             out[f"state.{i}.{k}"] = torch.as_tensor(v).detach().clone().double()
     for g, group in enumerate(sd["param_groups"]):
         out[f"group.{g}.lr"] = torch.tensor(float(group["lr"]))
+    for name, master in sorted(sd.get("fp32_master_params", {}).items()):  # bf16: the fp32 masters
+        out[f"master.{name}"] = master.detach().clone().double()
     return out
 
 
@@ -69,8 +72,15 @@ def _session(
     return out
 
 
-def _resume_equals_uninterrupted(world: Any, pp: int, folder: str, async_save: bool) -> dict[str, Any]:
-    config = {"pipeline_parallel_degree": pp, "microbatches": 2, "shard_optimizer_state": True}
+def _resume_equals_uninterrupted(
+    world: Any, pp: int, folder: str, async_save: bool, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    config = {
+        "pipeline_parallel_degree": pp,
+        "microbatches": 2,
+        "shard_optimizer_state": True,
+        **(extra or {}),
+    }
     first = _session(config, folder, 0, False, async_save)
     again = _session(config, folder, 1, True, async_save)
     return {
@@ -82,14 +92,16 @@ def _resume_equals_uninterrupted(world: Any, pp: int, folder: str, async_save: b
 
 
 @pytest.mark.parametrize(
-    ("ranks", "pp", "async_save"),
-    [(2, 1, False), (2, 1, True), (4, 2, False)],
-    ids=["dp2", "dp2-async", "pp2xdp2"],
+    ("ranks", "pp", "async_save", "extra"),
+    [(2, 1, False, {}), (2, 1, True, {}), (4, 2, False, {}), (2, 1, False, {"bf16": True})],
+    ids=["dp2", "dp2-async", "pp2xdp2", "dp2-bf16"],
 )
-def test_resume_under_zero_equals_the_uninterrupted_run(
-    worlds: Any, tmp_path: Any, ranks: int, pp: int, async_save: bool
+def test_resume_under_zero_equals_the_uninterrupted_run(  # noqa: PLR0917
+    worlds: Any, tmp_path: Any, ranks: int, pp: int, async_save: bool, extra: dict[str, Any]
 ) -> None:
-    results = worlds.run(ranks, _resume_equals_uninterrupted, pp, str(tmp_path), async_save, timeout=400)
+    results = worlds.run(
+        ranks, _resume_equals_uninterrupted, pp, str(tmp_path), async_save, extra, timeout=400
+    )
     for r in results:
         assert r["losses"] <= TOL and r["params"] is None and r["opt"] is None, r
         assert r["shares"] > 0, r  # every rank holds some of the state (what it saved and compared)
