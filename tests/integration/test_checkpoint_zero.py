@@ -3,9 +3,9 @@
 Every rdp rank holds its own share of the optimizer state, so every one writes it
 (``optimizer_{pp}_{tp}_{rdp}.pt``) and the manifest lists them all. A job trains 2 Adam steps, saves a
 partial checkpoint (synchronously, in the background, or under bf16 with its fp32 masters) and trains 2
-more; a fresh job (another seed)
-resumes from it and trains the same 2 steps: its losses, parameters and every rank's optimizer share
-equal the uninterrupted run's (1e-6). Resuming the shares under another data-parallel size, or without
+more; a fresh job (another seed) resumes from it and trains the same 2 steps: its losses, parameters and
+every rank's optimizer share equal the uninterrupted run's (1e-6). Resuming the shares under another
+data-parallel size, or without
 shard_optimizer_state, is refused naming both layouts and the fix.
 """
 
