@@ -49,7 +49,9 @@ def test_pipeline_across_hosts_on_a_lossy_link(hosts: SimulatedHosts, lossy: Non
         assert r["param_gap"] <= 1e-5 and r["loss_gap"] <= 1e-5, r
 
 
-def test_pipeline_across_hosts_then_resume_on_one_host(hosts: SimulatedHosts, tmp_path: Path) -> None:
+def test_pipeline_across_hosts_then_resume_on_one_host_and_on_both(
+    hosts: SimulatedHosts, tmp_path: Path
+) -> None:
     first, second, ckpt = tmp_path / "first", tmp_path / "second", tmp_path / "ckpt"
     first.mkdir()
     second.mkdir()
@@ -70,6 +72,14 @@ def test_pipeline_across_hosts_then_resume_on_one_host(hosts: SimulatedHosts, tm
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     for r in _records(second, 4):
         assert r["host"] == "h1"
+        assert r["param_gap"] <= 1e-5 and r["loss_gap"] <= 1e-5, r
+    # And on both hosts again, as the job that wrote it.
+    third = tmp_path / "third"
+    third.mkdir()
+    cmd = _hydra(hosts, "-hosts", "h1:2,h2:2", sys.executable, str(TRAIN), str(third), "--resume", str(ckpt))
+    proc = hosts.run(hosts.hosts[0], cmd, env=_env(SPREAD))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for r in _records(third, 4):
         assert r["param_gap"] <= 1e-5 and r["loss_gap"] <= 1e-5, r
 
 
