@@ -84,8 +84,10 @@ for _dist in PACKAGES:
 
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
-    """ruff over the tree and mypy --strict over every package's src/."""
-    _install_all(session, "ruff>=0.5", "mypy>=1.10")
+    """ruff over the tree, mypy --strict over every package's src/, and the packages' layering
+    (import-linter, the contracts in pyproject.toml)."""
+    _install_all(session, "ruff>=0.5", "mypy>=1.10", "import-linter>=2.0")
+    session.run("lint-imports")
     session.run("ruff", "check", "packages", "tests", "benchmarks", "noxfile.py", "examples")
     session.run("ruff", "format", "--check", "packages", "tests", "benchmarks", "noxfile.py", "examples")
     srcs = [str(ROOT / "packages" / d / "src") for d in PACKAGES]
