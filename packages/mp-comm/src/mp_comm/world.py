@@ -18,11 +18,12 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -138,6 +139,8 @@ class World:
     """The process groups `new_groups` created here and nobody destroyed yet (destroyed by `shutdown`)."""
     previous_excepthook: Any = field(default=None, repr=False)
     """sys.excepthook before this World started torch.distributed (put back by `shutdown`)."""
+    previous_exit: Any = field(default=None, repr=False)
+    """sys.exit before this World wrapped it (put back by `shutdown`; see `_name_exit`)."""
     _cancel_exit: Callable[[], None] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -228,6 +231,8 @@ class World:
             dist.destroy_process_group()
             if self.previous_excepthook is not None:
                 sys.excepthook = self.previous_excepthook
+            if self.previous_exit is not None:
+                sys.exit = self.previous_exit
         if self.mpi_comm is not None:
             self.mpi_comm.Free()
             self.mpi_comm = None
@@ -371,8 +376,10 @@ def init_world(
         dist.init_process_group(chosen, store=store, rank=info.rank, world_size=info.size, timeout=timeout)
     else:
         dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    previous_exit = None
     if launcher is Launcher.MPI and info.size > 1:
         sys.excepthook = _abort_job_after(sys.excepthook, info.rank)
+        previous_exit, sys.exit = sys.exit, _name_exit(info.rank)
     log.debug("rank %d/%d started by %s on node %d", info.rank, info.size, launcher.value, info.node)
     return World(
         info,
@@ -382,6 +389,7 @@ def init_world(
         owns_process_group=True,
         network=network,
         previous_excepthook=excepthook,
+        previous_exit=previous_exit,
     )
 
 
@@ -502,6 +510,73 @@ def _name_peers(exc: BaseException) -> None:
         note = who_is_at(str(exc))
         if note:
             exc.add_note(f"mp: {note}")
+
+
+class _RankExit(SystemExit):
+    """The SystemExit of `_name_exit`'s sys.exit. Dropped while Python code still runs, it was caught
+    (the script goes on): the record is cleared. Dropped by the interpreter itself, with no Python
+    frame left, it ends the process: the record stays for `_abort_after_teardown`."""
+
+    def __del__(self) -> None:
+        try:
+            sys._getframe(1)
+        except ValueError:  # no caller: the interpreter is exiting with this status
+            return
+        _EXIT_STATUS.clear()
+
+
+def _name_exit(rank: int) -> Callable[..., NoReturn]:
+    """A sys.exit that names the rank, and where it called sys.exit, when the main thread exits with a
+    non-zero status under plain `mpiexec`, and ends the job with that status.
+
+    Python reports no SystemExit (sys.excepthook never sees one), and Hydra prints nothing for an exit
+    status of 1 and leaves the other ranks running: a rank that called ``sys.exit(1)`` (or a library
+    that did) ended with no line from any rank (issue 47's symptom) while its peers waited for it.
+    The exit goes on as usual (``finally`` blocks, atexit handlers, mp's teardown); then
+    `_abort_after_teardown` prints the rank's line and calls MPI_Abort with the status. Under
+    `mp-launch` the rank runner does this instead; a ``raise SystemExit(1)`` written out is not seen.
+    """
+
+    def exit(status: object = None) -> NoReturn:
+        failed = status is not None and status != 0 and not os.environ.get("MP_LAUNCH_FAILURE_DIR")
+        if failed and threading.current_thread() is threading.main_thread():
+            caller = sys._getframe(1)
+            where = f"{caller.f_code.co_filename}:{caller.f_lineno} in {caller.f_code.co_name}"
+            code = status if isinstance(status, int) else 1
+            _EXIT_STATUS[:] = [(rank, code, f"sys.exit({status!r}) at {where}")]
+            raise _RankExit(status)
+        raise SystemExit(status)
+
+    return exit
+
+
+_EXIT_STATUS: list[tuple[int, int, str]] = []
+"""(rank, status, the call) while the main thread exits through `_name_exit`'s sys.exit."""
+
+
+def _abort_after_teardown() -> None:
+    """Last at exit (after every World's shutdown): name the rank that called sys.exit with a non-zero
+    status, and end the whole job with that status (mpiexec would leave the other ranks waiting)."""
+    if not _EXIT_STATUS:
+        return
+    rank, code, call = _EXIT_STATUS[0]
+    from mpi4py import MPI
+
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            print(
+                f"[rank {rank}] mp: {call}; this rank ends with exit status {code}, and ends the MPI job "
+                "so that no rank waits for it",
+                file=sys.stderr,
+                flush=True,
+            )
+        time.sleep(_REPORT_GRACE)  # the launcher forwards this rank's last lines before the abort
+        MPI.COMM_WORLD.Abort(code)
+
+
+# Registered at import, before any World's shutdown: within a stage the hook registered first runs last.
+at_exit(Stage.WORLD, _abort_after_teardown)
 
 
 def _abort_job_after(report: Callable[..., Any], rank: int) -> Callable[..., None]:
