@@ -43,6 +43,12 @@ KINDS: dict[str, dict[str, Any]] = {
         "model": "mlp",
         "partial": True,
     },
+    # ZeRO-1: one optimizer share per rdp_rank (optimizer_0_0_0.pt, optimizer_0_0_1.pt)
+    "partial_zero2": {
+        "config": {"shard_optimizer_state": True, "ddp": True},
+        "model": "mlp",
+        "partial": True,
+    },
 }
 """Every kind runs on 2 ranks."""
 

@@ -5,8 +5,7 @@ Every rdp rank holds its own share of the optimizer state, so every one writes i
 partial checkpoint (synchronously, in the background, or under bf16 with its fp32 masters) and trains 2
 more; a fresh job (another seed) resumes from it and trains the same 2 steps: its losses, parameters and
 every rank's optimizer share equal the uninterrupted run's (1e-6). Resuming the shares under another
-data-parallel size, or without
-shard_optimizer_state, is refused naming both layouts and the fix.
+data-parallel size, or without shard_optimizer_state, is refused naming both layouts and the fix.
 """
 
 from __future__ import annotations
