@@ -261,7 +261,8 @@ def overhead_lines(o: dict[str, Any]) -> list[str]:
     lines = [
         "",
         f"Per-call overhead: a root on pp_rank 0 scales a {o['tensor']} input, calls {o['calls_per_step']} "
-        "blocks one after the other and sums (one microbatch, a training step: forward + backward); "
+        "blocks one after the other and takes the sum of squares as the loss (one microbatch, a training "
+        "step: forward + backward); "
         f"median of {o['repetitions']} interleaved repetitions of {o['steps_per_sample']} steps after the "
         "warm-up (1-minute load average "
         f"{loads} at the start of each repetition and at the end). Per call: (step − the same model with "
@@ -297,3 +298,14 @@ def overhead_lines(o: dict[str, Any]) -> list[str]:
         "",
     ]
     return lines
+
+
+def replace_overhead(md: str, overhead: dict[str, Any]) -> str:
+    """A results file's markdown with its overhead section (from its first line to the line of step times
+    that ends it) replaced by ``overhead``'s; what follows it stays."""
+    lines = md.split("\n")
+    starts = ("Per-call overhead:", "Module-server overhead")
+    first = next(i for i, line in enumerate(lines) if line.startswith(starts))
+    last = next(i for i in range(first, len(lines)) if lines[i].startswith("Step times"))
+    new = overhead_lines(overhead)
+    return "\n".join(lines[: first - 1] + new[:-1] + lines[last + 1 :])
