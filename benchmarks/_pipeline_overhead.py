@@ -1,8 +1,9 @@
 """Per-call overhead of mp's pipeline runtime (part of benchmarks/pipeline_vs_torch.py).
 
 A model whose root (on pp_rank 0) scales a small float32 (1, 16) input by a parameter, calls ``calls``
-blocks one after the other and takes the sum of squares as the loss. Two kinds of block: ``nn.Identity`` (the runtime's cost
-alone) and ``nn.Linear(16, 16)`` (a small module with parameters, as a user's model has). Two placements
+blocks one after the other and takes the sum of squares as the loss. Two kinds of block: ``nn.Identity``
+(the runtime's cost alone) and ``nn.Linear(16, 16)`` (a small module with parameters, as a user's model
+has). Two placements
 under ``pipeline_parallel_degree`` 2 and one microbatch:
 
 * ``remote``: every block on pp_rank 1 (a chain of calls that stays on one remote rank);
