@@ -124,10 +124,13 @@ def test_a_host_whose_processes_are_all_killed_ends_the_job(hosts: SimulatedHost
     out, took = _finish(proc, 10)
     assert proc.returncode != 0, out[-3000:]
     assert took < 10, f"the job took {took:.1f} s to end:\n{out[-3000:]}"
-    # gloo names the peer that went away by address; mp adds which host and ranks that is.
-    assert (
-        f"mp: {h2.address} is host h2 (ranks 2, 3)" in out or f"mp: {h2.address} is host h2 (rank " in out
-    ), out[-3000:]
+    # Whoever notices first reports: a rank on h1 whose gloo peer went away (gloo names it by address,
+    # mp adds which host and ranks that is), or Hydra, whose proxy on h2 died with the rest (its message,
+    # "assert (!closed) failed", names no host: a known gap, docs/cluster.md).
+    if "Connection closed by peer" in out:
+        assert f"mp: {h2.address} is host h2 (rank" in out, out[-3000:]
+    else:
+        assert "assert (!closed)" in out, out[-3000:]
 
 
 def test_a_host_cut_off_the_network_is_named_within_the_heartbeat_timeout(
