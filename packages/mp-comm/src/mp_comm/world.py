@@ -341,13 +341,12 @@ def init_world(
     if launcher is Launcher.MPI:
         assert mpi_comm is not None
         try:
+            bound = preflight_timeout(env)
             network = choose_job_address(
-                mpi_comm, info.rank, info.node, info.num_nodes, environ=env, timeout=preflight_timeout(env)
+                mpi_comm, info.rank, info.node, info.num_nodes, environ=env, timeout=bound
             )
             _use_interface(network, info.num_nodes, environ is None)
-            store = _mpi_store(
-                mpi_comm, info, network.rendezvous, port, timeout=timeout, bound=preflight_timeout(env)
-            )
+            store = _mpi_store(mpi_comm, info, network.rendezvous, port, timeout=timeout, bound=bound)
         except BaseException:
             mpi_comm.Free()
             raise
@@ -420,7 +419,7 @@ def _slurm_store(
         store: dist.Store = _free_port_store(address, info.size, timeout, port)
     else:
         try:
-            store = dist.TCPStore(host, port, info.size, False, timeout=datetime.timedelta(seconds=bound))
+            store = _client_store(host, port, info.size, bound=bound, timeout=timeout)
         except (RuntimeError, OSError) as exc:
             raise NetworkError(
                 f"rank {info.rank} on {socket.gethostname()} could not connect to the rendezvous store of "
@@ -428,10 +427,19 @@ def _slurm_store(
                 "MASTER_ADDR to rank 0's address on the network the hosts share (and MASTER_PORT to a free "
                 "port), or raise MP_PREFLIGHT_TIMEOUT"
             ) from None
-        store.set_timeout(timeout)
     if info.num_nodes == 1:
         return store, JobAddress("127.0.0.1", "127.0.0.1", "lo")
     return store, address_towards(host, port, bound)
+
+
+def _client_store(
+    host: str, port: int, size: int, *, bound: float, timeout: datetime.timedelta
+) -> dist.Store:
+    """A client of rank 0's store that gives up connecting after `bound` seconds (torch raises then),
+    and then waits on keys as long as any collective (`timeout`)."""
+    store = dist.TCPStore(host, port, size, False, timeout=datetime.timedelta(seconds=bound))
+    store.set_timeout(timeout)
+    return store
 
 
 def _env_str(env: Mapping[str, str], name: str) -> str:
@@ -463,10 +471,7 @@ def _mpi_store(
     failure = ""
     if info.rank != 0:
         try:
-            store = dist.TCPStore(
-                address, chosen, info.size, False, timeout=datetime.timedelta(seconds=bound)
-            )
-            store.set_timeout(timeout)
+            store = _client_store(address, chosen, info.size, bound=bound, timeout=timeout)
         except (RuntimeError, OSError) as exc:  # torch raises DistStoreError (a RuntimeError) on timeout
             failure = f"rank {info.rank} on {socket.gethostname()}: {str(exc).splitlines()[0]}"
     failures = [f for f in comm.allgather(failure) if f]
