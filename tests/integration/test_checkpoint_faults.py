@@ -8,13 +8,15 @@
 
 This module is also the crashing script: ``python test_checkpoint_faults.py FOLDER MODE POINT`` under
 mpiexec saves step 10, then dies at POINT while saving step 20. MODE ``async`` saves with
-``async_save=True`` and trains on while the save runs in the background (where the rank dies).
+``async_save=True`` and trains on while the save runs in the background (where the rank dies); the
+first background write is held back 2 s, so step 20 arrives with it in flight.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +88,26 @@ def _save(model: Any, opt: Any, folder: str, mode: str, step: int) -> None:
         )
 
 
+def _slow_first_write() -> None:
+    """Delay the background write of step 10 by 2 s on every rank, as a loaded host does: steps 11 and
+    20 run while it is written, and step 20 arrives with it in flight (where the fault hook, armed too
+    early, killed the first save instead of the second)."""
+    from mp_memory import checkpoint as engine
+
+    save_folder = engine.save_folder
+
+    def slow(path: str, tag: str, *args: Any, **kwargs: Any) -> None:
+        if tag == "step10":
+            time.sleep(2.0)
+        save_folder(path, tag, *args, **kwargs)
+
+    engine.save_folder = slow
+
+
 def main(folder: str, mode: str, point: str) -> None:
     """Save at steps 10 and 20 (recording the expected parameters), dying at ``point`` in the second."""
+    if mode == "async":
+        _slow_first_write()
     model, opt = _build(0)
     for step in (10, 20):
         _train(model, opt, step)
@@ -96,6 +116,10 @@ def main(folder: str, mode: str, point: str) -> None:
             torch.save(expected, os.path.join(folder, f"expected{step}"))
         smp.barrier()
         if step == 20:
+            # The fault hook fires in whichever save reaches the point first: arm it only once step 10's
+            # background save is published, or a slow one (a loaded host) dies instead, with no
+            # checkpoint before it to keep. Steps 11 and 20 still ran while step 10 was written.
+            smp.wait_checkpoint()
             os.environ["MP_CHECKPOINT_FAULT"] = point
         _save(model, opt, folder, mode, step)
         if mode == "async":  # the next step runs while the save is written: it must not change it
