@@ -1,4 +1,4 @@
-"""Persistent transfer buffers and their manager, for the device-to-device path (Appendix G.2).
+"""Persistent transfer buffers and their manager, for the device-to-device path (docs/comm.md).
 
 Cross-process CUDA copies and RDMA need memory handles or registrations for the memory they touch,
 and creating those costs far more than a copy. The D2D path therefore lands every incoming device

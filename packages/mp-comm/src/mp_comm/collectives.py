@@ -1,6 +1,6 @@
 """Autograd-aware collectives over an explicit process group.
 
-These are the communication primitives of smp's distributed modules (its Appendix I.6) and of tensor
+These are the communication primitives of smp's distributed modules (``smp.nn.utils``) and of tensor
 parallelism in general; each is a ``torch.autograd.Function`` whose backward is the collective the
 chain rule asks for. The group is always an argument, never a global:
 

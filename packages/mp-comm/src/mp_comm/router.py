@@ -1,4 +1,4 @@
-"""The router: picks a transport for every message by the rules of Appendix G.
+"""The router: picks a transport for every message by smp's routing rules (docs/comm.md).
 
 A message goes over the MPI transport when any of these holds, and over UCX (the device-to-device
 path) otherwise:
@@ -9,7 +9,7 @@ path) otherwise:
 * source and destination are on different nodes, but GPUDirect RDMA is not available;
 * it holds more tensors than UCX's tags can name (`ucx.MAX_TENSORS`).
 
-The last rule of Appendix G, not enough free space in the persistent D2D buffers, is decided per
+The last rule, not enough free space in the persistent D2D buffers, is decided per
 message by the receiver inside the UCX transport, which then sends the payloads over MPI (its
 fallback); sender and receiver agree on that outcome by a handshake.
 
@@ -68,7 +68,7 @@ class RouterConfig:
     """Route of messages without device tensors. MPI: measured faster than UCX for host memory on
     these machines (see docs/comm.md); the router falls back to whichever transport exists."""
     device_route: Route | None = None
-    """Force a route for messages with device (CUDA) tensors; None applies Appendix G's rules."""
+    """Force a route for messages with device (CUDA) tensors; None applies the routing rules."""
     nvlink: bool | None = None
     """Whether the GPUs of one node are connected by NVLink (peer access); None detects it."""
     rdma: bool | None = None
@@ -100,7 +100,7 @@ def choose_route(
     num_tensors: int = 0,
     device_bytes: int | None = None,
 ) -> Route:
-    """Appendix G's routing rules for a message whose tensors are on `devices` (device types) and
+    """The routing rules for a message whose tensors are on `devices` (device types) and
     hold `device_bytes` bytes of device memory (None: unknown, the size rule is not applied)."""
     if not available:
         raise TransportUnavailableError("the router has no transport")

@@ -1,6 +1,6 @@
 """Automatic and manual partitioning of any torch nn.Module tree into pipeline stages; usable standalone.
 
-The partitioner of the SageMaker model parallelism library (seed 001, §4.5, Appendices C and D):
+The partitioner of the SageMaker model parallelism library (docs/partition.md):
 modules sharing parameters form ModuleNodes, a trace orders children and measures costs
 (``C = α·memory + (1−α)·compute``), and a breadth-first walk splits each node's devices among its
 children by optimal contiguous segmentation and D'Hondt allocation.

@@ -1,4 +1,4 @@
-"""The tree partitioning algorithm (seed 001, §4.5 Algorithm 1 and Appendix C.4 Algorithm 2).
+"""The tree partitioning algorithm (docs/partition.md).
 
 Breadth-first over the ModuleNode tree, starting with ``P(root) = [0, D)``. Each node ``n`` takes the
 first device of ``P(n)``; if ``|P(n)| > 1`` its children (in execution order) are split into ``|P(n)|``
@@ -15,8 +15,8 @@ A node with several devices and no children keeps the first one (the others get 
 How many devices each segment gets is D'Hondt's; which ones is decided so that the plan balances and reads
 as a pipeline. ``P[0]`` also carries the parent node and every segment left without a device, so it goes to
 the segment where that extra load raises the largest per-device load least, the earliest such segment on
-ties (the seed's Figure 10: "partition 0 gets assigned fewer decoder layers, balancing the fact that it
-holds other layers such as embedding and lm_head"); the other devices are handed out in execution order, so
+ties (so partition 0 gets fewer decoder layers, balancing the fact that it holds other layers such as
+embedding and lm_head); the other devices are handed out in execution order, so
 consecutive segments get consecutive partitions. (Algorithm 3 read literally hands each device to the
 current largest quotient, which gives the same counts but scatters the identities;
 :func:`mp_partition.dhondt.dhondt_allocate` implements that reading.) Deterministic: the same tree and costs

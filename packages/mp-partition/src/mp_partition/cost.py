@@ -1,4 +1,4 @@
-"""The cost model (seed 001, Appendix C.3, equation 1) and normalized costs.
+"""The cost model (docs/partition.md) and normalized costs.
 
 Each module m gets ``C̄(m) = α·w(m) + (1−α)·ψ(m)`` where α is the memory weight, w the memory cost and ψ
 the compute cost; a node costs the sum over its modules plus its children's costs,

@@ -1,4 +1,4 @@
-"""D'Hondt allocation of devices to segments (seed 001, Appendix C.4, Algorithm 3).
+"""D'Hondt allocation of devices to segments (docs/partition.md).
 
 Devices are handed out one at a time, in the order given, each to the segment with the largest quotient
 ``c_i / (n_i + 1)`` where ``n_i`` is the number of devices the segment already holds. (Algorithm 3 in

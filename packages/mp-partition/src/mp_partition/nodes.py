@@ -1,4 +1,4 @@
-"""The ModuleNode tree (seed 001, Appendix C.2).
+"""The ModuleNode tree (docs/partition.md).
 
 Modules and parameters form a bipartite graph with an edge between a module and each parameter it holds
 directly; each connected component is one ModuleNode, so modules that share parameters (a tied embedding

@@ -1,4 +1,4 @@
-"""Human reports of a plan: the partition tree as text and as a picture (seed 001, Figures 9 and 10).
+"""Human reports of a plan: the partition tree as text and as a picture (docs/partition.md).
 
 Like the seed's figures, the compact view expands only the nodes whose subtree the algorithm split
 across several partitions (or, in a manual plan, whose subtree spans several partitions); every other

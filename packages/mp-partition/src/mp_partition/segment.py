@@ -1,4 +1,4 @@
-"""Optimal contiguous segmentation (seed 001, Appendix C.4, problem (2) and recursion (3)).
+"""Optimal contiguous segmentation by dynamic programming (docs/partition.md).
 
 Splits a sequence of non-negative costs into ``k`` non-empty runs of consecutive elements so that the
 largest run cost is as small as possible. Recursion (3),

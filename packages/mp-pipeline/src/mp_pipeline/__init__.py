@@ -1,6 +1,6 @@
 """mp-pipeline: module servers, remote autograd across ranks, schedules and microbatching for mp.
 
-The pipeline runtime of seed 001 §4: every rank runs a module server; a call to a module owned by
+The pipeline runtime (docs/pipeline.md): every rank runs a module server; a call to a module owned by
 another rank becomes a request to that rank, with autograd wired across ranks; pp_rank 0 drives the
 microbatches of the step function by a schedule ("simple" or "interleaved"). The umbrella ``mp``
 builds ``smp.step``, ``smp.DistributedModel`` and ``smp.DistributedOptimizer`` on it. While

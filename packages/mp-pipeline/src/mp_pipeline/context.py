@@ -3,7 +3,7 @@
 
 Grad mode and autocast are thread-local in torch; the step function runs in worker threads, and a
 module runs on another rank than its caller, so both are captured where the call is made and applied
-where it executes (Appendix B: "whether the requester is in an autocast / no_grad context").
+where it executes: a request carries whether the requester is in an autocast / no_grad context.
 """
 
 from __future__ import annotations

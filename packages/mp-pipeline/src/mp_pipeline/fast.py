@@ -1,4 +1,4 @@
-"""Fast mode's plan (seed 001 §4.4): which outputs go straight from their module's owner to the next module.
+"""Fast mode's plan (docs/pipeline.md): which outputs go straight from their owner to the next module.
 
 Without it, every output of a remote module comes back to the rank that called it (the parent), which
 sends it on to the next module: two transfers per activation, and two per gradient. Fast mode learns

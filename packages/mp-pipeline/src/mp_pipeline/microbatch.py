@@ -1,4 +1,4 @@
-"""Splitting step inputs into microbatches (smp's rules, reference §2.3 "Input splitting").
+"""Splitting step inputs into microbatches (smp's rules; docs/pipeline.md).
 
 Every tensor found in the arguments, also inside lists, tuples, dicts and sets, is split along axis 0
 (or ``input_split_axes[name]``) into ``n`` equal contiguous slices; microbatch ``mb`` gets

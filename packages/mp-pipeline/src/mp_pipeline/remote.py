@@ -16,7 +16,7 @@ memory, so activation checkpointing and offloading free what they promise. The b
 gradients go back. An output is also held as a tensor while a shortcut may still refer to it (below).
 Hooks registered on a module run once, on the rank that calls it.
 
-The child-to-child shortcut (fast mode, seed 001 §4.4) comes in two forms, both named in the request
+The child-to-child shortcut (fast mode, docs/pipeline.md) comes in two forms, both named in the request
 (:attr:`Request.refs`). (1) A tensor that came back from a module's owner and goes, unchanged, into
 another module on that same owner is not sent back: the owner uses the output it kept for the
 backward. "Unchanged" is checked, not assumed: the same tensor object, its version counter not bumped

@@ -1,4 +1,4 @@
-"""Pipeline schedules as pure data (seed 001 §4.3), and a communication-free simulator.
+"""Pipeline schedules as pure data (docs/pipeline.md), and a communication-free simulator.
 
 pp_rank 0 starts two tasks per microbatch: its forward (the step function runs until its first
 ``model.backward``, or to its end) and its backward (the step function continues from

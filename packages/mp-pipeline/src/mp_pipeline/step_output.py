@@ -1,4 +1,4 @@
-"""StepOutput: one step-function return value across all microbatches (reference §2.3)."""
+"""StepOutput: one step-function return value across all microbatches (docs/pipeline.md)."""
 
 from __future__ import annotations
 

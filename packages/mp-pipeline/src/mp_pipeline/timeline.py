@@ -1,4 +1,4 @@
-"""The pipeline timeline: what every rank executed, requested and waited for (seed 001, Figure 5).
+"""The pipeline timeline: what every rank executed, requested and waited for (docs/pipeline.md).
 
 While :data:`RECORDER` is enabled, the runtime records on each rank
 

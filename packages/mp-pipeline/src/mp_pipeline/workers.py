@@ -1,4 +1,4 @@
-"""The threads of a module server (seed 001 §4.2) and the baton that lets exactly one of them run.
+"""The threads of a module server (docs/pipeline.md) and the baton that lets exactly one of them run.
 
 Control passes between the server's main thread and its worker threads by a :class:`Baton`: exactly
 one thread of the rank holds it and runs, and threads switch only where one hands it to another, which
@@ -146,7 +146,7 @@ class _Worker:
 class WorkerPool:
     """The worker threads of one rank's module servers, kept from step to step.
 
-    Threads are added when every worker is PENDING (seed 001 §4.2) and stay for later steps. A step that
+    Threads are added when every worker is PENDING and stay for later steps. A step that
     ends with a worker still busy (an aborted step) closes the baton, which stops every worker, and
     starts over with a new baton; :meth:`close` (the runtime's) stops them for good. Idle workers also
     stop by themselves once ``alive()`` turns False (the transport closed: ``smp.reset``).

@@ -1,4 +1,4 @@
-"""Data movement of tensor parallelism across data-parallel ranks (seed 001 §5.2, Fig. 6).
+"""Data movement of tensor parallelism across data-parallel ranks (docs/tensor.md).
 
 By default every tp_rank holds *different* samples. A distributed module works on the samples of the
 whole TP group, so its input is exchanged on the way in and its output returned on the way out. There
@@ -21,7 +21,7 @@ happens. The transitions (and their backward, which the chain rule asks for) are
 - replicated → local: keep this rank's samples (backward all-gathers); prescaled: nothing.
 - sharded ↔ replicated: all-gather / slice the channels.
 
-The smp primitives of Appendix I.6 (``fwd_allreduce_for_tp`` ...) are here too, over an explicit
+smp's ``smp.nn.utils`` primitives (``fwd_allreduce_for_tp`` ...) are here too, over an explicit
 context or the current one.
 """
 
@@ -129,7 +129,7 @@ def gather_samples(x: Tensor | None, ctx: TPContext, batch: int | None = None) -
     return col.all_gather(x.contiguous(), 0, ctx.group)
 
 
-# ------------------------------------------------------------------ smp's Appendix I.6 primitives
+# ---------------------------------------------------------------------- smp's smp.nn.utils primitives
 
 
 def _group(ctx: TPContext | None) -> TPContext:

@@ -1,6 +1,6 @@
 """Exceptions raised by mp_tensor's distributed modules, registry and replacement.
 
-The names follow smp's (reference/smp_api.md §5), so the umbrella can expose them under smp's names.
+The names follow smp's (docs/api.md), so the umbrella can expose them under smp's names.
 Every user-facing error names the value it received, what was expected, and how to fix it.
 """
 

@@ -1,4 +1,4 @@
-"""Which module class is distributed by which DistributedModule, and how (seed 001 Appendix E.3, I.4).
+"""Which module class is distributed by which DistributedModule, and how (docs/tensor.md).
 
 Two kinds of entries:
 

@@ -1,4 +1,4 @@
-"""Replacing modules by their distributed implementations (seed 001 §5.2), called by ``DistributedModel``.
+"""Replacing modules by their distributed implementations (docs/tensor.md), called by ``DistributedModel``.
 
 A module is replaced if and only if (1) a distributed implementation is registered for its class, (2)
 tensor parallelism is enabled for it (its mark), (3) no ancestor was replaced, and (4) it shares no

@@ -1,6 +1,6 @@
 """The smp v1 compatibility registry: every smp name with its status in mp, and the table the docs show.
 
-The names come from ``smp_names.txt`` beside this file (copied from the spec, reference/smp_api.md).
+The names come from ``smp_names.txt`` beside this file (smp v1's documented API; docs/compatibility.md).
 Each gets a status, derived from the code where it can be:
 
 - an API name is "built" only if it resolves in mp: ``smp.X.Y`` as an attribute or submodule,

@@ -1,6 +1,6 @@
 """``ModelParallelConfig``: every smp v1 configuration key, its type, default and rules.
 
-The keys, types and defaults are smp's (seed 003 and reference/smp_api.md §4). Where smp's
+The keys, types and defaults are smp's (docs/config.md). Where smp's
 documentation [D] and its source [S] disagree, the documented value is taken and the field says so.
 Values are checked on construction; the first problem raises :class:`~mp.errors.ConfigError` (a
 ValueError). Checks run in a fixed order (each key in sorted key order, then the rules between keys
@@ -133,7 +133,7 @@ class ModelParallelConfig:
     tensor_parallel_seed: int = _key(0, KeySpec(kind="int", minimum=0, maximum=2**64 - 1, example="0"))
     """RNG seed for tensor-parallel modules (smp source only)."""
     atp_mesh: str | None = _key(None, KeySpec(kind="str", nullable=True, example='"auto"'))
-    """mp extension (ATP, seed 002): arrange each tensor-parallel group as a 2-D ``DeviceMesh(d1, d2)``
+    """mp extension (ATP, docs/atp.md): arrange each tensor-parallel group as a 2-D ``DeviceMesh(d1, d2)``
     for the ``mp_tensor.atp`` modules. None (default): no mesh. ``"auto"``: the mesh with the least
     predicted communication time on the topology of ``atp_topology`` (equations 2-4 of the ATP paper).
     ``"D1xD2"`` (e.g. ``"2x2"``; ``"4x1"`` is Megatron-style 1-D TP): that mesh, with D1*D2 equal to

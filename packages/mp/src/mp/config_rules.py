@@ -1,7 +1,7 @@
 """The rules between config keys, and the errors for unknown keys and alias conflicts.
 
 ``check_rules`` runs the rules in sorted order of the key each is about, so that every rank raises the
-same first error. The rules are smp's (reference/smp_api.md §4), minus those that exist only because smp
+same first error. The rules are smp's (docs/config.md), minus those that exist only because smp
 needed DistributedDataParallel switched on (see the ``ddp`` field).
 """
 

@@ -1,6 +1,6 @@
 """The smp exception hierarchy, under smp's names so that scripts written for smp can catch them.
 
-The tree follows smdistributed.modelparallel v1 (reference/smp_api.md §5):
+The tree follows smdistributed.modelparallel v1 (docs/api.md):
 
 - ``SMPValidationError(ValueError)`` for bad input and misuse, ``SMPConfigError(ValueError)`` for
   configuration problems;

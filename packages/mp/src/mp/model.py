@@ -92,7 +92,7 @@ def _placement_error(model_devices: set[str], input_devices: set[str]) -> str | 
 
 
 class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
-    """The smp model wrapper (reference §2.1); ``module`` is the user's model."""
+    """The smp model wrapper (docs/api.md); ``module`` is the user's model."""
 
     def __init__(
         self,

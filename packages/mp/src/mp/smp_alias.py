@@ -33,7 +33,7 @@ __all__ = ["ALIAS_ENV", "PREFIX", "RENAMES", "SMP_VERSION", "AliasFinder", "chec
 log = logging.getLogger(__name__)
 
 SMP_VERSION = "1.15.0"
-"""The smp v1 release whose documented behaviour mp follows (the last one; reference/smp_api.md [D]
+"""The smp v1 release whose documented behaviour mp follows (the last one, its documentation's
 "latest"). ``smdistributed.modelparallel.__version__`` reports it, so that scripts and transformers
 that compare it with "1.10" take the modern code paths."""
 

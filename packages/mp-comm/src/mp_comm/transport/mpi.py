@@ -1,6 +1,6 @@
 """The MPI transport: nonblocking MPI point-to-point on a private communicator, one progress thread.
 
-All MPI calls of the transport are made by whichever thread holds its progress lock (Appendix G.3's
+All MPI calls of the transport are made by whichever thread holds its progress lock (the
 requester, tracker and post-processing roles in one loop): a thread that has just called `send` (its
 message is posted at once), a thread waiting in `recv` (it sees its message without a hand-off), and
 otherwise the progress thread, which only sleeps and polls, never spins: a spinning Python thread
@@ -193,7 +193,7 @@ class MPITransport(MPIReceiving):
         self._outq.append(out)
 
     def _stage(self, wires: list[torch.Tensor]) -> list[torch.Tensor]:
-        # The MPI path moves host memory (Appendix G.3): device tensors are copied out on the caller's
+        # The MPI path moves host memory: device tensors are copied out on the caller's
         # stream, which also orders the copy after the kernels that produced them. A non-blocking copy
         # lands in pinned memory (3-4x faster than pageable for large tensors); waiting for the caller's
         # stream alone, not the device, leaves other threads' kernels running.

@@ -4,7 +4,7 @@ The receiver matches headers from any source with ``MPI_Improbe``/``MPI_Imrecv``
 no other thread can steal the message between probe and receive), processes each sender's headers in
 arrival order, allocates the destination tensors from the metadata, and posts one ``MPI_Irecv`` per
 payload straight into the tensor's memory: contiguous CPU tensors move without extra copies on either
-side. CUDA tensors are staged through host memory (the MPI path of Appendix G: the D2D path is the
+side. CUDA tensors are staged through host memory (the MPI path: the device-to-device path is the
 UCX transport's).
 """
 

@@ -1,7 +1,7 @@
 """The hyperparameters shared by the transformer modules, parsed and validated once.
 
 Both the distributed transformer modules and their non-distributed references take these keyword
-arguments (seed 004; reference/smp_api.md §3). The checks are smp's ``DistTransformerConfigError``
+arguments (docs/tensor.md). The checks are smp's ``DistTransformerConfigError``
 rules plus divisibility by the tensor-parallel degree.
 """
 
@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 #: "gelu" (erf) and "relu" are smp's; "gelu_new" (the tanh approximation, GPT-2's) is mp's addition.
 ACTIVATIONS = ("gelu", "relu", "gelu_new")
 
-# smp accepted these extra keys (reference/smp_api.md §3); these values are the only ones mp implements.
+# smp accepted these extra keys; these values are the only ones mp implements.
 _ACCEPTED_DEFAULTS: dict[str, object] = {
     "scale_attn_by_layer_idx": False,
     "distribute_embedding": False,

@@ -1,10 +1,10 @@
-"""``DistributedAttentionLayer``: the attention block in its two distributions (seed 001 Appendix F).
+"""``DistributedAttentionLayer``: the attention block in its two distributions (docs/tensor.md).
 
-``optimize="speed"`` (Megatron-style, Fig. 11): activations are ``replicated``; query/key/value are
+``optimize="speed"`` (Megatron-style): activations are ``replicated``; query/key/value are
 split over their output channels (whole heads per rank) behind a backward all-reduce, the output
 projection over its input channels followed by one forward all-reduce; layer norm is replicated.
 
-``optimize="memory"`` (Fig. 13): activations are ``sharded`` by channels; every linear map is split
+``optimize="memory"``: activations are ``sharded`` by channels; every linear map is split
 over its input channels and followed by a reduce-scatter over its output channels (query, key and value
 share one), so rank j ends up with the heads (or hidden channels) of slice j; layer norm is distributed
 (:func:`sharded_layer_norm`). No activation is replicated.
@@ -12,7 +12,7 @@ share one), so rank j ends up with the heads (or hidden channels) of slice j; la
 ``forward`` takes and returns the ``local`` layout; the transformer modules call :meth:`forward_layout`
 directly on the working layout so that only the outermost module exchanges samples.
 
-The residual connection is added whether or not ``post_layernorm`` is set (seed 004's listing returns
+The residual connection is added whether or not ``post_layernorm`` is set (smp's reference listing returns
 the attention output without it when ``post_layernorm`` is False, which leaves no way to express a
 pre-layernorm transformer such as GPT-2; :mod:`mp_tensor.reference` does the same as this module).
 """
@@ -128,7 +128,7 @@ def attend(
 
 
 class DistributedAttentionLayer(DistributedModule):
-    """Tensor-parallel attention block; functionally the reference ``AttentionLayer`` (seed 004)."""
+    """Tensor-parallel attention block; functionally :class:`mp_tensor.reference.AttentionLayer`."""
 
     def __init__(  # noqa: PLR0917
         self,

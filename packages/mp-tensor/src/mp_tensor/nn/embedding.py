@@ -1,4 +1,4 @@
-"""``DistributedEmbedding``: ``nn.Embedding`` split along ``embedding_dim`` (seed 001 §5.3).
+"""``DistributedEmbedding``: ``nn.Embedding`` split along ``embedding_dim`` (docs/tensor.md).
 
 The input indices are all-gathered over the TP group, each rank looks up its slice of the embedding
 vectors for every index, and an all-to-all returns each rank its own samples with all slices

@@ -1,4 +1,4 @@
-"""``DistributedLayerNorm`` and layer normalization of a channel-sharded activation (seed 001 Appendix F.2).
+"""``DistributedLayerNorm`` and layer normalization of a channel-sharded activation.
 
 Layer normalization is element-wise once the mean and variance are known, so on an activation whose
 channels are split over the TP ranks each rank computes the local first and second moments

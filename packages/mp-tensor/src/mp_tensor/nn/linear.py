@@ -1,4 +1,4 @@
-"""``DistributedLinear`` (seed 001 Fig. 6) and ``LinearShard``, the parameter holder of the other modules.
+"""``DistributedLinear`` (docs/tensor.md) and ``LinearShard``, the parameter holder of the other modules.
 
 DistributedLinear splits the weight ``W = [W_1 ... W_T]`` along its input channels. By default each
 tp_rank holds different samples: rank i slices its input by channels and sends slice j to rank j

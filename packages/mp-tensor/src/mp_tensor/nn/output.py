@@ -1,8 +1,8 @@
-"""``DistributedTransformerOutputLayer``: the MLP block H -> I -> H in its two distributions (Appendix F).
+"""``DistributedTransformerOutputLayer``: the MLP block H -> I -> H in its two distributions (docs/tensor.md).
 
-"speed" (Fig. 12): ``dense1`` split over its output channels behind a backward all-reduce, ``dense2``
+"speed": ``dense1`` split over its output channels behind a backward all-reduce, ``dense2``
 over its input channels followed by a forward all-reduce; replicated layer norm.
-"memory" (Fig. 14): both split over their input channels, each followed by a reduce-scatter over its
+"memory": both split over their input channels, each followed by a reduce-scatter over its
 output channels; distributed layer norm. The residual is always added (see :mod:`.attention`).
 """
 
@@ -36,7 +36,7 @@ def activate(x: Tensor, activation: str) -> Tensor:
 
 
 class DistributedTransformerOutputLayer(DistributedModule):
-    """Tensor-parallel MLP block; functionally the reference ``TransformerOutputLayer`` (seed 004)."""
+    """Tensor-parallel MLP block; functionally :class:`mp_tensor.reference.TransformerOutputLayer`."""
 
     def __init__(  # noqa: PLR0917
         self,

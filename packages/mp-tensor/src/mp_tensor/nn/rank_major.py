@@ -1,5 +1,5 @@
 """Linear maps split over their input channels whose outputs are reduce-scattered over the output
-channels ("memory" mode, seed 001 Fig. 13), computed rank-major.
+channels ("memory" mode, docs/tensor.md), computed rank-major.
 
 Each rank multiplies its input channels by its columns of ``W``, which gives a partial sum of the whole
 output ``[tokens, out]``; a reduce-scatter over the output channels sums the parts and hands rank j its

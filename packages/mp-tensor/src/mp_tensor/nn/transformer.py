@@ -1,4 +1,4 @@
-"""The transformer layer and the transformer (seed 004: ``TransformerLayer``, ``Transformer``).
+"""The transformer layer and the transformer (smp's ``TransformerLayer``, ``Transformer``; docs/tensor.md).
 
 A layer is an attention block, an optional cross-attention block and an output (MLP) block. The
 outermost module moves its inputs into the working layout once (an all-to-all in "memory" mode, an

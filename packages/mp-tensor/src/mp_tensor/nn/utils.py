@@ -1,4 +1,4 @@
-"""Primitives for writing a distributed module (smp's ``smp.nn.utils``, seed 001 Appendix I.6).
+"""Primitives for writing a distributed module (smp's ``smp.nn.utils``; docs/tensor.md).
 
 .. code-block:: python
 
@@ -17,7 +17,7 @@ same random draws given the same seed on every TP rank). Other parameters create
 are only marked: split along their last dimension (input partition, when they have 2 or more
 dimensions) or their first (output partition).
 
-The communication primitives of Appendix I.6 are re-exported here from :mod:`mp_tensor.dist_ops`.
+smp's communication primitives are re-exported here from :mod:`mp_tensor.dist_ops`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Non-distributed reference implementations of smp.nn's transformer modules (seed 004's appendix).
+"""Non-distributed reference implementations of smp.nn's transformer modules, as smp documented them.
 
 ``DistributedLinear``, ``DistributedEmbedding`` and ``DistributedLayerNorm`` have ``nn.Linear``,
 ``nn.Embedding`` and ``nn.LayerNorm`` as their references.

@@ -1,10 +1,10 @@
-"""Non-distributed reference implementations of the transformer modules (seed 004's appendix).
+"""Non-distributed reference implementations of the transformer modules, as smp documented them.
 
 These are what the distributed modules of :mod:`mp_tensor.nn` compute: a module of your own that is
 functionally one of these can be registered (``smp.tp_register``) against the distributed one, and
 their state dicts are the layout :meth:`DistributedModule.full_state_dict` gathers into.
 
-They follow seed 004's listings, with ``parse_args`` made concrete (:class:`TransformerArgs`, the same
+They follow smp's reference listings, with ``parse_args`` made concrete (:class:`TransformerArgs`, the same
 validation as the distributed modules) and these choices where the listing is silent or inconsistent:
 
 - the residual connection is always added; the listing drops it when ``post_layernorm`` is False, which

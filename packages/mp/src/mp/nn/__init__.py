@@ -1,5 +1,5 @@
 """``smp.nn``: the distributed (tensor-parallel) modules. ``smp.nn.utils`` holds the primitives for
-writing one (seed 001 Appendix I.6)."""
+writing one (docs/tensor.md)."""
 
 import torch
 

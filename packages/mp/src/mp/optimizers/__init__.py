@@ -13,6 +13,6 @@ from mp.optimizer import DistributedOptimizer
 from mp.optimizers.fused import FusedAdam, FusedNovoGrad
 from mp.optimizers.lamb import FusedLAMB
 
-FusedLamb = FusedLAMB  # the docs' spelling (reference/smp_api.md); smp's source spells it FusedLAMB
+FusedLamb = FusedLAMB  # smp's documentation's spelling; smp's source spells it FusedLAMB
 
 __all__ = ["DistributedOptimizer", "FusedAdam", "FusedLAMB", "FusedLamb", "FusedNovoGrad"]
