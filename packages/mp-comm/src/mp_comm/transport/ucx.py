@@ -1,20 +1,36 @@
 """The UCX transport (ucxx): endpoints from worker addresses, opened lazily, tag matching.
 
 Install with ``pip install 'mp-comm[ucx]'`` (the ``ucxx-cu12`` wheels). On CPU, UCX moves host memory
-over shared memory (cma, posix, sysv) or tcp; with GPUs it is the device-to-device path of Appendix
-G.2: CUDA IPC between GPUs of one node, GPUDirect RDMA across nodes, chosen by UCX itself.
+over shared memory (cma, posix, sysv) or tcp; with GPUs it is the device-to-device path: CUDA IPC
+between GPUs of one node, GPUDirect RDMA across nodes, chosen by UCX itself.
 
 No rank listens for connections: the ranks' UCX worker addresses are exchanged once through a
 :class:`Bootstrap`, and an endpoint to a peer is created from its worker address the first time this
-rank sends to it. Its first message, a sealed hello, makes the peer open an endpoint back, so that the
-peer can name whoever goes away. UCX's own network transports are limited to the job's interface
-(`UCXConfig.net_devices`). UCX calls are made by the transport's progress thread only; it sleeps on the
-worker's event descriptor (and a pipe that `send` writes to) when idle.
+rank sends to it. Its first message, a sealed hello (a HELLO tag message carrying the job's secret,
+transport/auth.py), makes the peer open an endpoint back to that rank's worker address, as given by the
+bootstrap (never taken from the message), so that the peer can name whoever goes away. UCX's own
+network transports are limited to the job's interface (`UCXConfig.net_devices`). UCX calls are made by
+the transport's progress thread only; it sleeps on the worker's event descriptor (and a pipe that
+`send` writes to) when idle.
 
-The transport is built in layers, one mechanism each: its wire (tags, control messages) in
-ucx_wire, endpoints and their authentication in ucx_endpoints, payloads and the device-to-device
-handshake through persistent buffers in ucx_payloads, the receiving side in ucx_receiving; this
-module holds the lifecycle, the progress thread and the sending side.
+Payloads go straight into the tensor, or, on the device-to-device path, through persistent buffers
+after a handshake, or over the fallback transport. Device payloads (by default the device types in
+`UCXConfig.buffered_devices`, i.e. CUDA) sent to another node (or to any peer, per
+`UCXConfig.buffered_peers`) go through persistent buffers: the header asks, the receiver reserves room
+in its persistent receive buffer and answers with a CTRL message naming the outcome, and only then does
+the sender send those payloads. The outcomes, agreed by both sides because the receiver decides and the
+sender obeys:
+
+* ``B`` buffered: the payload lands in the receiver's persistent buffer, then is copied to the tensor;
+* ``F`` fallback: no room, and both ranks have a fallback transport (MPI): the payloads go over it;
+* ``D`` direct: no room and no fallback: UCX receives straight into the tensor (registering it).
+
+Across nodes (or always, per `UCXConfig.stage_sends`) the sender also copies a device payload into its
+persistent send buffer before sending, when there is room.
+
+The wire (tags, control messages, the records of messages in flight) is in ucx_wire; finding and
+configuring ucxx in ucx_setup; this module is the transport itself: its lifecycle, the progress thread,
+endpoints and their authentication, the sending side, payloads and the handshake, the receiving side.
 """
 
 from __future__ import annotations
@@ -33,20 +49,28 @@ from typing import Any
 import numpy as np
 import torch
 
-from mp_comm.buffers import BufferManager
+from mp_comm.buffers import BufferManager, Region
 from mp_comm.errors import (
+    MessageDecodeError,
     MessageEncodeError,
     PeerTimeoutError,
     TransportClosedError,
     TransportError,
     TransportUnavailableError,
 )
-from mp_comm.message import DeviceMap, default_device_map
+from mp_comm.message import (
+    DeviceMap,
+    Header,
+    byte_view,
+    decode_header,
+    decode_object,
+    default_device_map,
+    numpy_bytes,
+)
 from mp_comm.teardown import Stage, at_exit
 from mp_comm.transport import auth
 from mp_comm.transport.base import Mailbox, MessageTransport, OrderCounter, Outgoing, TransportConfig
 from mp_comm.transport.bootstrap import Bootstrap, bootstrap_for_world
-from mp_comm.transport.ucx_receiving import UCXReceiving
 from mp_comm.transport.ucx_setup import (
     UCXConfig,
     foreign_ucx,
@@ -57,14 +81,18 @@ from mp_comm.transport.ucx_setup import (
 )
 from mp_comm.transport.ucx_wire import (
     _CTRL,
+    _CTRL_WIRE,
+    _DATA,
     _HEADER,
     _HELLO,
+    _KIND_MASK,
     FALLBACK_CHANNEL,
     MAX_RANKS,
     MAX_TENSORS,
     _RecvOp,
     _SendOp,
     _tag,
+    _tag_source,
 )
 
 __all__ = [
@@ -80,6 +108,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+_CTRL_MAX = _CTRL_WIRE.size + MAX_TENSORS + auth.MAC_BYTES  # the wire counter, a letter per payload, MAC
 
 _OPEN: weakref.WeakSet[UCXTransport] = weakref.WeakSet()
 
@@ -99,7 +129,7 @@ def _abort_at_exit() -> None:
 at_exit(Stage.DEVICE_TRANSPORT, _abort_at_exit)
 
 
-class UCXTransport(UCXReceiving):
+class UCXTransport(MessageTransport):
     """Point-to-point messages over UCX. Collective to create and to close, through `bootstrap`."""
 
     name = "ucx"
@@ -176,7 +206,11 @@ class UCXTransport(UCXReceiving):
         self._error: BaseException | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
-        self._address = b""
+        self._address = b""  # this rank's UCX worker address, once the progress thread made the worker
+        # UCX's context and worker: made, used and released by the progress thread only (_run)
+        self._context: Any = None
+        self._worker: Any = None
+        self._epoll_fd = -1
         self._net_devices: str | None = None
         try:
             self._net_devices = job_net_devices(self.ucx_config, all(self._same_node))
@@ -389,7 +423,71 @@ class UCXTransport(UCXReceiving):
         worked |= self._finish_sends()
         return worked
 
-    # sending
+    # -- endpoints and their authentication ----------------------------------------------------------
+
+    def _on_outgoing_closed(self, rank: int, *_: Any) -> None:
+        if not self._closing:
+            self._ep_errors.append((rank, "this rank's connection to it closed"))
+
+    def _endpoint(self, rank: int) -> Any:
+        ep = self._eps.get(rank)
+        if ep is None:
+            ucx = self._ucx
+            address = ucx.UCXAddress.create_from_buffer(np.frombuffer(self._peers[rank], dtype=np.uint8))
+            errors = self.ucx_config.error_handling
+            ep = ucx.UCXEndpoint.create_from_worker_address(self._worker, address, errors)
+            ep.set_close_callback(self._on_outgoing_closed, cb_args=(rank,))
+            hello = np.frombuffer(bytearray(auth.hello(self._secret, self.rank)), dtype=np.uint8)
+            tag = ucx.UCXXTag(_tag(_HELLO, self.rank, 0))
+            self._ep_keep.append((ep.tag_send(self._array(hello), tag), hello))
+            self._eps[rank] = ep
+        return ep
+
+    def _on_hello(self, source: int, data: bytes) -> None:
+        """A rank's first message to this one: open an endpoint back to it (to see it go away)."""
+        rank = auth.open_hello(self._secret, data)
+        if rank is None or rank != source or not 0 <= rank < self.size:
+            self._refuse(source, "hello")
+            return
+        if rank not in self._eps and not self._closing:
+            try:
+                self._endpoint(rank)
+            except Exception as exc:  # it went away already: its sends will say so
+                log.warning("rank %d: cannot open an endpoint back to rank %d: %s", self.rank, rank, exc)
+
+    def _handle_ep_errors(self) -> bool:
+        if not self._ep_errors:
+            return False
+        while self._ep_errors:
+            rank, why = self._ep_errors.popleft()
+            error = self._lost(rank, why)
+            log.error("%s", error)
+            self.mailbox.fail_peer(rank, error)
+            for op in [*self._sends, *self._deferred]:
+                if op.out.dest == rank:
+                    op.out.handle._fail(error)
+            for op in self._sends:
+                if op.out.dest == rank:
+                    for manager, region in op.regions:
+                        manager.release(region)
+            self._sends = [op for op in self._sends if op.out.dest != rank]
+            self._deferred = [op for op in self._deferred if op.out.dest != rank]
+            self._awaiting = {k: v for k, v in self._awaiting.items() if k[0] != rank}
+            self._eps.pop(rank, None)
+        return True
+
+    def _refuse(self, claimed: int, what: str) -> None:
+        # Not the job's: dropped unread. The rank it claims to come from is not failed (it may be fine).
+        self.rejected += 1
+        log.error(
+            "rank %d: dropped a %s that claims to come from rank %d but does not carry the job's MAC "
+            "(a process outside the job reached this rank's UCX worker)",
+            self.rank,
+            what,
+            claimed,
+        )
+
+    # -- sending -------------------------------------------------------------------------------------
 
     def _post_sends(self) -> bool:
         worked = False
@@ -458,7 +556,240 @@ class UCXTransport(UCXReceiving):
         self._ep_keep = [(r, b) for r, b in self._ep_keep if not r.completed]
         return bool(done)
 
-    # shutdown
+    # -- payloads and the device-to-device handshake -------------------------------------------------
+
+    def _on_fallback(self, source: int, header: Header, tensors: list[torch.Tensor]) -> None:
+        # Runs on the fallback transport's progress thread: hand over to ours.
+        wire = int(header.tag[1]) if isinstance(header.tag, tuple) else -1
+        payloads = decode_object(header.body, tensors)  # a list of tensors, duplicates kept
+        assert isinstance(payloads, list)
+        self._fallback_in.append((source, wire, payloads))
+        self._wake()
+
+    def _payload_array(self, t: torch.Tensor) -> Any:
+        return self._array(numpy_bytes(t) if t.device.type == "cpu" else byte_view(t))
+
+    def _send_payload(self, op: _SendOp, ep: Any, i: int, *, staged: bool) -> None:
+        t = op.out.tensors[i]
+        src = byte_view(t)
+        if staged:
+            manager = self._buffer(self._send_buffers, t.device, self.ucx_config.send_buffer_bytes)
+            region = manager.reserve(src.numel()) if manager is not None else None
+            if region is not None:
+                view = manager.view(region)  # type: ignore[union-attr]
+                self._land([(view, src)])
+                op.regions.append((manager, region))  # type: ignore[arg-type]
+                src = view
+        payload = numpy_bytes(src) if src.device.type == "cpu" else src
+        op.keep.append(payload)
+        op.reqs.append(
+            ep.tag_send(self._array(payload), self._ucx.UCXXTag(_tag(_DATA, self.rank, op.out.wire, i)))
+        )
+
+    def _handshake(self, dest: int) -> bool:
+        return self.ucx_config.buffered_peers == "all" or not self._same_node[dest]
+
+    def _staging(self, dest: int) -> bool:
+        policy = self.ucx_config.stage_sends
+        return policy == "always" or (policy == "cross-node" and not self._same_node[dest])
+
+    def _on_ctrl(self, source: int, wire: int, decision: str) -> None:
+        op = self._awaiting.pop((source, wire), None)
+        if op is None:
+            log.error(
+                "rank %d: a D2D answer from rank %d for a message it does not wait for", self.rank, source
+            )
+            return
+        op.awaiting = False
+        held = [i for i, m in enumerate(op.modes) if m == ord("H")]
+        if decision == "F":
+            assert self._fallback is not None
+            self.stats["d2d_fallback"] += 1
+            payload = [op.out.tensors[i] for i in held]
+            op.fallback = self._fallback.send_channel(payload, source, FALLBACK_CHANNEL, tag=("d2d", wire))
+            return
+        self.stats["d2d_buffered" if decision == "B" else "d2d_direct"] += 1
+        ep = self._endpoint(source)
+        stage = self._staging(source)
+        for i in held:
+            self._send_payload(op, ep, i, staged=stage)
+
+    def _land_or_fallback(self, op: _RecvOp, held: list[int], peer_can_fallback: bool) -> str:
+        """Reserve persistent-buffer room for the held payloads: the outcome both sides then follow."""
+        by_device: dict[torch.device, list[int]] = {}
+        for i in held:
+            by_device.setdefault(op.tensors[i].device, []).append(i)
+        reserved: list[tuple[int, BufferManager, Region]] = []
+        ok = True
+        for device, index in by_device.items():
+            manager = self._buffer(self._recv_buffers, device, self.ucx_config.recv_buffer_bytes)
+            regions = None if manager is None else manager.reserve_all([op.metas[i].nbytes for i in index])
+            if regions is None:
+                ok = False
+                break
+            reserved += [(i, manager, r) for i, r in zip(index, regions, strict=True)]  # type: ignore[misc]
+        if ok:
+            for i, manager, region in reserved:
+                op.landing.append((i, manager, region))
+                view = manager.view(region)
+                self._post_recv(op, i, self._array(numpy_bytes(view) if view.device.type == "cpu" else view))
+            return "B"
+        for _, manager, region in reserved:
+            manager.release(region)
+        if peer_can_fallback and self._fallback is not None:
+            op.fallback_index = tuple(held)
+            op.waiting_fallback = True
+            self._fallback_wait[(op.source, op.header.wire & 0xFFFFFF)] = op
+            return "F"
+        for i in held:
+            self._post_recv(op, i, self._payload_array(op.tensors[i]))
+        return "D"
+
+    def _post_recv(self, op: _RecvOp, i: int, array: Any) -> None:
+        op.keep.append(array)
+        tag = self._ucx.UCXXTag(_tag(_DATA, op.source, op.header.wire, i))
+        op.reqs.append(self._worker.tag_recv(array, tag))
+
+    def _send_ctrl(self, dest: int, wire: int, decision: str) -> None:
+        tag = _tag(_CTRL, self.rank, wire)
+        raw = auth.seal(self._secret, tag, _CTRL_WIRE.pack(wire) + decision.encode("ascii"))
+        buf = np.frombuffer(bytearray(raw), dtype=np.uint8)
+        req = self._endpoint(dest).tag_send(self._array(buf), self._ucx.UCXXTag(tag))
+        self._ctrl_reqs.append((req, buf))
+
+    def _take_fallbacks(self) -> bool:
+        worked = False
+        while self._fallback_in:
+            source, wire, tensors = self._fallback_in.popleft()
+            worked = True
+            op = self._fallback_wait.pop((source, wire), None)
+            if op is None:
+                log.error("rank %d: fallback payloads from rank %d for an unknown message", self.rank, source)
+                continue
+            for i, t in zip(op.fallback_index, tensors, strict=True):
+                op.tensors[i] = t.to(op.tensors[i].device) if t.device != op.tensors[i].device else t.detach()
+            op.waiting_fallback = False
+        return worked
+
+    def _buffer(
+        self, table: dict[str, BufferManager], device: torch.device, capacity: int
+    ) -> BufferManager | None:
+        if capacity <= 0:
+            return None
+        key = str(device)
+        manager = table.get(key)
+        if manager is None:
+            manager = table[key] = BufferManager(capacity, device, alignment=self.ucx_config.buffer_alignment)
+        return manager
+
+    # -- receiving -----------------------------------------------------------------------------------
+
+    def _probe(self, kind: int) -> bool:
+        ucx = self._ucx
+        worked = False
+        for _ in range(64):
+            probe = self._worker.tag_probe(ucx.UCXXTag(kind << 62), ucx.UCXXTagMask(_KIND_MASK), True)
+            if not probe.matched:
+                break
+            worked = True
+            tag = int(probe.sender_tag.value)
+            source = _tag_source(tag)
+            if kind == _HEADER:
+                buf = np.empty(int(probe.length), dtype=np.uint8)
+                req = self._worker.tag_recv_with_handle(self._array(buf), probe)
+                self._headers.setdefault(source, collections.deque()).append((req, buf, tag))
+                continue
+            # Hellos and control messages are a few bytes, already here; a longer one is not the job's.
+            what, limit = ("hello", auth.HELLO_BYTES) if kind == _HELLO else ("control message", _CTRL_MAX)
+            buf = np.empty(max(1, min(int(probe.length), limit)), dtype=np.uint8)
+            req = self._worker.tag_recv_with_handle(self._array(buf), probe)
+            while not req.completed:
+                self._worker.progress()
+            try:
+                req.check_error()  # a truncated one fails here
+            except Exception:
+                self._refuse(source, what)
+                continue
+            if int(probe.length) > limit:
+                self._refuse(source, what)
+            elif kind == _HELLO:
+                self._on_hello(source, buf.tobytes())
+            else:
+                ctrl = auth.unseal(self._secret, tag, buf.tobytes())
+                if ctrl is None or len(ctrl) < _CTRL_WIRE.size:
+                    self._refuse(source, what)
+                    continue
+                (wire,) = _CTRL_WIRE.unpack_from(ctrl)
+                self._on_ctrl(source, int(wire), ctrl[_CTRL_WIRE.size :].decode("ascii", "replace"))
+        return worked
+
+    def _finish_headers(self) -> bool:
+        worked = False
+        for source in list(self._headers):
+            queue = self._headers[source]
+            while queue and queue[0][0].completed:
+                req, buf, tag = queue.popleft()
+                worked = True
+                try:
+                    req.check_error()
+                    header = auth.unseal(self._secret, tag, buf.tobytes())
+                    if header is None:  # checked before anything is unpickled
+                        self._refuse(source, "message header")
+                        continue
+                    self._start_recv(source, decode_header(header, source=source))
+                except MessageDecodeError as exc:
+                    log.error("rank %d: %s", self.rank, exc)
+                    self.mailbox.fail_peer(source, exc)
+                except Exception as exc:
+                    error = self._wrap_error("receiving a header", exc, source)
+                    self.mailbox.fail_peer(source, error)
+            if not queue:
+                del self._headers[source]
+        return worked
+
+    def _start_recv(self, source: int, header: Header) -> None:
+        prepared = self._prepare_arrival(source, header)
+        if prepared is None:
+            return
+        metas, tensors = prepared
+        modes: bytes = header.extra[0] if header.extra else b""
+        peer_can_fallback = bool(header.extra[1]) if len(header.extra) > 1 else False
+        op = _RecvOp(source, header, metas, tensors)
+        held = [i for i, m in enumerate(modes) if m == ord("H")]
+        for i, m in enumerate(modes):
+            if m == ord("E"):
+                self._post_recv(op, i, self._payload_array(tensors[i]))
+        if held:
+            decision = self._land_or_fallback(op, held, peer_can_fallback)
+            self._send_ctrl(source, header.wire & 0xFFFFFF, decision)
+        self._recvs.append(op)
+
+    def _finish_recvs(self) -> bool:
+        done: list[_RecvOp] = []
+        for op in self._recvs:
+            if op.waiting_fallback or not all(r.completed for r in op.reqs):
+                continue
+            done.append(op)
+            try:
+                for r in op.reqs:
+                    r.check_error()
+                # UCX completes a receive once its bytes are in place (CUDA copies included).
+                if op.landing:
+                    self._land([(byte_view(op.tensors[i]), m.view(region)) for i, m, region in op.landing])
+            except Exception as exc:
+                error = self._wrap_error(f"receiving tag {op.header.tag!r}", exc, op.source)
+                self.mailbox.fail_peer(op.source, error)
+                self._arrival_failed(op.source, op.header, error)
+            else:
+                self._arrived(op.source, op.header, op.tensors, op.metas)
+            finally:
+                for _, manager, region in op.landing:
+                    manager.release(region)
+        for op in done:
+            self._recvs.remove(op)
+        return bool(done)
+
+    # -- shutdown ------------------------------------------------------------------------------------
 
     def _drain(self) -> None:
         """After the closing barrier: finish receives still under way (briefly)."""
@@ -481,7 +812,6 @@ class UCXTransport(UCXReceiving):
         self._sends.clear()
         self._recvs.clear()
         self._headers.clear()
-        for name in ("_worker", "_context"):
-            if hasattr(self, name):
-                delattr(self, name)
+        self._worker = None
+        self._context = None
         log.debug("UCX transport of rank %d closed", self.rank)

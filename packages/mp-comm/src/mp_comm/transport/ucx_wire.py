@@ -3,7 +3,7 @@
 Tags are 64 bits: kind (2) | source rank (22) | wire counter (24) | tensor index (16). A message is
 a header (kind HEADER, matched from any source by a tag probe that removes it: UCX's matched probe)
 followed by one DATA message per tensor payload that is not inline; CTRL messages answer the D2D
-handshake (ucx_payloads); a HELLO is the first message on a new endpoint (ucx_endpoints).
+handshake and a HELLO is the first message on a new endpoint (both in ucx).
 """
 
 from __future__ import annotations
