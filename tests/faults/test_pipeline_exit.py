@@ -139,3 +139,60 @@ def test_a_sys_exit_that_the_script_catches_ends_nothing(tmp_path: Path) -> None
     assert code == 0, output
     assert "rank 0 went on" in output and "rank 1 went on" in output, output
     assert "mp:" not in output, output
+
+
+# mp's other exits that end a rank with status 1 print their line themselves: logging may drop it (a
+# script that configures logging its own way, or turns it off, as here), and Hydra adds nothing.
+SILENT_PEER = """
+import logging, os, signal, time
+import mp as smp
+
+smp.init({"ddp": True})
+logging.disable(logging.CRITICAL)
+if smp.rank() == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)
+time.sleep(150)
+"""
+
+
+def test_the_rank_whose_heartbeat_ends_the_job_prints_why(tmp_path: Path) -> None:
+    """Under plain mpiexec the heartbeat's report was only logged before MPI_Abort(1)."""
+    script = tmp_path / "silent.py"
+    script.write_text(SILENT_PEER)
+    env = {"OMP_NUM_THREADS": "1", "MP_HEARTBEAT_TIMEOUT": "3"}
+    output, code, took = run_script(script, 2, env=env, timeout=180)
+    assert code != 0, output
+    peer = r"rank 1 \(pp_rank 0, tp_rank 0, rdp_rank 1; host \S+, PID \d+\)"
+    named = rf"\[rank 0\] mp: {peer} has sent no heartbeat"
+    assert re.search(named, output), output
+    assert took < 120, f"the job took {took:.0f} s to end"
+
+
+UNSAVED = """
+import logging, os, resource, signal
+import torch
+import mp as smp
+
+smp.init({"ddp": True})
+logging.disable(logging.CRITICAL)
+if smp.rank() == 0:  # the rank that writes user_content cannot: the save fails on every rank
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+big = {"w": torch.ones(1 << 20)}
+smp.save_checkpoint(os.environ["MP_TEST_OUT"], "last", user_content=big, async_save=True)
+print(f"rank {smp.rank()} script ended", flush=True)
+"""
+
+
+def test_a_rank_whose_last_background_save_failed_prints_why_it_exits_1(tmp_path: Path) -> None:
+    """At exit a failed async save ends the rank with os._exit(1); its reason was only logged."""
+    script = tmp_path / "unsaved.py"
+    script.write_text(UNSAVED)
+    env = {"OMP_NUM_THREADS": "1", "MP_TEST_OUT": str(tmp_path / "ckpt")}
+    output, code, _ = run_script(script, 2, env=env, timeout=180)
+    assert code == 1, output
+    for rank in (0, 1):
+        assert f"rank {rank} script ended" in output, output
+        said = rf"\[rank {rank}\] mp: smp\.save_checkpoint\(.*'last'\) failed .*\nrank 0: CheckpointWrite"
+        assert re.search(said, output), output
+    assert output.count("The process exits with status 1: its last checkpoint was not saved") == 2, output

@@ -6,7 +6,7 @@ runs whatever the rank computes (torch and MPI release the GIL; pure Python give
 few milliseconds), so a slow rank keeps beating; a rank that is stopped (SIGSTOP, a frozen
 container or VM), dead, or cut off from the network falls silent. A peer silent for
 ``MP_HEARTBEAT_TIMEOUT`` seconds (default 30; 0 turns the heartbeat off) ends the job: the rank
-that notices logs which rank went silent (global rank, its pp/tp/rdp ranks, host, PID) and what
+that notices reports which rank went silent (global rank, its pp/tp/rdp ranks, host, PID) and what
 every rank was last doing, leaves that report for mp-launch, SIGKILLs the silent ranks on its own
 host (a stopped process ignores the SIGTERM torchrun's agent sends first), and aborts the MPI job (or
 exits under torchrun, whose agent stops the rest).
@@ -271,8 +271,10 @@ class Heartbeat:
             tmp.write_text(json.dumps(entry))
             tmp.replace(Path(folder) / f"hang-{rank}.json")
             log.error("rank %d: %s stopped answering; ending the job (mp-launch prints why)", rank, names)
-        except OSError:
-            log.error("%s", report)
+        except OSError:  # plain mpiexec, torchrun: printed, not logged (a script's logging may drop it)
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                print(f"[rank {rank}] mp: {report}", file=sys.stderr, flush=True)
         time.sleep(_REPORT_GRACE)
         for r in silent:  # a stopped process on this host ignores the SIGTERM torchrun sends it first
             if self.peers[r].host == self.peers[rank].host:

@@ -173,12 +173,17 @@ def _release_at_exit() -> None:
     # the other ranks for a few seconds at most, so a rank that leaves while others run does not hang.
     if not state.initialized:
         return
+    rank = state.world.rank if state.world is not None else 0  # _release forgets the world
     try:
         _release(transport_timeout=EXIT_TIMEOUT)
     except SMPCheckpointError as exc:  # the last background checkpoint save failed: never silently
-        log.error("%s\nThe process exits with status 1: its last checkpoint was not saved", exc)
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
+        # printed, not logged: the script's logging configuration may drop mp's records
+        sys.stdout.flush()
+        print(
+            f"[rank {rank}] mp: {exc}\nThe process exits with status 1: its last checkpoint was not saved",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(1)
 
 
