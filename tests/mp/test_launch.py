@@ -15,15 +15,18 @@ from typing import Any
 import pytest
 
 from mp.launch import (
+    RemoteWatch,
     binding,
     build_command,
     build_parser,
     core_groups,
     find_mpiexec,
+    host_ranks,
     is_hydra,
     physical_cores,
     rank_cpu_sets,
     read_hostfile,
+    remote_launcher,
 )
 from mp.launch import main as launch_main
 
@@ -318,3 +321,46 @@ def test_ranks_launched_on_one_host_run_on_cores_of_their_own(tmp_path: Path) ->
     everywhere = sorted(os.sched_getaffinity(0))
     rows = _placements(free.stdout).values()
     assert len(rows) == 2 and all(row["cpus"] == everywhere and not row["bound"] for row in rows), free.stdout
+
+
+@pytest.mark.parametrize(
+    ("spec", "n", "placed"),
+    [
+        ("h1:2,h2:2", 4, {"h1": [0, 1], "h2": [2, 3]}),
+        ("h1,h2", 4, {"h1": [0, 2], "h2": [1, 3]}),  # Hydra goes round again
+        ("h1:4,h2:4", 5, {"h1": [0, 1, 2, 3], "h2": [4]}),
+        ("h1:4,h2:4", 2, {"h1": [0, 1]}),
+    ],
+)
+def test_host_ranks_follow_hydras_placement(spec: str, n: int, placed: dict[str, list[int]]) -> None:
+    assert host_ranks(spec, n) == placed
+
+
+def test_the_remote_launcher_is_watched_only_on_launches_over_hosts_outside_slurm(tmp_path: Path) -> None:
+    (tmp_path / "x.py").write_text("")
+    script = str(tmp_path / "x.py")
+    local = build_parser().parse_args(["-n", "2", script])
+    hosts = build_parser().parse_args(["-n", "2", "--hosts", "a:1,b:1", script])
+    assert remote_launcher(local, {}) is None
+    assert remote_launcher(hosts, {"SLURM_JOB_ID": "7"}) is None  # Hydra starts them with srun there
+    assert remote_launcher(hosts, {}) == __import__("shutil").which("ssh")
+    given = build_parser().parse_args(["-n", "2", "--launcher-exec", "true", script])
+    assert remote_launcher(given, {"SLURM_JOB_ID": "7"}) == __import__("shutil").which("true")
+    watch = RemoteWatch(tmp_path, "/bin/true")
+    cmd = build_command(hosts, "mpiexec", None, watch)
+    assert cmd[cmd.index("-launcher-exec") + 1] == str(watch.shim)
+
+
+def test_a_remote_launcher_that_ends_badly_names_its_host(tmp_path: Path) -> None:
+    """The shim mpiexec is given runs the real launcher with Hydra's arguments and records how it
+    ended: the host whose connection ended first is the one named."""
+    fake = tmp_path / "fake-ssh"
+    fake.write_text('#!/bin/sh\n[ "$2" = h3 ] && sleep 0.3\n[ "$2" = h1 ] && exit 0\nexit 255\n')
+    fake.chmod(0o755)
+    watch = RemoteWatch(tmp_path, str(fake))
+    for host in ("h1", "h2", "h3"):
+        done = subprocess.run([str(watch.shim), "-x", host, '"hydra_pmi_proxy" --proxy-id 1'], check=False)
+        assert done.returncode == (0 if host == "h1" else 255)
+    lost = watch.lost()
+    assert [(host, code) for host, code, _ in lost] == [("h2", 255), ("h3", 255)]
+    assert lost[0][2] < lost[1][2]

@@ -37,6 +37,7 @@ from typing import Any
 
 FAILURE_DIR_ENV = "MP_LAUNCH_FAILURE_DIR"
 RANK_MAIN = Path(__file__).with_name("_rank_main.py")
+REMOTE_LAUNCH = Path(__file__).with_name("_remote_launch.py")
 BIND_CHOICES = ("auto", "none")
 HEARTBEAT_ENV = "MP_HEARTBEAT_TIMEOUT"
 DEFAULT_HEARTBEAT_TIMEOUT = 30.0
@@ -90,6 +91,21 @@ def _parse_hosts(spec: str, nprocs: int, origin: str | None = None) -> str:
     if total < nprocs:
         raise LaunchError(f"{where} has {total} slots for -n {nprocs}; add hosts or slots.")
     return spec
+
+
+def host_ranks(spec: str, nprocs: int) -> dict[str, list[int]]:
+    """The ranks Hydra places on each host of a --hosts spec: each host's slots in turn, in the spec's
+    order, round again while ranks are left (``a:2,b:2`` with -n 4: a 0 1, b 2 3)."""
+    items = (item.partition(":") for item in spec.split(","))
+    slots = [(host, int(count) if count else 1) for host, _, count in items]
+    placed: dict[str, list[int]] = {host: [] for host, _ in slots}
+    rank = 0
+    while rank < nprocs and any(n > 0 for _, n in slots):
+        for host, n in slots:
+            take = min(n, nprocs - rank)
+            placed[host].extend(range(rank, rank + take))
+            rank += take
+    return {host: ranks for host, ranks in placed.items() if ranks}
 
 
 def read_hostfile(path: str) -> str:
@@ -263,21 +279,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def hosts_spec(args: argparse.Namespace) -> str | None:
+    """The --hosts or --hostfile of a launch as Hydra's -hosts value (checked), or None for this host."""
+    if getattr(args, "hostfile", None):
+        origin = f"--hostfile {args.hostfile!r}"
+        return _parse_hosts(read_hostfile(args.hostfile), args.nprocs, origin)
+    if args.hosts:
+        return _parse_hosts(args.hosts, args.nprocs)
+    return None
+
+
+def remote_launcher(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str | None:
+    """The program Hydra will start other hosts' proxies with, where mp-launch can watch it: the
+    --launcher-exec given, else ssh on a launch over hosts outside a Slurm allocation (inside one,
+    Hydra starts them with srun and Slurm reports a lost node itself)."""
+    given = getattr(args, "launcher_exec", None)
+    if given:
+        found: str | None = shutil.which(given)
+        if found is None:
+            raise LaunchError(f"--launcher-exec {given!r} is not an executable; give its path.")
+        return found
+    env = os.environ if environ is None else environ
+    if not (args.hosts or getattr(args, "hostfile", None)) or "SLURM_JOB_ID" in env:
+        return None
+    return shutil.which("ssh")
+
+
 def build_command(
-    args: argparse.Namespace, mpiexec: str, cpu_sets: list[list[int]] | None = None
+    args: argparse.Namespace,
+    mpiexec: str,
+    cpu_sets: list[list[int]] | None = None,
+    remote: RemoteWatch | None = None,
 ) -> list[str]:
     if args.nprocs < 1:
         raise LaunchError(f"-n {args.nprocs}: the number of ranks must be at least 1.")
     cmd = [mpiexec, "-n", str(args.nprocs)]
-    if getattr(args, "hostfile", None):
-        origin = f"--hostfile {args.hostfile!r}"
-        cmd += ["-hosts", _parse_hosts(read_hostfile(args.hostfile), args.nprocs, origin)]
-    elif args.hosts:
-        cmd += ["-hosts", _parse_hosts(args.hosts, args.nprocs)]
-    if getattr(args, "launcher_exec", None):
-        if shutil.which(args.launcher_exec) is None:
-            raise LaunchError(f"--launcher-exec {args.launcher_exec!r} is not an executable; give its path.")
-        cmd += ["-launcher", "ssh", "-launcher-exec", args.launcher_exec]
+    spec = hosts_spec(args)
+    if spec:
+        cmd += ["-hosts", spec]
+    if remote is not None:
+        cmd += remote.mpiexec_arguments()
+    elif getattr(args, "launcher_exec", None):
+        cmd += ["-launcher", "ssh", "-launcher-exec", remote_launcher(args) or args.launcher_exec]
     if cpu_sets:
         cmd += bind_arguments(cpu_sets)
     # The runner is started as a file, not as `-m mp._rank_main`: that would import the whole mp
@@ -334,7 +377,6 @@ def main(argv: list[str] | None = None) -> int:
         args.stopped_timeout = default_stopped_timeout()
     mpiexec = find_mpiexec(args.mpiexec)
     cpu_sets = placement(args.bind, args.nprocs, mpiexec, hosts=args.hosts or args.hostfile)
-    cmd = build_command(args, mpiexec, cpu_sets)
     env = dict(os.environ)
     env.update(_config_env(args.config))
     if args.memory_report:
@@ -342,8 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     if cpu_sets and "OMP_NUM_THREADS" not in env and "MP_NUM_THREADS" not in env:
         # A rank runs a thread per core of its own (smp.init would otherwise count its hardware threads).
         env["MP_NUM_THREADS"] = str(len(core_groups(cpu_sets[0])))
+    spec = hosts_spec(args)
     with tempfile.TemporaryDirectory(prefix="mp-launch-") as tmp:
         env[FAILURE_DIR_ENV] = tmp
+        real_launcher = remote_launcher(args) if is_hydra(mpiexec) else None
+        remote = RemoteWatch(Path(tmp), real_launcher) if spec and real_launcher else None
+        cmd = build_command(args, mpiexec, cpu_sets, remote)
         # mpiexec's own output passes through us so that its report of a dead process (PID and host
         # only) can be turned into the rank's name; the ranks' output is forwarded line by line.
         tagged = None
@@ -374,6 +420,14 @@ def main(argv: list[str] | None = None) -> int:
         reported = _report_failures(Path(tmp))
         if rc != 0 and reported is None:
             who = watcher.describe()
+            lost = remote.lost() if remote is not None and spec else []
+            if lost and not watcher.first_before(lost[0][2]):
+                host, code, _ = lost[0]
+                ranks = ", ".join(map(str, host_ranks(spec or "", args.nprocs).get(host, [])))
+                who = (
+                    f": host {host} (ranks {ranks}) was lost first (the launcher's connection to it ended: "
+                    f"{code_text(code)}; every process there ended, or the host went down)"
+                )
             how = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
             if watcher.stopped is not None:
                 how = "a rank stopped running"
@@ -509,6 +563,7 @@ class _DeathWatch:
         self.stopped_timeout = stopped_timeout
         self.stopped: tuple[int, int, float] | None = None  # (rank, pid, seconds) of a rank ended for it
         self.first: list[tuple[int, int]] = []  # (rank, pid) of the ranks seen dead at the first look
+        self.first_at: float | None = None  # when (time.time()) they were seen dead
         self.banner: tuple[int, str, int | None] | None = None  # (pid, host, code)
         self._thread = threading.Thread(target=self._watch, name="mp-launch-watch", daemon=True)
         self._thread.start()
@@ -540,6 +595,8 @@ class _DeathWatch:
             # rank may register only after it was killed): all of them are named.
             ready = [watched[fd] for fd, _ in poller.poll(0 if self.first else 20)]
             self.first = sorted({*self.first, *ready})
+            if self.first and self.first_at is None:
+                self.first_at = time.time()
             if self.stopped_timeout > 0 and not self.first and time.monotonic() >= next_look:
                 next_look = time.monotonic() + 0.5
                 self._look_for_stopped(watched.values(), since)
@@ -593,6 +650,11 @@ class _DeathWatch:
             elif self.banner is not None and self.banner[2] is None and (hit := _CODE.search(line)):
                 self.banner = (self.banner[0], self.banner[1], int(hit.group(1)))
 
+    def first_before(self, when: float) -> bool:
+        """Whether a rank of this host was seen dead before `when` (time.time())."""
+        self._thread.join(1.0)
+        return self.first_at is not None and self.first_at < when
+
     def describe(self) -> str:
         """``: rank R (PID P on host H) died first, killed by signal 9 (SIGKILL)``, or '' if unknown."""
         self._thread.join(1.0)
@@ -618,6 +680,59 @@ class _DeathWatch:
             pid, host, _ = self.banner
             return f": mpiexec reports PID {pid} on host {host}"
         return ""
+
+
+class RemoteWatch:
+    """Watches the proxies Hydra starts on other hosts: mpiexec's ``-launcher-exec`` becomes a shim that
+    runs the real launcher through mp/_remote_launch.py, which records in the failure folder when and how
+    each one ended. Hydra's report of a proxy that went away (``assert (!closed) failed``) names no host;
+    these records do."""
+
+    WAIT = 2.0  # seconds to wait, after mpiexec ended, for a launcher to write how it ended
+
+    def __init__(self, folder: Path, launcher: str) -> None:
+        self.folder = folder
+        self.shim = folder / "remote-launch"
+        self.shim.write_text(
+            f'#!/bin/sh\nexec "{sys.executable}" -I "{REMOTE_LAUNCH}" "{folder}" "{launcher}" "$@"\n'
+        )
+        self.shim.chmod(0o700)
+
+    def mpiexec_arguments(self) -> list[str]:
+        return ["-launcher", "ssh", "-launcher-exec", str(self.shim)]
+
+    def lost(self) -> list[tuple[str, int, float]]:
+        """(host, exit code, when) of each launcher that ended with a failure, the first first."""
+        deadline = time.monotonic() + self.WAIT
+        while True:
+            records = []
+            for path in self.folder.glob("remote-*.json"):
+                with contextlib.suppress(OSError, ValueError):
+                    records.append(json.loads(path.read_text()))
+            if all(r.get("code") is not None for r in records) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        failed = [
+            (_launched_host(r["args"]), int(r["code"]), float(r["ended"]))
+            for r in records
+            if r.get("code") not in (None, 0)
+        ]
+        return sorted(failed, key=lambda item: item[2])
+
+
+def _launched_host(args: list[str]) -> str:
+    """The host in a launcher's command line as Hydra writes it for ssh: ``-x HOST "proxy ..."``."""
+    rest = [a for a in args if a != "-x"]
+    return rest[0] if rest else "?"
+
+
+def code_text(code: int) -> str:
+    """How a launcher ended, in words: ssh ends with 255 when its connection breaks."""
+    if code < 0:
+        return f"killed by signal {-code}"
+    if code == 255:
+        return "ssh exit status 255, the connection was closed"
+    return f"exit status {code}"
 
 
 def _summary(stacks: str, frames: int = 4) -> str:
