@@ -23,7 +23,10 @@ def under_mpi() -> bool:
 
 
 def mpiexec() -> str | None:
-    """The mpiexec beside this Python (the MPICH wheel's), else the one on PATH."""
+    """$MP_BENCH_MPIEXEC, else the mpiexec beside this Python (the MPICH wheel's), else the one on PATH."""
+    named = os.environ.get("MP_BENCH_MPIEXEC")
+    if named:
+        return named
     return shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 
 

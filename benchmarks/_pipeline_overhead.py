@@ -21,6 +21,10 @@ mpi4py, on mp's MPI transport and on gloo (the floor; one way is half of it).
 
 Every variant's first step checks the scale parameter's gradient against plain PyTorch. Variants are
 interleaved: each repetition runs every variant once, in a rotating order.
+
+``device="cuda"`` puts the chain, its input and every variant on each rank's GPU (torch's stages then
+send through host memory when the ranks share a GPU under gloo, as mp's MPI route does); the raw round
+trips then send the CUDA tensor on mp's transport and gloo (staged by hand), mpi4py its host copy.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _pipeline_runners import idle_barrier
+from _pipeline_runners import idle_barrier, stage_cuda_p2p_through_host
 from torch import nn
 
 __all__ = ["BLOCKS", "PLACEMENTS", "Chain", "measure_overhead"]
@@ -60,17 +64,23 @@ class Scale(nn.Module):
 
 
 class Chain(nn.Module):
-    def __init__(self, calls: int, kind: str) -> None:
+    def __init__(self, calls: int, kind: str, device: str = "cpu") -> None:
         super().__init__()
         torch.manual_seed(0)  # the same weights in every variant
         self.head = Scale()
         self.calls = nn.ModuleList(_block(kind) for _ in range(calls))
+        self.to(_device(device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.head(x)
         for layer in self.calls:
             x = layer(x)
         return _loss(x)
+
+
+def _device(device: str) -> torch.device:
+    """``device`` as this rank's: "cuda" is the GPU the world chose for it (local_rank % GPUs)."""
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
 
 
 def _owner(placement: str, i: int) -> int:
@@ -83,7 +93,7 @@ Session = tuple[Callable[[], None], Callable[[], torch.Tensor | None], Callable[
 """(one training step, the scale parameter's gradient after the last step or None off rank 0, close)."""
 
 
-def _mp_session(calls: int, kind: str, placement: str, fast: bool) -> Session:
+def _mp_session(calls: int, kind: str, placement: str, fast: bool, device: str = "cpu") -> Session:
     import mp as smp
 
     smp.init(
@@ -95,12 +105,12 @@ def _mp_session(calls: int, kind: str, placement: str, fast: bool) -> Session:
             "fast_mode": fast,
         }
     )
-    net = Chain(calls, kind)
+    net = Chain(calls, kind, device)
     smp.set_partition(net, 0)
     for i, block in enumerate(net.calls):
         smp.set_partition(block, _owner(placement, i))
     model = smp.DistributedModel(net)
-    x = torch.ones(1, WIDTH)
+    x = torch.ones(1, WIDTH, device=_device(device))
 
     @smp.step
     def train_step(model: Any, x: torch.Tensor) -> torch.Tensor:
@@ -119,9 +129,9 @@ def _mp_session(calls: int, kind: str, placement: str, fast: bool) -> Session:
     return train, grad, smp.reset
 
 
-def _plain_session(calls: int, kind: str, rank: int) -> Session:
-    net = Chain(calls, kind)
-    x = torch.ones(1, WIDTH)
+def _plain_session(calls: int, kind: str, rank: int, device: str = "cpu") -> Session:
+    net = Chain(calls, kind, device)
+    x = torch.ones(1, WIDTH, device=_device(device))
 
     def train() -> None:
         if rank == 0:
@@ -158,23 +168,25 @@ def _sum_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return _loss(output)
 
 
-def _torch_session(calls: int, kind: str, placement: str, rank: int) -> Session:
+def _torch_session(calls: int, kind: str, placement: str, rank: int, device: str = "cpu") -> Session:
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleLoopedBFS
 
-    net = Chain(calls, kind)
-    cpu = torch.device("cpu")
+    net = Chain(calls, kind, device)
+    where = _device(device)  # the stages' device
+    if where.type == "cuda":
+        stage_cuda_p2p_through_host()
     if placement == "remote":
         module = _Stage(net.head, []) if rank == 0 else _Stage(None, list(net.calls))
-        stages = [PipelineStage(module, rank, 2, cpu)]
+        stages = [PipelineStage(module, rank, 2, where)]
         schedule: Any = ScheduleGPipe(stages[0], 1, loss_fn=_sum_loss)
     else:
         mine = [i for i in range(calls) if i % 2 == rank]
         modules = [_Stage(net.head if i == 0 else None, [net.calls[i]]) for i in mine]
-        stages = [PipelineStage(m, i, calls, cpu) for m, i in zip(modules, mine, strict=True)]
+        stages = [PipelineStage(m, i, calls, where) for m, i in zip(modules, mine, strict=True)]
         schedule = ScheduleLoopedBFS(stages, 1, loss_fn=_sum_loss)
     last = 1 if placement == "remote" else (calls - 1) % 2
-    x = torch.ones(1, WIDTH)
-    target = torch.zeros(1)
+    x = torch.ones(1, WIDTH, device=where)
+    target = torch.zeros(1, device=where)
 
     def train() -> None:
         net.zero_grad(set_to_none=True)
@@ -199,6 +211,8 @@ def _timed(comm: Any, fn: Callable[[], None], steps: int) -> float:
     t0 = time.perf_counter()
     for _ in range(steps):
         fn()
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        torch.cuda.synchronize()
     idle_barrier(comm)
     return float(comm.bcast((time.perf_counter() - t0) / steps, root=0))
 
@@ -211,15 +225,16 @@ def _repeat(fn: Callable[[], None], n: int) -> Callable[[], None]:
     return run
 
 
-def _wire_round_trips(comm: Any, world: Any, iters: int, reps: int) -> dict[str, float]:
-    """Round trip (µs) of the chain's input tensor: mpi4py on its buffer, mp's MPI transport (a second
-    instance, same code as the pipeline's) and gloo send/recv."""
+def _wire_round_trips(comm: Any, world: Any, iters: int, reps: int, device: str = "cpu") -> dict[str, float]:
+    """Round trip (µs) of the chain's input tensor: mpi4py on its (host) buffer, mp's MPI transport (a
+    second instance, same code as the pipeline's) and gloo send/recv (a CUDA tensor staged by hand)."""
     from mp_comm.transport import MPITransport, TransportConfig
 
     rank, peer = comm.Get_rank(), 1 - comm.Get_rank()
-    x = torch.ones(1, WIDTH)
+    x = torch.ones(1, WIDTH, device=_device(device))
+    host = torch.ones(1, WIDTH)
     into = torch.empty(1, WIDTH)
-    raw = x.numpy()
+    raw = host.numpy()
     transport = MPITransport(world.mpi_comm, config=TransportConfig(timeout=120.0).for_world(world))
 
     def mpi4py() -> None:
@@ -239,11 +254,13 @@ def _wire_round_trips(comm: Any, world: Any, iters: int, reps: int) -> dict[str,
 
     def gloo() -> None:
         if rank == 0:
-            dist.send(x, peer)
+            dist.send(x.cpu(), peer)
             dist.recv(into, peer)
+            x.copy_(into)
         else:
             dist.recv(into, peer)
-            dist.send(into, peer)
+            x.copy_(into)
+            dist.send(x.cpu(), peer)
 
     fns = {"mpi4py": mpi4py, "mp_mpi_transport": mp_transport, "gloo": gloo}
     out: dict[str, list[float]] = {name: [] for name in fns}
@@ -263,7 +280,9 @@ def _max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None:
     return float((a - b).abs().max())
 
 
-def measure_overhead(comm: Any, world: Any, *, calls: int, steps: int, reps: int) -> dict[str, Any]:
+def measure_overhead(
+    comm: Any, world: Any, *, calls: int, steps: int, reps: int, device: str = "cpu"
+) -> dict[str, Any]:
     """Interleaved repetitions of every variant; per-call costs in µs (medians over repetitions of the
     paired differences). Collective over both ranks; the result is valid on rank 0."""
     rank = comm.Get_rank()
@@ -280,12 +299,12 @@ def measure_overhead(comm: Any, world: Any, *, calls: int, steps: int, reps: int
             reference: torch.Tensor | None = None
             for name in order:
                 if name == "plain":
-                    train, grad, close = _plain_session(calls, kind, rank)
+                    train, grad, close = _plain_session(calls, kind, rank, device)
                 elif name.startswith("torch"):
-                    train, grad, close = _torch_session(calls, kind, name.split()[1], rank)
+                    train, grad, close = _torch_session(calls, kind, name.split()[1], rank, device)
                 else:
                     placement, _, path = name.partition(" ")
-                    train, grad, close = _mp_session(calls, kind, placement, fast=path != "full")
+                    train, grad, close = _mp_session(calls, kind, placement, path != "full", device)
                 for _ in range(WARMUP):
                     train()
                 step_s[kind][name].append(_timed(comm, train, steps))
@@ -311,8 +330,8 @@ def measure_overhead(comm: Any, world: Any, *, calls: int, steps: int, reps: int
         }
         for kind in BLOCKS
     }
-    wire = _wire_round_trips(comm, world, iters=200, reps=max(reps, 3))
-    return {
+    wire = _wire_round_trips(comm, world, iters=200, reps=max(reps, 3), device=device)
+    out = {
         "version": 2,
         "calls_per_step": calls,
         "steps_per_sample": steps,
@@ -326,3 +345,6 @@ def measure_overhead(comm: Any, world: Any, *, calls: int, steps: int, reps: int
         "wire_round_trip_us": wire,
         "load_average_1min": loads,
     }
+    if device != "cpu":
+        out["device"] = torch.cuda.get_device_name() if device == "cuda" else device
+    return out

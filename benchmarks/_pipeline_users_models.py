@@ -4,15 +4,16 @@ Each :class:`Case` holds a model class built from a seed, one global batch, the 
 function computes it, and, for torch.distributed.pipelining (which needs stage modules), the model as
 a chain of pieces (modules of that same model, each fed the previous one's outputs) with the loss on
 the last piece's output. The hand split is the cut of that chain whose two stages take the closest
-forward + backward time, measured (:func:`best_cut`). Dropout is off everywhere, so every system
-computes the same losses. The HF models' output embeddings are untied from the input ones: torch's
-manual stages cannot share a weight between two stages.
+forward + backward time, measured (:func:`best_cut`; :func:`best_cuts` for ``p`` stages). Dropout is
+off everywhere, so every system computes the same losses. The HF models' output embeddings are untied
+from the input ones: torch's manual stages cannot share a weight between two stages.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MODELS", "Case", "Chain", "best_cut", "make_case"]
+__all__ = ["MODELS", "Case", "Chain", "best_cut", "best_cuts", "make_case"]
 
 MODELS = ("gpt", "gpt2", "t5", "cnn")
 
@@ -157,20 +158,35 @@ class Case:
     describe: str
 
 
-def _gpt(smoke: bool, seed: int) -> Case:
-    vocab, seq, hidden, layers, batch = (256, 32, 64, 4, 8) if smoke else (1000, 128, 256, 8, 16)
+def _sizes(defaults: dict[str, int], size: Mapping[str, int] | None) -> dict[str, int]:
+    """``defaults`` with the keys of ``size`` replaced (``--size hidden=1024,seq=512`` on a command line)."""
+    unknown = sorted(set(size or {}) - set(defaults))
+    if unknown:
+        raise ValueError(f"unknown size key(s) {unknown}; expected some of {sorted(defaults)}")
+    return {**defaults, **(size or {})}
+
+
+def _gpt(smoke: bool, seed: int, size: Mapping[str, int] | None = None) -> Case:
+    keys = ("vocab", "seq", "hidden", "layers", "batch", "heads")
+    sizes = (256, 32, 64, 4, 8, 8) if smoke else (1000, 128, 256, 8, 16, 8)
+    d = _sizes(dict(zip(keys, sizes, strict=True)), size)
+    vocab, seq, hidden, layers, batch, heads = (d[k] for k in keys)
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
 
     def pieces(model: nn.Module) -> list[nn.Module]:
         assert isinstance(model, GPT)
-        embed = _Fn(lambda idx: model.wte(idx) + model.wpe(torch.arange(idx.shape[1])), model.wte, model.wpe)
+
+        def embed_fn(idx: torch.Tensor) -> torch.Tensor:
+            return model.wte(idx) + model.wpe(torch.arange(idx.shape[1], device=idx.device))  # type: ignore[no-any-return]
+
+        embed = _Fn(embed_fn, model.wte, model.wpe)
         head = _Fn(lambda x: model.head(model.ln_f(x)), model.ln_f, model.head)
         return [embed, *model.blocks, head]
 
     return Case(
         name="gpt",
-        build=lambda: GPT(vocab, seq, hidden, layers),
+        build=lambda: GPT(vocab, seq, hidden, layers, heads),
         batch=(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()),
         user_loss=lambda model, b: _lm_loss(model(b[0]), b[1]),
         pieces=pieces,
@@ -182,19 +198,26 @@ def _gpt(smoke: bool, seed: int) -> Case:
     )
 
 
-def _gpt2(smoke: bool, seed: int) -> Case:
+def _gpt2(smoke: bool, seed: int, size: Mapping[str, int] | None = None) -> Case:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    vocab, seq, hidden, layers, batch = (256, 32, 64, 2, 8) if smoke else (1000, 128, 256, 8, 16)
+    keys = ("vocab", "seq", "hidden", "layers", "batch", "heads")
+    sizes = (256, 32, 64, 2, 8, 8) if smoke else (1000, 128, 256, 8, 16, 8)
+    d = _sizes(dict(zip(keys, sizes, strict=True)), size)
+    vocab, seq, hidden, layers, batch, heads = (d[k] for k in keys)
     cfg = GPT2Config(
-        vocab_size=vocab, n_positions=seq, n_embd=hidden, n_layer=layers, n_head=8, bos_token_id=0,
+        vocab_size=vocab, n_positions=seq, n_embd=hidden, n_layer=layers, n_head=heads, bos_token_id=0,
         eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
     )  # fmt: skip
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
     def pieces(model: nn.Module) -> list[nn.Module]:
         tr: Any = model.transformer  # type: ignore[union-attr]
-        embed = _Fn(lambda idx: tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1])[None]), tr.wte, tr.wpe)
+
+        def embed_fn(idx: torch.Tensor) -> torch.Tensor:
+            return tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1], device=idx.device)[None])  # type: ignore[no-any-return]
+
+        embed = _Fn(embed_fn, tr.wte, tr.wpe)
         blocks = [_Fn(lambda x, blk=blk: _first(blk(x)), blk) for blk in tr.h]  # causal by sdpa, no mask
         head = _Fn(lambda x: model.lm_head(tr.ln_f(x)), tr.ln_f, model.lm_head)  # type: ignore[operator]
         return [embed, *blocks, head]
@@ -222,10 +245,13 @@ def _shift_right(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(labels[:, :1]), labels[:, :-1]], dim=1)
 
 
-def _t5(smoke: bool, seed: int) -> Case:
+def _t5(smoke: bool, seed: int, size: Mapping[str, int] | None = None) -> Case:
     from transformers import T5Config, T5ForConditionalGeneration
 
-    vocab, src, tgt, d, layers, batch = (256, 32, 16, 64, 2, 8) if smoke else (1000, 128, 64, 256, 4, 16)
+    keys = ("vocab", "source", "target", "d_model", "layers", "batch")
+    sizes = (256, 32, 16, 64, 2, 8) if smoke else (1000, 128, 64, 256, 4, 16)
+    sz = _sizes(dict(zip(keys, sizes, strict=True)), size)
+    vocab, src, tgt, d, layers, batch = (sz[k] for k in keys)
     cfg = T5Config(
         vocab_size=vocab, d_model=d, d_kv=d // 8, d_ff=4 * d, num_layers=layers, num_decoder_layers=layers,
         num_heads=8, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
@@ -262,8 +288,10 @@ def _t5(smoke: bool, seed: int) -> Case:
     )
 
 
-def _cnn(smoke: bool, seed: int) -> Case:
+def _cnn(smoke: bool, seed: int, sizes: Mapping[str, int] | None = None) -> Case:
     widths, blocks, size, batch = ((8, 16), 1, 16, 8) if smoke else ((64, 128, 256, 512), 2, 32, 16)
+    d = _sizes({"blocks": blocks, "image": size, "batch": batch}, sizes)
+    blocks, size, batch = d["blocks"], d["image"], d["batch"]
     g = torch.Generator().manual_seed(seed)
     images = torch.randn(batch, 3, size, size, generator=g)
     labels = torch.randint(0, 10, (batch,), generator=g)
@@ -289,11 +317,12 @@ def _cnn(smoke: bool, seed: int) -> Case:
     )
 
 
-def make_case(name: str, *, smoke: bool, seed: int) -> Case:
+def make_case(name: str, *, smoke: bool, seed: int, size: Mapping[str, int] | None = None) -> Case:
+    """Model ``name`` at its default (or ``smoke``) sizes, with the keys of ``size`` replaced."""
     makers = {"gpt": _gpt, "gpt2": _gpt2, "t5": _t5, "cnn": _cnn}
     if name not in makers:
         raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
-    return makers[name](smoke, seed)
+    return makers[name](smoke, seed, size)
 
 
 def _float_leaves(args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -302,8 +331,16 @@ def _float_leaves(args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
 
 def piece_times(case: Case, model: nn.Module, m: int, reps: int = 5) -> list[float]:
     """Forward + backward seconds of each piece on one microbatch (of ``m``), the loss with the last:
-    the fastest of ``reps`` runs, the one least disturbed by the other work of a shared host."""
+    the fastest of ``reps`` runs, the one least disturbed by the other work of a shared host. On CUDA
+    each piece's time includes a synchronize after it (its kernels, not only their launch)."""
     pieces = case.pieces(model)
+    cuda = case.batch[0].is_cuda
+
+    def now() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     mb = tuple(t.chunk(m)[0] for t in case.batch)
     samples: list[list[float]] = [[] for _ in pieces]
     for _ in range(reps + 1):  # the first is a warm-up
@@ -311,19 +348,19 @@ def piece_times(case: Case, model: nn.Module, m: int, reps: int = 5) -> list[flo
         out: Any = case.stage_args(mb)
         for piece in pieces:
             args = _float_leaves(out if isinstance(out, tuple) else (out,))
-            t0 = time.perf_counter()
+            t0 = now()
             out = piece(*args)
-            times.append(time.perf_counter() - t0)
+            times.append(now() - t0)
             ins.append(args)
             outs.append(out if isinstance(out, tuple) else (out,))
-        t0 = time.perf_counter()
+        t0 = now()
         case.loss_fn(out, case.target(mb)).backward()
-        times[-1] += time.perf_counter() - t0
+        times[-1] += now() - t0
         for i in range(len(pieces) - 2, -1, -1):
             grads = [a.grad for a in ins[i + 1] if a.is_floating_point()]
-            t0 = time.perf_counter()
+            t0 = now()
             torch.autograd.backward([o for o in outs[i] if o.is_floating_point()], grads)
-            times[i] += time.perf_counter() - t0
+            times[i] += now() - t0
         for i, t in enumerate(times):
             samples[i].append(t)
         model.zero_grad(set_to_none=True)
@@ -333,3 +370,17 @@ def piece_times(case: Case, model: nn.Module, m: int, reps: int = 5) -> list[flo
 def best_cut(times: Sequence[float]) -> int:
     """The cut (pieces before it go to stage 0) whose slower stage is fastest."""
     return min(range(1, len(times)), key=lambda k: max(sum(times[:k]), sum(times[k:])))
+
+
+def best_cuts(times: Sequence[float], stages: int) -> list[int]:
+    """The ``stages - 1`` cuts (piece indices where a stage starts) whose slowest stage is fastest; the
+    first such in lexicographic order, so ``best_cuts(times, 2) == [best_cut(times)]``."""
+    if not 2 <= stages <= len(times):
+        raise ValueError(f"stages={stages}; expected between 2 and the {len(times)} pieces")
+
+    def slowest(cuts: tuple[int, ...]) -> float:
+        bounds = (0, *cuts, len(times))
+        return max(sum(times[a:b]) for a, b in itertools.pairwise(bounds))
+
+    candidates: list[tuple[int, ...]] = list(itertools.combinations(range(1, len(times)), stages - 1))
+    return list(min(candidates, key=slowest))

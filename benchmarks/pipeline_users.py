@@ -19,29 +19,39 @@ same initial weights, batch and AdamW for every system:
   ``m`` accumulated microbatches on 1 thread (``single acc``, the bubble bound's reference).
 
 pp = 2 on 2 ranks (the script starts itself under mpiexec, each rank bound to a core of its own as
-mp-launch binds them; see _launch.py), m in {4, 8, 16}. Before timing, every system's first-step loss is
-compared with the single process's on the same microbatches (a mismatch stops the run), and mp's
-partition is printed. Per (model, m), every runner is built once, then ``--rounds`` rounds each time
-``--steps`` steps of every runner in a rotating order (a step is timed between two barriers that sleep
-while they wait). Reported per system: samples/s (median step), the ratios vs torch 1F1B and vs the
-single process on 1 thread (paired per round, median over rounds), each rank's busy fraction (the share
-of the step it computed: mp's from its pipeline timeline, compute with its waits cut out; torch's from
-its stages' forward, loss and backward calls) and the efficiency against the bubble bound, as in
-pipeline_vs_torch.py: ``T1 / p * (m + p - 1) / m`` over the measured step, ``T1`` the ``single acc`` step
-of the same round.
+mp-launch binds them; see _launch.py), m in {4, 8, 16}. ``--pp p`` runs p ranks (p stages; torch's hand
+split then has p - 1 cuts, chosen the same way: the slowest stage fastest). ``--device cuda`` puts every
+system's model and batch on the GPU (each rank on ``local_rank % GPUs``; ranks sharing one GPU need
+``MP_SHARE_GPUS=1``, and torch's stages then send through gloo with the CUDA tensors staged through host
+memory), ``--size`` changes the model's sizes (``hidden=1024,seq=512,batch=16``) and ``--systems`` runs a
+subset (``single acc``, the reference of the loss check, always runs).
+
+Before timing, every system's first-step loss is compared with the single process's on the same
+microbatches (a mismatch stops the run), and mp's partition is printed. Per (model, m), every runner is
+built once, then ``--rounds`` rounds each time ``--steps`` steps of every runner in a rotating order (a
+step is timed between two barriers that sleep while they wait). Reported per system: samples/s (median
+step), the ratios vs torch 1F1B and vs the single process on 1 thread (paired per round, median over
+rounds), each rank's busy fraction (the share of the step it computed: mp's from its pipeline timeline,
+compute with its waits cut out; torch's from its stages' forward, loss and backward calls) and the
+efficiency against the bubble bound, as in pipeline_vs_torch.py: ``T1 / p * (m + p - 1) / m`` over the
+measured step, ``T1`` the ``single acc`` step of the same round.
 
     python benchmarks/pipeline_users.py [--models gpt cnn] [--microbatches 4 8] [--rounds 5] [--steps 2]
     python benchmarks/pipeline_users.py --smoke      # tiny sizes, 1 round, results in a temporary folder
+    python benchmarks/pipeline_users.py --pp 4 --models gpt gpt2 --microbatches 8 --rounds 3
 
 Writes benchmarks/results/pipeline_users.json and .md (``--out`` elsewhere; ``--timeline`` adds mp's
-timeline of each (model, m) beside them). A full run takes about 10-15 minutes on a quiet 2-core host.
+timeline of each (model, m) beside them; both files are rewritten after each (model, m), so a run cut
+short keeps what it finished). A full run takes about 10-15 minutes on a quiet 2-core host.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
+import itertools
 import json
 import os
 import platform
@@ -58,7 +68,8 @@ from typing import Any
 from _launch import on_all_cores, relaunch, rotated, under_mpi
 
 HERE = Path(__file__).resolve().parent
-RANKS = P = 2
+P = 2
+"""The default pipeline degree (--pp); the run's own is ``Run.p``."""
 LR = 1e-4
 SEED = 1234
 SYSTEMS = ("mp", "torch 1F1B", "torch GPipe", "single 1 thread", "single 2 threads", "single acc")
@@ -116,18 +127,25 @@ class Torch:
     """torch.distributed.pipelining: this rank's stage of the hand split, GPipe or 1F1B."""
 
     def __init__(
-        self, case: Any, base: dict[str, Any], rank: int, *, m: int, cut: int, schedule: str
+        self, case: Any, base: dict[str, Any], rank: int, *, m: int, cuts: list[int], schedule: str
     ) -> None:
         import torch
         from _pipeline_users_models import Chain
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        self.case, self.rank = case, rank
+        self.case, self.rank, self.last = case, rank, len(cuts)
         model = case.build()
         model.load_state_dict(base)
         pieces = case.pieces(model)
-        self.module = Chain(pieces[:cut] if rank == 0 else pieces[cut:])
-        self.stage = PipelineStage(self.module, rank, P, torch.device("cpu"))
+        bounds = [0, *cuts, len(pieces)]
+        self.module = Chain(pieces[bounds[rank] : bounds[rank + 1]])
+        device = case.batch[0].device
+        if device.type == "cuda":
+            from _pipeline_runners import stage_cuda_p2p_through_host
+
+            stage_cuda_p2p_through_host()
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.stage = PipelineStage(self.module, rank, len(bounds) - 1, device)
         self.busy = 0.0
         for name in ("forward_one_chunk", "backward_one_chunk"):  # compute, without the waits around it
             setattr(self.stage, name, self._timed(getattr(self.stage, name)))
@@ -151,6 +169,8 @@ class Torch:
         loss = None
         if self.rank == 0:
             self.schedule.step(*self.case.stage_args(self.case.batch))
+        elif self.rank < self.last:
+            self.schedule.step()
         else:
             losses: list[torch.Tensor] = []
             self.schedule.step(target=self.case.target(self.case.batch), losses=losses)
@@ -168,12 +188,14 @@ class Torch:
 class Mp:
     """mp as a user runs it: default config but for pp and microbatches, the model wrapped as is."""
 
-    def __init__(self, case: Any, base: dict[str, Any], rank: int, *, m: int, extra: dict[str, Any]) -> None:
+    def __init__(
+        self, case: Any, base: dict[str, Any], rank: int, *, m: int, p: int, extra: dict[str, Any]
+    ) -> None:
         import torch
 
         import mp as smp
 
-        smp.init({"pipeline_parallel_degree": P, "microbatches": m, **extra})
+        smp.init({"pipeline_parallel_degree": p, "microbatches": m, **extra})
         # static and fast mode replay from the step after their recording: warm up past it untimed
         self.warmup = 7 if extra.get("static_mode") or extra.get("fast_mode") else 0
         net = case.build()
@@ -224,7 +246,7 @@ def _round_ratio(rounds: dict[int, dict[str, float]], a: str, b: str, f: Any) ->
     return _median([f(r[a], r[b]) for r in rounds.values() if a in r and b in r])
 
 
-def summarize(records: list[dict[str, Any]], batch: dict[str, int]) -> list[dict[str, Any]]:
+def summarize(records: list[dict[str, Any]], batch: dict[str, int], p: int = P) -> list[dict[str, Any]]:
     """One row per (model, m, system): medians, paired ratios, busy fractions, bubble efficiency."""
     rows = []
     keys = sorted({(r["model"], r["m"]) for r in records}, key=lambda k: (k[0], k[1]))
@@ -244,7 +266,7 @@ def summarize(records: list[dict[str, Any]], batch: dict[str, int]) -> list[dict
             pipelined = system == "mp" or system.startswith("torch")
 
             def bubble(t: float, acc: float, m: int = m) -> float:
-                return acc / P * (m + P - 1) / m / t
+                return acc / p * (m + p - 1) / m / t
 
             rows.append(
                 {
@@ -256,7 +278,7 @@ def summarize(records: list[dict[str, Any]], batch: dict[str, int]) -> list[dict
                     "samples_per_s": _median([batch[model] / r["step_s"] for r in steps]),
                     "vs_torch_1f1b": _round_ratio(rounds, system, "torch 1F1B", lambda a, b: b / a),
                     "vs_single_1_thread": _round_ratio(rounds, system, "single 1 thread", lambda a, b: b / a),
-                    "busy": [_median([r["busy"][i] for r in steps]) for i in range(P)] if pipelined else None,
+                    "busy": [_median([r["busy"][i] for r in steps]) for i in range(p)] if pipelined else None,
                     "efficiency_bubble": _round_ratio(rounds, system, "single acc", bubble)
                     if pipelined
                     else None,
@@ -270,18 +292,23 @@ def _fmt(v: float | None, spec: str = ".2f") -> str:
 
 
 def markdown(out: dict[str, Any]) -> str:
+    p = int(out["args"].get("pp", P))
+    device = out["args"].get("device", "cpu")
+    where = "CPU, 1 thread and 1 core each" if device == "cpu" else f"{device}, 1 CPU thread and core each"
+    busy_head = "busy r0/r1" if p == 2 else f"busy r0..r{p - 1}"
     lines = [
         "# mp's pipeline on unmodified models (benchmarks/pipeline_users.py)",
         "",
-        f"pp = 2 on 2 ranks (CPU, 1 thread and 1 core each), {out['args']['rounds']} interleaved rounds of "
+        f"pp = {p} on {p} ranks ({where}), {out['args']['rounds']} interleaved rounds of "
         f"{out['args']['steps']} step(s) per system; commit {out['host']['commit'][:10] or '?'}; host "
         f"load average (1 min) {out['host']['load_before']:.2f} before, {out['host']['load_after']:.2f} "
         f"after, {out['host']['cpus']} CPUs; {out['elapsed_s']:.0f} s.",
         "",
         "*vs torch 1F1B*, *vs single 1t*: that system's step time over this one's, paired per round "
-        "(> 1: this one is faster). *busy r0/r1*: share of the step each rank computed. *eff. bubble*: "
-        "`T1 / 2 * (m + 1) / m` over the step, `T1` the single process's step on the same m microbatches "
-        "(1.00: a perfect two-stage pipeline). torch's split: the best whole-piece cut, measured.",
+        f"(> 1: this one is faster). *{busy_head}*: share of the step each rank computed. *eff. bubble*: "
+        f"`T1 / {p} * (m + {p - 1}) / m` over the step, `T1` the single process's step on the same m "
+        f"microbatches (1.00: a perfect {'two' if p == 2 else p}-stage pipeline). torch's split: the best "
+        f"whole-piece cut{'' if p == 2 else 's'}, measured.",
     ]
     for model, info in out["models"].items():
         lines += ["", f"## {model}: {info['describe']}", ""]
@@ -291,7 +318,7 @@ def markdown(out: dict[str, Any]) -> str:
             lines.append(f"- m = {m}: torch's hand split {split}; mp's partition: {info['mp_partition'][m]}")
         lines += [
             "",
-            "| m | system | samples/s | vs torch 1F1B | vs single 1t | busy r0/r1 | eff. bubble |",
+            f"| m | system | samples/s | vs torch 1F1B | vs single 1t | {busy_head} | eff. bubble |",
             "|---|---|---|---|---|---|---|",
         ]
         for r in (r for r in out["rows"] if r["model"] == model):
@@ -311,44 +338,55 @@ class Run:
     args: argparse.Namespace
     records: list[dict[str, Any]] = field(default_factory=list)
     info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    last_markdown: str = ""
+
+    @property
+    def p(self) -> int:
+        return int(self.args.pp)
 
     def say(self, msg: str) -> None:
         if self.rank == 0:
             print(msg, flush=True)
 
 
-def _hand_split(run: Run, case: Any, model: Any, m: int) -> tuple[int, str]:
-    """torch's cut for ``m`` microbatches (measured on rank 0, shared) and its description."""
-    from _pipeline_users_models import best_cut, piece_times
+def _hand_split(run: Run, case: Any, model: Any, m: int) -> tuple[list[int], str]:
+    """torch's cuts for ``m`` microbatches (measured on rank 0, shared) and their description."""
+    from _pipeline_users_models import best_cuts, piece_times
 
     times = run.comm.bcast(piece_times(case, model, m) if run.rank == 0 else None, root=0)
-    cut = best_cut(times)
-    s0, s1 = sum(times[:cut]) * 1e3, sum(times[cut:]) * 1e3
-    return cut, f"pieces 0-{cut - 1} | {cut}-{len(times) - 1} of {len(times)} ({s0:.1f} | {s1:.1f} ms)"
+    cuts = best_cuts(times, run.p)
+    spans = list(itertools.pairwise([0, *cuts, len(times)]))
+    ranges = " | ".join(f"{a}-{b - 1}" for a, b in spans)
+    ms = " | ".join(f"{sum(times[a:b]) * 1e3:.1f}" for a, b in spans)
+    return cuts, f"pieces {ranges} of {len(times)} ({ms} ms)"
 
 
-def _build(run: Run, case: Any, base: dict[str, Any], m: int, cut: int) -> dict[str, Any]:
-    """Every system's runner for ``m``, each after its first step; the losses checked, mp's partition
-    recorded."""
+def _build(run: Run, case: Any, base: dict[str, Any], m: int, cuts: list[int]) -> dict[str, Any]:
+    """Every system's runner for ``m`` (those of --systems, and ``single acc``), each after its first
+    step; the losses checked, mp's partition recorded."""
     rank = run.rank
-    runners: dict[str, Any] = {
-        "single acc": Single(case, base, rank, m=m, threads=1),
-        "single 1 thread": Single(case, base, rank, m=1, threads=1),
-        "single 2 threads": Single(case, base, rank, m=1, threads=2),
-        "torch GPipe": Torch(case, base, rank, m=m, cut=cut, schedule="GPipe"),
-        "torch 1F1B": Torch(case, base, rank, m=m, cut=cut, schedule="1F1B"),
-        "mp": Mp(case, base, rank, m=m, extra=run.args.mp_config),
+    makers: dict[str, Any] = {
+        "single acc": lambda: Single(case, base, rank, m=m, threads=1),
+        "single 1 thread": lambda: Single(case, base, rank, m=1, threads=1),
+        "single 2 threads": lambda: Single(case, base, rank, m=1, threads=2),
+        "torch GPipe": lambda: Torch(case, base, rank, m=m, cuts=cuts, schedule="GPipe"),
+        "torch 1F1B": lambda: Torch(case, base, rank, m=m, cuts=cuts, schedule="1F1B"),
+        "mp": lambda: Mp(case, base, rank, m=m, p=run.p, extra=run.args.mp_config),
     }
+    chosen = set(run.args.systems) | {"single acc"}
+    runners = {s: make() for s, make in makers.items() if s in chosen}
     first = {s: run.comm.allgather(r.first_step()) for s, r in runners.items()}
     losses = {s: next((v for v in got if v is not None), None) for s, got in first.items()}
     ref = losses["single acc"]
     assert ref is not None
     for s in ("mp", "torch GPipe", "torch 1F1B"):  # the full batch is another sum (and BatchNorm's stats)
+        if s not in losses:
+            continue
         loss = losses[s]
         if loss is None or abs(loss - ref) > 1e-5 * max(1.0, abs(ref)):
             raise SystemExit(f"{case.name} m={m}: {s}'s first-step loss {loss} != the single process's {ref}")
-    partition = runners["mp"].partition()
-    text = ", ".join(f"{p or '(root)'} -> pp_rank {r}" for p, r in partition.items())
+    partition = runners["mp"].partition() if "mp" in runners else {}
+    text = ", ".join(f"{p or '(root)'} -> pp_rank {r}" for p, r in partition.items()) or "-"
     info = run.info[case.name]
     info["mp_partition"][m] = text
     info["first_step_loss"][m] = losses
@@ -358,11 +396,13 @@ def _build(run: Run, case: Any, base: dict[str, Any], m: int, cut: int) -> dict[
 
 def _time(run: Run, case: Any, m: int, group: int, runners: dict[str, Any]) -> None:
     """``--rounds`` rounds of ``--steps`` timed steps of every runner, in a rotating order."""
+    import torch
     from _pipeline_runners import idle_barrier
 
     from mp_pipeline.timeline import RECORDER, Timeline
 
     comm, rank, args = run.comm, run.rank, run.args
+    cuda = args.device == "cuda"
     for rnd in range(args.rounds):
         for system in rotated(list(runners), rnd + group):
             runner = runners[system]
@@ -373,6 +413,8 @@ def _time(run: Run, case: Any, m: int, group: int, runners: dict[str, Any]) -> N
                 runner.busy = 0.0
                 t0 = time.perf_counter()
                 runner.step()
+                if cuda:
+                    torch.cuda.synchronize()
                 idle_barrier(comm)
                 elapsed = time.perf_counter() - t0
                 busy = runner.busy
@@ -393,6 +435,46 @@ def _time(run: Run, case: Any, m: int, group: int, runners: dict[str, Any]) -> N
         run.say(
             f"   m={m} round {rnd}: " + ", ".join(f"{r['system']} {r['step_s'] * 1e3:.0f} ms" for r in this)
         )
+
+
+def _size(text: str) -> dict[str, int]:
+    """``hidden=1024,seq=512`` -> {"hidden": 1024, "seq": 512}."""
+    try:
+        return {k.strip(): int(v) for k, v in (item.split("=") for item in text.split(",") if item)}
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--size {text!r}; expected key=integer pairs: hidden=1024,seq=512"
+        ) from None
+
+
+def _write(run: Run, batch: dict[str, int], load_before: float, started: float) -> None:
+    """Rank 0 (re)writes the JSON and the markdown with every (model, m) finished so far."""
+    import torch
+
+    if run.rank != 0:
+        return
+    args = run.args
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True)
+    out = {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "models": run.info,
+        "rows": summarize(run.records, batch, run.p),
+        "records": run.records,
+        "host": {
+            "commit": commit.stdout.strip(),
+            "cpus": os.cpu_count(),
+            "load_before": load_before,
+            "load_after": os.getloadavg()[0],
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        },
+        "elapsed_s": time.monotonic() - started,
+    }
+    folder = _folder(args)
+    (folder / "pipeline_users.json").write_text(json.dumps(out, indent=1))
+    (folder / "pipeline_users.md").write_text(markdown(out))
+    run.last_markdown = markdown(out)
 
 
 def _folder(args: argparse.Namespace) -> Path:
@@ -416,6 +498,14 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny models, m = 4, 1 round of 1 step")
     parser.add_argument("--timeline", action="store_true", help="also write mp's timeline of each (model, m)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: results/)")
+    parser.add_argument("--pp", type=int, default=P, help="pipeline degree = ranks (default 2)")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="models' and batches' device"
+    )
+    parser.add_argument("--size", type=_size, default={}, help="model sizes: hidden=1024,seq=512,batch=16")
+    parser.add_argument(
+        "--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="systems to time (default: all)"
+    )
     parser.add_argument(
         "--mp-config",
         type=json.loads,
@@ -424,7 +514,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if not under_mpi():
-        sys.exit(relaunch(__file__, RANKS))
+        sys.exit(relaunch(__file__, args.pp))
     if args.smoke:
         args.microbatches, args.rounds, args.steps = [4], 1, 1
     sys.path.insert(0, str(HERE))
@@ -434,7 +524,9 @@ def main() -> None:
 
     from mp_comm.world import init_world
 
-    world = init_world()  # owns torch.distributed's default group; smp.init adopts it
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device here")
+    world = init_world()  # owns torch.distributed's default group (and this rank's GPU); smp.init adopts it
     assert world.mpi_comm is not None, "started by mpiexec: the world has an MPI communicator"
     comm = world.mpi_comm.Dup()
     run = Run(comm, comm.Get_rank(), args)
@@ -443,7 +535,19 @@ def main() -> None:
     started = time.monotonic()
     batch: dict[str, int] = {}
     for name in args.models:
-        case = make_case(name, smoke=args.smoke, seed=SEED)
+        case = make_case(name, smoke=args.smoke, seed=SEED, size=args.size)
+        if args.device == "cuda":
+            gpu = torch.device("cuda", torch.cuda.current_device())
+
+            def on_gpu(build: Any = case.build, gpu: torch.device = gpu) -> Any:
+                return build().to(gpu)
+
+            case = dataclasses.replace(
+                case,
+                build=on_gpu,
+                batch=tuple(t.to(gpu) for t in case.batch),
+                describe=f"{case.describe}, on {torch.cuda.get_device_name()}",
+            )
         torch.manual_seed(SEED)
         ref = case.build()
         base = {k: v.clone() for k, v in ref.state_dict().items()}
@@ -452,37 +556,18 @@ def main() -> None:
         run.info[name] = info
         run.say(f"== {name}: {case.describe}")
         for group, m in enumerate(args.microbatches):
-            cut, info["torch_split"][m] = _hand_split(run, case, ref, m)
+            cuts, info["torch_split"][m] = _hand_split(run, case, ref, m)
             run.say(f"   m={m}: torch's hand split: {info['torch_split'][m]}")
-            runners = _build(run, case, base, m, cut)
+            runners = _build(run, case, base, m, cuts)
             _time(run, case, m, group, runners)
             for r in runners.values():
                 r.close()
             del runners
             gc.collect()
-    load_after = os.getloadavg()[0]
+            _write(run, batch, load_before, started)
     if run.rank == 0:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True)
-        out = {
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "models": run.info,
-            "rows": summarize(run.records, batch),
-            "records": run.records,
-            "host": {
-                "commit": commit.stdout.strip(),
-                "cpus": os.cpu_count(),
-                "load_before": load_before,
-                "load_after": load_after,
-                "python": platform.python_version(),
-                "torch": torch.__version__,
-            },
-            "elapsed_s": time.monotonic() - started,
-        }
-        folder = _folder(args)
-        (folder / "pipeline_users.json").write_text(json.dumps(out, indent=1))
-        (folder / "pipeline_users.md").write_text(markdown(out))
-        print(markdown(out))
-        print(f"wrote {folder / 'pipeline_users.json'} and .md")
+        print(run.last_markdown)
+        print(f"wrote {_folder(args) / 'pipeline_users.json'} and .md")
     comm.Free()
 
 
