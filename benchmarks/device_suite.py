@@ -185,6 +185,9 @@ def run_part(part: Part, box_s: float) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         _kill(proc)
         rc, status = None, f"cut at its {box_s:.0f} s box"
+    except BaseException:  # the suite itself is stopped (SIGTERM, ^C): take the part down with it
+        _kill(proc)
+        raise
     finally:
         if out_file is not None:
             out_file.close()
@@ -315,9 +318,14 @@ def _host(cuda: bool) -> dict[str, Any]:
     }
 
 
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def suite_main(args: argparse.Namespace) -> int:
     import torch
 
+    signal.signal(signal.SIGTERM, _terminate)  # a part runs in a session of its own: end it too
     started = time.monotonic()
     deadline = started + args.budget
     cuda = torch.cuda.is_available()
