@@ -16,6 +16,7 @@ from mp.config import load_config, validate_world
 from mp.plan import (
     Cluster,
     Layout,
+    ModelProfile,
     PlanError,
     StageProfile,
     estimate,
@@ -42,6 +43,9 @@ def _cluster(**changes: object) -> Cluster:
         inter_bandwidth=1e30,
         inter_latency=1e-30,
         memory_bandwidth=1e30,
+        c10d_latency=0.0,
+        c10d_bandwidth=0.0,
+        call_overhead=0.0,
         device_memory_bytes=1000 * GB,
         devices_per_host=64,
     )
@@ -203,6 +207,92 @@ def test_data_parallel_all_reduce_is_a_ring() -> None:
         hidden=1,
     )
     assert est.time.dp_comm == pytest.approx(2 * (rdp - 1) / rdp * params * 4 / bw, rel=1e-6)
+
+
+def test_zero1_adds_torch_zeros_parameter_broadcasts_after_the_step() -> None:
+    params, tensors, rdp, bw, lat = 1_000_000, 7, 4, 1e9, 1e-3
+    clus = _cluster(intra_bandwidth=bw, intra_latency=lat)
+    stage = StageProfile(
+        index=0,
+        params=params,
+        activation_bytes=0,
+        block_activation_bytes=0,
+        max_block_activation_bytes=0,
+        flops=0.0,
+        layers=1,
+        param_tensors=tensors,
+    )
+    common = {"global_batch": rdp, "seq_len": 1, "hidden": 1, "overlap_dp": False}
+    plain = estimate(Layout(pp=1, tp=1, rdp=rdp, microbatches=1), (stage,), clus, **common)
+    zero1 = estimate(
+        Layout(pp=1, tp=1, rdp=rdp, microbatches=1, shard_optimizer_state=True), (stage,), clus, **common
+    )
+    ring = 2 * (rdp - 1) / rdp * params * 4 / bw + 2 * (rdp - 1) * lat
+    assert plain.time.dp_comm == pytest.approx(ring)
+    # all-reduce, then every rank broadcasts its share: (n-1)/n of the parameters, one call per tensor
+    assert zero1.time.dp_comm == pytest.approx(ring + (rdp - 1) / rdp * params * 4 / bw + tensors * lat)
+    # the broadcasts are torch.distributed's: at its own latency and bandwidth where the cluster has them
+    c10d = _cluster(intra_bandwidth=bw, intra_latency=lat, c10d_latency=5e-3, c10d_bandwidth=bw / 2)
+    zero1_c10d = estimate(
+        Layout(pp=1, tp=1, rdp=rdp, microbatches=1, shard_optimizer_state=True), (stage,), c10d, **common
+    )
+    bcast = (rdp - 1) / rdp * params * 4 / (bw / 2) + tensors * 5e-3
+    assert zero1_c10d.time.dp_comm == pytest.approx(ring + bcast)
+    # smp's way (its paper's Appendix H.1): gradients reduced to their owner, then the broadcast
+    smp_way = estimate(
+        Layout(pp=1, tp=1, rdp=rdp, microbatches=1, shard_optimizer_state=True),
+        (stage,),
+        clus,
+        zero1_reduce_scatter=True,
+        **common,
+    )
+    scatter = (rdp - 1) / rdp * params * 4 / bw + (rdp - 1) * lat
+    assert smp_way.time.dp_comm == pytest.approx(scatter + (rdp - 1) / rdp * params * 4 / bw + tensors * lat)
+
+
+def test_remote_calls_are_counted_from_the_trace_and_cost_the_clusters_call_overhead() -> None:
+    layers, hidden, seq = 4, 16, 8
+    prof = profile_model(
+        FACTORY, seq_len=seq, factory_kwargs={"layers": layers, "hidden": hidden, "seq": seq}
+    )
+    stages = split_stages(prof, 2)
+    assert split_stages(prof, 1)[0].remote_calls == 0
+    # the root (stage 0) calls each block and the head once: every one on stage 1 is a remote call
+    on_stage1 = [b for b in ("blocks.0", "blocks.1", "blocks.2", "blocks.3", "head") if b in _stage1(prof)]
+    assert stages[0].remote_calls == 0 and stages[1].remote_calls == len(on_stage1) > 0
+    assert stages[0].param_tensors + stages[1].param_tensors == 2 * layers + 2
+    m, overhead = 4, 1e6  # seconds: far above the FLOPs at 1 FLOP/s, so stage 1 is the critical stage
+    free = estimate(
+        Layout(pp=2, tp=1, rdp=1, microbatches=m),
+        stages,
+        _cluster(),
+        global_batch=m,
+        seq_len=seq,
+        hidden=hidden,
+    )
+    paid = estimate(
+        Layout(pp=2, tp=1, rdp=1, microbatches=m),
+        stages,
+        _cluster(call_overhead=overhead),
+        global_batch=m,
+        seq_len=seq,
+        hidden=hidden,
+    )
+    assert free.time.calls == 0.0
+    extra = m * stages[1].remote_calls * overhead
+    assert paid.time.calls == pytest.approx(extra)
+    assert paid.step_time == pytest.approx(paid.time.total)
+    assert paid.step_time > free.step_time + extra * (m - 1) / m
+    with pytest.raises(PlanError, match="call_overhead=-1"):
+        _cluster(call_overhead=-1.0)
+
+
+def _stage1(prof: ModelProfile) -> set[str]:
+    """The module paths mp's auto-partition puts on stage 1 of 2."""
+    from mp_partition import auto_partition
+
+    plan = auto_partition(prof.model, 2, example_args=prof.example_args, trace=prof.trace)
+    return {p for p, d in plan.assignment.items() if d == 1}
 
 
 def test_a_batch_that_does_not_split_is_refused_by_name() -> None:

@@ -116,13 +116,15 @@ def plan(
     decoder_seq_len: int | None = None,
     hidden: int | None = None,
     overlap_dp: bool | None = None,
+    zero1_reduce_scatter: bool = False,
 ) -> PlanResult:
     """Plans ``model`` (HF preset/model_type/config path or ``package.module:factory``, or a profile)
     for ``global_batch`` sequences of ``seq_len`` on ``cluster``; any fixed option pins that choice.
 
     ``precision`` defaults to bf16 on GPU presets and fp32 on ``cpu``. ``overlap_dp`` (None: as mp
     does, see :func:`mp.plan.estimate.estimate`) says whether the data-parallel reduction hides behind
-    the last backward.
+    the last backward; ``zero1_reduce_scatter`` costs ``shard_optimizer_state`` as smp ran it (gradients
+    reduced to their owner) instead of as mp runs it (all-reduced).
     """
     clus = get_cluster(cluster, hosts=hosts, devices_per_host=devices_per_host)
     if precision is None:
@@ -155,7 +157,13 @@ def plan(
         sdp=sdp,
     )
     found = search(
-        prof, clus, global_batch=global_batch, space=space, memory_weight=memory_weight, overlap_dp=overlap_dp
+        prof,
+        clus,
+        global_batch=global_batch,
+        space=space,
+        memory_weight=memory_weight,
+        overlap_dp=overlap_dp,
+        zero1_reduce_scatter=zero1_reduce_scatter,
     )
     return PlanResult(profile=prof, cluster=clus, global_batch=global_batch, estimates=tuple(found))
 

@@ -50,6 +50,17 @@ class Cluster:
     inter_latency: float
     offload_bandwidth: float
     """Device to host memory (PCIe), per device."""
+    c10d_latency: float = 0.0
+    """Seconds per call of a torch.distributed collective in the data-parallel group (what torch's
+    ZeroRedundancyOptimizer and FSDP2 run under shard_optimizer_state and sdp; mp's own gradient
+    reduction is not one); 0: the link's latency."""
+    c10d_bandwidth: float = 0.0
+    """Bytes/s of those collectives (algorithm bandwidth); 0: the link's bandwidth."""
+    call_overhead: float = 0.0
+    """Seconds a training step gains per call of a module on another pipeline stage (its forward
+    request and response and its backward's), beyond the module's compute and the p2p transfer: mp's
+    pipeline runtime's own cost per remote call. cpu: measured (pipeline_vs_torch.json, overhead
+    section); the GPU presets: 0, not measured on GPUs (pass one with ``with_``)."""
     overlaps_comm: bool = True
     """Whether a collective runs beside compute (GPUs: on its own engine; the 2-core CPU host: no,
     benchmarks/results/dp_overlap.md measured the overlapped reduction 1.08x slower there)."""
@@ -59,6 +70,12 @@ class Cluster:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name in ("name", "source", "overlaps_comm"):
+                continue
+            if f.name in ("call_overhead", "c10d_latency", "c10d_bandwidth"):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                    raise PlanError(
+                        f"Cluster.{f.name}={value!r} is invalid: expected a number >= 0 (0: see the field)"
+                    )
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise PlanError(
@@ -165,9 +182,15 @@ PRESETS: dict[str, Cluster] = {
         inter_bandwidth=1e9,
         inter_latency=200e-6,
         offload_bandwidth=10e9,
+        call_overhead=3.543e-3,
+        c10d_latency=0.868e-3,
+        c10d_bandwidth=1.69e9,
         overlaps_comm=False,
-        source="this 2-core development host: p2p mp-mpi 6 GB/s and 90 us (comm_p2p.md); FLOP/s is a "
-        "placeholder that calibrate_cpu() replaces by a measurement (mp-plan does so for --cluster cpu)",
+        source="this 2-core development host: p2p mp-mpi 6 GB/s and 90 us (comm_p2p.md); 3.5 ms per "
+        "remote call (pipeline_vs_torch.md, per-call overhead: default config, every block on pp_rank 1, "
+        "load 16-18); torch.distributed (gloo) collectives 0.87 ms and 1.69 GB/s (comm_collectives.md, 2 "
+        "ranks, all-gather of 1 KB and of 16 MB); FLOP/s is a placeholder that calibrate_cpu() replaces "
+        "by a measurement (mp-plan does so for --cluster cpu)",
     ),
 }
 

@@ -8,11 +8,16 @@ Per micro-batch of ``b`` samples, stage ``s`` (holding ``L_s`` layers, forward F
   (:func:`mp_tensor.atp.search.t_comm`: two all-reduces of ``b s h`` elements per layer forward, two
   backward, two more when the forward is recomputed), plus ``2 (tp - 1)`` latencies per all-reduce;
 * pipeline p2p: ``b s h`` elements per stage boundary and direction, at the link's bandwidth and latency;
+* pipeline calls: the cluster's ``call_overhead`` for each call of a stage's modules from another stage
+  (mp's runtime: a request and a response forward, the same backward), half on the stage's forward,
+  half on its backward;
 
 and the schedule simulator (:func:`mp_pipeline.schedule.simulate`, the runtime's scheduler) orders the
 micro-batches' forward and backward work over the stages: its makespan holds the bubble. After it, the
 data-parallel gradient synchronization (ring all-reduce; with sharded data parallelism a reduce-scatter of
-gradients and two all-gathers of parameters; what the last micro-batch's backward hides of it where mp
+gradients and two all-gathers of parameters; under ``shard_optimizer_state`` the all-reduce and then
+each rank's broadcast of the parameters it stepped, one per parameter tensor, as torch's
+``ZeroRedundancyOptimizer`` does; what the last micro-batch's backward hides of it where mp
 overlaps it, see ``overlap_dp``), and the optimizer
 step (parameters and states streamed through device memory once). Activation offloading is taken as
 overlapped with compute (its traffic is reported, not added).
@@ -143,10 +148,13 @@ class TimeBreakdown:
     bubble: float
     dp_comm: float
     optimizer: float
+    calls: float = 0.0
+    """mp's pipeline runtime's cost of the remote calls (``Cluster.call_overhead`` each)."""
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.p2p + self.bubble + self.dp_comm + self.optimizer
+        parts = (self.compute, self.tp_comm, self.p2p, self.calls, self.bubble, self.dp_comm, self.optimizer)
+        return sum(parts)
 
     def bottleneck(self) -> str:
         parts = {
@@ -156,6 +164,7 @@ class TimeBreakdown:
             "pipeline bubble": self.bubble,
             "DP all-reduce": self.dp_comm,
             "optimizer step": self.optimizer,
+            "pipeline calls": self.calls,
         }
         return max(parts, key=lambda k: parts[k])
 
@@ -212,12 +221,15 @@ def estimate(
     seq_len: int,
     hidden: int,
     overlap_dp: bool | None = None,
+    zero1_reduce_scatter: bool = False,
 ) -> Estimate:
     """Predicts the step time and peak memory of ``layout`` (see the module docstring).
 
     ``overlap_dp``: whether the data-parallel reduction overlaps the last micro-batch's backward; None
     follows mp (``overlapping_allreduce`` is on by default and applies without tensor parallelism) on
-    a cluster whose devices overlap communication with compute.
+    a cluster whose devices overlap communication with compute. ``zero1_reduce_scatter``: under
+    ``shard_optimizer_state``, reduce each gradient to the rank that steps it (smp's way, its paper's
+    Appendix H.1) instead of mp's all-reduce; the parameters' broadcast follows either way.
     """
     from mp_pipeline.schedule import simulate
     from mp_tensor.atp.search import ModelShape, algorithm_bandwidth, t_comm
@@ -245,6 +257,7 @@ def estimate(
     comp: list[float] = []
     tpc: list[float] = []
     p2ps: list[float] = []
+    callc: list[float] = []
     for st in stages:
         f = b * st.flops / tp / rate
         back = 2 * f + (f if layout.checkpointing else 0.0)
@@ -260,8 +273,10 @@ def estimate(
         t_tp_f = t_tp / (3 if layout.checkpointing else 2)
         send_f = p2p if st.index < layout.pp - 1 else 0.0
         send_b = p2p if st.index > 0 else 0.0
-        fwd.append(f + t_tp_f + send_f)
-        bwd.append(back + (t_tp - t_tp_f) + send_b)
+        calls = st.remote_calls * cluster.call_overhead if layout.pp > 1 else 0.0
+        fwd.append(f + t_tp_f + send_f + calls / 2)
+        bwd.append(back + (t_tp - t_tp_f) + send_b + calls / 2)
+        callc.append(calls)
         comp.append(f + back)
         tpc.append(t_tp)
         p2ps.append(send_f + send_b)
@@ -287,15 +302,31 @@ def estimate(
     p_dev = stages[heavy].params / tp
     dp_bw, dp_lat = _group_link(cluster, tp * layout.pp, layout.rdp)
     grad_bytes = p_dev * elt
+    # torch.distributed's collectives (ZeRO's broadcasts, FSDP2's gathers and reduce-scatters)
+    c10d_bw = cluster.c10d_bandwidth or dp_bw
+    c10d_lat = cluster.c10d_latency or dp_lat
     if layout.sdp > 1:
+        # FSDP2, a unit per layer and one for the rest: per unit an all-gather of parameters forward,
+        # another backward, a reduce-scatter of gradients
         ranks = layout.rdp
-        dp = (ranks - 1) / ranks * (grad_bytes + 2 * p_dev * elt) / dp_bw + 3 * (ranks - 1) * dp_lat
+        units = stages[heavy].layers + 1
+        dp = (ranks - 1) / ranks * (grad_bytes + 2 * p_dev * elt) / c10d_bw + 3 * units * c10d_lat
+    elif layout.shard_optimizer_state and zero1_reduce_scatter and layout.rdp > 1:
+        ranks = layout.rdp  # each gradient reduced to its owner only (smp paper, Appendix H.1)
+        dp = (ranks - 1) / ranks * grad_bytes / dp_bw + (ranks - 1) * dp_lat
     else:
         dp = _allreduce_time(grad_bytes, layout.rdp, dp_bw, dp_lat)
+    after_step = 0.0
+    if layout.shard_optimizer_state and layout.sdp == 1 and layout.rdp > 1:
+        # torch's ZeroRedundancyOptimizer (mp's shard_optimizer_state): after the step each rank
+        # broadcasts the parameters it stepped, one broadcast per parameter tensor
+        ranks = layout.rdp
+        after_step = (ranks - 1) / ranks * p_dev * elt / c10d_bw + stages[heavy].param_tensors * c10d_lat
     if overlap_dp is None:
         overlap_dp = cluster.overlaps_comm and tp == 1
     if overlap_dp:
         dp = max(0.0, dp - bwd[heavy])
+    dp += after_step
     opt_shards = layout.rdp if (layout.shard_optimizer_state or layout.sdp > 1) else 1
     opt_bytes = p_dev / opt_shards * (elt + elt + (4 if half else 0) + 4 * _ADAM_STATES) * 2
     opt = opt_bytes / cluster.memory_bandwidth
@@ -330,6 +361,7 @@ def estimate(
         compute=compute,
         tp_comm=m * tpc[crit],
         p2p=m * p2ps[crit],
+        calls=m * callc[crit],
         bubble=bubble,
         dp_comm=dp,
         optimizer=opt,

@@ -94,6 +94,8 @@ class ModelProfile:
     block_paths: tuple[str, ...]
     """Module paths of those layers, in order."""
     params: dict[str, int] = field(default_factory=dict)
+    param_tensors: dict[str, int] = field(default_factory=dict)
+    """Parameter tensors per module path (each is one broadcast of torch's ZeroRedundancyOptimizer)."""
     activation_bytes: dict[str, int] = field(default_factory=dict)
     flops: dict[str, float] = field(default_factory=dict)
     trace: Any = None
@@ -114,17 +116,21 @@ class ModelProfile:
         return sum(self.activation_bytes.values())
 
 
-def _own_params(model: nn.Module) -> dict[str, int]:
+def _own_params(model: nn.Module) -> tuple[dict[str, int], dict[str, int]]:
+    """Per module path, the elements and the number of the parameters it owns (a shared one counts once)."""
     seen: set[int] = set()
     out: dict[str, int] = {}
+    tensors: dict[str, int] = {}
     for path, module in model.named_modules():
-        n = 0
+        n = k = 0
         for p in module._parameters.values():
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 n += int(p.numel())
+                k += 1
         out[path] = n
-    return out
+        tensors[path] = k
+    return out, tensors
 
 
 def _blocks(model: nn.Module) -> tuple[str, ...]:
@@ -214,6 +220,7 @@ def profile_model(
     blocks = _blocks(net)
     width = hidden if hidden is not None else _hidden_from(net, config, blocks)
     acts = {p: trace.activation_bytes(p) for p, _ in net.named_modules()}
+    params, tensors = _own_params(net)
     prof = ModelProfile(
         name=model,
         model=net,
@@ -223,7 +230,8 @@ def profile_model(
         hidden=width,
         layers=len(blocks),
         block_paths=blocks,
-        params=_own_params(net),
+        params=params,
+        param_tensors=tensors,
         activation_bytes=acts,
         flops=flops,
         trace=trace,

@@ -118,6 +118,7 @@ def to_dict(est: Estimate) -> dict[str, Any]:
             "bubble": t.bubble,
             "dp_comm": t.dp_comm,
             "optimizer": t.optimizer,
+            "calls": t.calls,
         },
         "memory_bytes": {
             "stage": m.stage,

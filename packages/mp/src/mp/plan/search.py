@@ -141,6 +141,7 @@ def search(
     space: SearchSpace,
     memory_weight: float | None = None,
     overlap_dp: bool | None = None,
+    zero1_reduce_scatter: bool = False,
 ) -> list[Estimate]:
     """Every layout's estimate, the fitting ones first, each group by predicted step time."""
     if global_batch < 1:
@@ -160,6 +161,7 @@ def search(
                 seq_len=profile.seq_len,
                 hidden=profile.hidden,
                 overlap_dp=overlap_dp,
+                zero1_reduce_scatter=zero1_reduce_scatter,
             )
         )
     if not out:
