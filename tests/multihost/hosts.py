@@ -16,6 +16,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SSHD = "/usr/sbin/sshd"
+CABLE = Path(__file__).with_name("_cable.py")
 # The cgroup (v1) controllers mounted again under the fresh /sys of `ip netns exec`, for slurmd.
 _CGROUP_V1 = (
     "mount -t tmpfs cgroups /sys/fs/cgroup && for c in cpuset memory freezer devices cpu cpuacct; do "
@@ -152,6 +154,45 @@ class SimulatedHosts:
     def link(self, host: Host) -> str:
         """The name of `host`'s cable on the bridge (for `ip link set ... down`, tc netem)."""
         return f"mpv{self.tag}{self.hosts.index(host) + 1}"
+
+    @contextlib.contextmanager
+    def slow_cable(self, host: Host, delay_ms: float, loss: float) -> Iterator[Path]:
+        """`host`'s cable to the bridge made slow and lossy by a relay in user space (tests/multihost/
+        _cable.py): every frame, either way, `delay_ms` later, and each dropped with probability `loss`,
+        as netem would on both ends of the link, for kernels without it. Yields the file where the relay
+        writes how many frames it forwarded and dropped. The offloads of the interfaces on the way stay
+        off afterwards."""
+        i = self.hosts.index(host) + 1
+        outer, inner, bridge_side = self.link(host), f"mpl{self.tag}{i}a", f"mpl{self.tag}{i}b"
+        # A packet socket sends a frame as it is: no interface on the way may leave segments merged
+        # (GSO) or checksums to be filled in later (veth's offloads).
+        plain = [("", [outer, inner, bridge_side])] + [(h.namespace, ["eth0"]) for h in self.hosts]
+        _run("ip", "link", "add", inner, "type", "veth", "peer", "name", bridge_side)
+        stats = self.workdir / f"cable-{host.name}.json"
+        relay: subprocess.Popen[str] | None = None
+        try:
+            for namespace, names in plain:
+                where = ["ip", "netns", "exec", namespace] if namespace else []
+                _run(*where, sys.executable, str(CABLE), "--plain", *names)
+            _run("ip", "link", "set", bridge_side, "master", self.bridge)
+            _run("ip", "link", "set", outer, "nomaster")
+            for name in (inner, bridge_side):
+                _run("ip", "link", "set", name, "up")
+            relay = subprocess.Popen(
+                [sys.executable, str(CABLE), outer, inner, str(delay_ms), str(loss), str(stats)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert relay.stdout is not None
+            if relay.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"the cable relay for {host.name} did not start (exit {relay.wait()})")
+            yield stats
+        finally:
+            if relay is not None:
+                relay.terminate()
+                relay.wait(timeout=10)
+            _run("ip", "link", "del", inner, check=False)
+            _run("ip", "link", "set", outer, "master", self.bridge, check=False)
 
     # -- processes -------------------------------------------------------------------------------------
 
