@@ -1,5 +1,6 @@
-"""Fast mode's posted calls (mp_pipeline.posted) when something goes wrong in one: the step still ends on
-every rank with the owner's error, never a hang, and an output whose structure changed is a flow change."""
+"""Fast mode's posted calls (mp_pipeline.posted): pp_rank 0 gets one acknowledgement per owner and step
+instead of a response per call; when something goes wrong in one, the step still ends on every rank with
+the owner's error, never a hang, and an output whose structure changed is a flow change."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 
 import mp as smp
 from tests.integration.test_pipeline_equivalence import RECORD_STEPS
-from tests.integration.test_pipeline_shortcut import RELAY_OWNERS, Relay, fast_trainer
+from tests.integration.test_pipeline_shortcut import RELAY_OWNERS, Relay, fast_trainer, plain_sgd
+from tests.mp_pipeline.models import first_difference
 
 
 class Fragile(torch.nn.Linear):
@@ -78,3 +80,111 @@ def test_a_failure_in_a_posted_call_ends_the_step_on_every_rank(worlds: Any, mod
         flow_change = top[1] == "NotSupportedByFastModeError" and "flow changed" in top[2] and "'b'" in top[2]
         c_failed = top[1] == "RemoteExecutionError" and "'c'" in top[2] and "4x9" in top[2]
         assert flow_change or c_failed, top
+
+
+class Packing(torch.nn.Linear):
+    """A Linear that returns its output in a list when told to (set on every rank; its owner acts)."""
+
+    def __init__(self) -> None:
+        super().__init__(8, 8)
+        self.listed = False
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = super().forward(x)
+        return [y] if self.listed else y
+
+
+class PackingRelay(Relay):
+    """Relay whose b (rank 2, posted from the third step on) may return its output in a list; the parent
+    unpacks it. The output still goes straight to c, so only b's response structure tells the change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.b = Packing()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(self.a(self.embed(x)))
+        if isinstance(h, list):
+            h = h[0]
+        g = self.c(h)
+        return self.d(torch.tanh(g)).sum(-1) + g.mean(-1)
+
+
+def acknowledged_relay(world: Any, fast_mode: bool | None, listed_at: int, steps: int) -> dict[str, Any]:
+    microbatches = 2
+    g = torch.Generator().manual_seed(7)
+    data = [(torch.randn(8, 6, generator=g), torch.randn(8, generator=g)) for _ in range(steps)]
+    ref = PackingRelay()
+    ref_losses = plain_sgd(
+        ref, data, microbatches, lambda s: setattr(ref.b, "listed", s == listed_at), lr=0.01
+    )
+    net = PackingRelay()
+    model, opt, train_step = fast_trainer(net, 4, RELAY_OWNERS, microbatches, fast_mode=fast_mode, lr=0.01)
+    assert model._runtime is not None
+    losses: list[float] = []
+    stats: list[dict[str, int]] = []
+    sent: list[dict[str, int]] = []
+    error = None
+    for s, (x, y) in enumerate(data):
+        net.b.listed = s == listed_at
+        try:
+            losses.append(train_step(x, y).reduce_mean().item())
+        except Exception as exc:  # the failure under test (fast_mode: true)
+            error = (s, type(exc).__name__, str(exc))
+            break
+        opt.step()
+        opt.zero_grad()
+        stats.append(model._runtime.last_stats)
+        sent.append(model._runtime.last_sent)
+    return {
+        "rank": smp.rank(),
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "params": None if error else first_difference(model.state_dict(), ref.state_dict()),
+        "stats": stats,
+        "sent": sent,
+        "error": error,
+        "relearned": model._runtime.relearned,
+    }
+
+
+def test_posted_calls_get_one_acknowledgement_per_owner_and_a_changed_structure_runs_again(
+    worlds: Any,
+) -> None:
+    """Under mp's default config pp_rank 0 gets no response to a posted call: each owner acknowledges
+    all of a step's posted calls in one message at its end. In step 5, b returns its output in a list:
+    the output still goes straight to c and the step completes, but the acknowledgement's digest differs
+    from the prediction, so the step runs again on the full path; training equals plain PyTorch."""
+    listed_at, steps = 5, 7
+    results = worlds.run(4, acknowledged_relay, None, listed_at, steps, timeout=240)
+    for r in results:
+        assert r["error"] is None, r
+        assert r["params"] is None, f"rank {r['rank']}: {r['params']}"
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6), r
+        assert r["relearned"] == 1, r
+    top = results[0]
+    for s in range(steps):
+        stats, sent = top["stats"][s], top["sent"][s]
+        requests = sent["Request"]
+        if s in (2, 3, 4):  # steady state: the posted calls' responses do not come
+            assert stats["posted"] > 0, (s, stats)
+            assert stats["responses"] == requests - stats["posted"], (s, stats, sent)
+            owners = [r for r in results if r["sent"][s].get("PostedAck", 0)]
+            assert stats["acks"] == len(owners) > 0, (s, stats)
+            assert all(r["sent"][s]["PostedAck"] == 1 for r in owners), [r["sent"][s] for r in results]
+        else:  # the first two steps, the step run again (one attempt dropped) and the relearning after it
+            assert stats["posted"] == stats["acks"] == 0, (s, stats)
+            assert stats["responses"] == requests, (s, stats, sent)
+
+
+def test_fast_mode_raises_on_a_posted_call_whose_structure_changed(worlds: Any) -> None:
+    """``fast_mode: true``: the same change (found by the acknowledgement) raises
+    NotSupportedByFastModeError on every rank, naming b."""
+    results = worlds.run(4, acknowledged_relay, True, RECORD_STEPS + 2, RECORD_STEPS + 3, timeout=240)
+    for r in results:
+        assert r["error"] is not None, r
+        assert r["error"][0] == RECORD_STEPS + 2, r
+    top = results[0]["error"]
+    assert top[1] == "NotSupportedByFastModeError", top
+    assert "'b'" in top[2] and "flow changed" in top[2], top

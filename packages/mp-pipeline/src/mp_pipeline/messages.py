@@ -25,6 +25,8 @@ __all__ = [
     "Entered",
     "Failure",
     "Handoff",
+    "PostedAck",
+    "PostedSync",
     "Ref",
     "Request",
     "Response",
@@ -122,6 +124,9 @@ class Request:
     handed: tuple[int, ...] = ()
     """BWD, fast mode: outputs whose gradient the consumer of a handed-off output sends to this request's
     receiver itself (their ``tensors`` entry is None)."""
+    posted: bool = False
+    """Fast mode, from pp_rank 0: a posted call (mp_pipeline.posted) whose response the receiver does not
+    send when it carries no data; it reports the call in its :class:`PostedAck` instead."""
 
 
 @pickled_by_position
@@ -186,6 +191,9 @@ class Response:
     failure: Failure | None = None
     template_id: int | None = None
     """Static mode: as Request.template_id."""
+    digest: int | None = None
+    """Fast mode, to pp_rank 0: the digest of a response that carries no data (mp_pipeline.posted.digest),
+    which the requester keeps to check the acknowledgement of the same call once it is posted."""
 
 
 @pickled_by_position
@@ -200,6 +208,28 @@ class Compact:
     tensors: list[torch.Tensor | None]
     forward_id: int | None = None
     refs: tuple[Ref, ...] = ()
+    posted: bool = False
+
+
+@pickled_by_position
+@dataclass(slots=True)
+class PostedSync:
+    """pp_rank 0 to an owner, once its step's tasks are done: it posted ``count`` calls there in this step;
+    answer with a :class:`PostedAck` once they have all run."""
+
+    step: StepId
+    requester: int
+    count: int
+
+
+@pickled_by_position
+@dataclass(slots=True)
+class PostedAck:
+    """An owner to pp_rank 0: the posted calls it ran since its last acknowledgement, each as (request_id,
+    digest of its response, or None when the response carried data and was sent)."""
+
+    step: StepId
+    done: tuple[tuple[int, int | None], ...]
 
 
 @pickled_by_position

@@ -9,13 +9,24 @@ GPT whose forward loops over its blocks: a request, a wait and a response per bl
 Once a call's response has carried no data in a step, later steps post the call (send it, do not wait)
 and build the same response locally. The owner runs posted calls back to back as their inputs arrive;
 the parent waits only where it reads a value. Backward calls whose input gradients all go straight to
-their producers are posted the same way. Each response still comes back and is checked against the
-prediction when it arrives: a failure there fails the step, a different structure is a flow change
-(FlowChangedError), and the step ends only after every posted call is answered.
+their producers are posted the same way.
+
+Checking. A posted call of pp_rank 0 (the step's driver, which makes nearly all of them) gets no
+response: its owner computes the :func:`digest` of the data-free response it would have sent and keeps
+it. Once pp_rank 0's tasks are done it tells each owner how many calls it posted there
+(:class:`~mp_pipeline.messages.PostedSync`); the owner answers, once they have all run, with one
+:class:`~mp_pipeline.messages.PostedAck` listing each call's digest, which pp_rank 0 compares with the
+digest the owner sent with the same call's last awaited response (:attr:`Response.digest`). A posted call
+that fails still answers at once with its failure (the step fails), and one whose response carries data
+after all sends it (a flow change); a different digest is a flow change too (FlowChangedError, which mp's
+default answers by running the step again on the full path). Posted calls of other ranks (nested calls)
+get their responses, checked as they arrive. Either way the step ends only after every posted call ran.
 """
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,7 +37,7 @@ from mp_pipeline.fast import CallKey
 from mp_pipeline.messages import Response
 from mp_pipeline.schedule import Phase
 
-__all__ = ["Predictions", "Shape"]
+__all__ = ["PostedCheck", "Predictions", "Shape", "digest", "shape_of"]
 
 TensorMeta = tuple[torch.Size, torch.dtype] | None
 """A response tensor's placeholder: its shape and dtype (None: no tensor, e.g. an unused gradient)."""
@@ -46,7 +57,7 @@ class Shape(NamedTuple):
 _Key = tuple[CallKey, Phase, bool]
 
 
-def _shape(response: Response) -> Shape | None:
+def shape_of(response: Response) -> Shape | None:
     """The response's shape if it carries no data (only placeholders or nothing), else None."""
     metas: list[TensorMeta] = []
     for t in response.tensors:
@@ -61,39 +72,89 @@ def _shape(response: Response) -> Shape | None:
     return Shape(response.payload, tuple(metas), tuple(response.requires_grad))
 
 
+def digest(shape: Shape) -> int:
+    """A data-free response's fingerprint, computed on its owner: the same on every step of a static flow
+    (the same structure built by the same code pickles to the same bytes)."""
+    data = pickle.dumps(shape, protocol=pickle.HIGHEST_PROTOCOL)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+class _Prediction(NamedTuple):
+    shape: Shape
+    digest: int | None
+    """The owner's digest of the response (None: its owner sends responses to posted calls)."""
+
+
+class PostedCheck:
+    """The check of one posted call: on its response (:meth:`__call__`: a failure raised, the shape as
+    predicted) or on its acknowledgement (:meth:`acked`: the owner's digest as predicted)."""
+
+    __slots__ = ("_forget", "_raise_failure", "digest", "expected", "microbatch", "module", "phase")
+
+    def __init__(  # noqa: PLR0917 - internal, built in one place
+        self,
+        expected: _Prediction,
+        phase: Phase,
+        module: str,
+        microbatch: int,
+        forget: Callable[[], object],
+        raise_failure: Callable[[Response], None],
+    ) -> None:
+        self.expected = expected.shape
+        self.digest = expected.digest
+        """The digest the acknowledgement must carry (None: the response comes back instead)."""
+        self.phase = phase
+        self.module = module
+        self.microbatch = microbatch
+        self._forget = forget
+        self._raise_failure = raise_failure
+
+    def __call__(self, response: Response) -> None:
+        self._raise_failure(response)
+        got = shape_of(response)
+        if got != self.expected:
+            raise self._changed(
+                f"{got if got is not None else 'data'} where earlier steps returned {self.expected}"
+            )
+
+    def acked(self, got: int | None) -> None:
+        if got != self.digest:
+            raise self._changed(
+                "data" if got is None else f"another structure than in earlier steps ({self.expected})"
+            )
+
+    def _changed(self, what: str) -> FlowChangedError:
+        self._forget()
+        return FlowChangedError(
+            f"under fast mode, the {self.phase.value} of module {self.module!r} (microbatch "
+            f"{self.microbatch}) returned {what}: the flow changed. Set 'fast_mode' to False, or keep the "
+            "flow the same in every step."
+        )
+
+
 class Predictions:
     """One rank's predicted responses, by call, phase and grad mode (learned from the last response)."""
 
     def __init__(self) -> None:
-        self._shapes: dict[_Key, Shape] = {}
+        self._shapes: dict[_Key, _Prediction] = {}
 
     def learn(self, call: CallKey, phase: Phase, grad: bool, response: Response) -> None:
         key = (call, phase, grad)
-        shape = _shape(response) if response.failure is None else None
+        shape = shape_of(response) if response.failure is None else None
         if shape is None:
             self._shapes.pop(key, None)
         else:
-            self._shapes[key] = shape
+            self._shapes[key] = _Prediction(shape, response.digest)
 
     def predicted(self, call: CallKey, phase: Phase, grad: bool) -> Shape | None:
-        return self._shapes.get((call, phase, grad))
+        found = self._shapes.get((call, phase, grad))
+        return found.shape if found is not None else None
 
     def checker(
         self, call: CallKey, phase: Phase, grad: bool, module: str, raise_failure: Callable[[Response], None]
-    ) -> Callable[[Response], None]:
-        """The check of a posted call's response: its failure raised, its shape as predicted."""
-        expected = self._shapes[(call, phase, grad)]
-
-        def check(response: Response) -> None:
-            raise_failure(response)
-            got = _shape(response)
-            if got != expected:
-                self._shapes.pop((call, phase, grad), None)
-                raise FlowChangedError(
-                    f"under fast mode, the {phase.value} of module {module!r} (microbatch {call[1]}) "
-                    f"returned "
-                    f"{got if got is not None else 'data'} where earlier steps returned {expected}: the flow "
-                    "changed. Set 'fast_mode' to False, or keep the flow the same in every step."
-                )
-
-        return check
+    ) -> PostedCheck:
+        """The check of a posted call's response or acknowledgement."""
+        key = (call, phase, grad)
+        return PostedCheck(
+            self._shapes[key], phase, module, call[1], lambda: self._shapes.pop(key, None), raise_failure
+        )

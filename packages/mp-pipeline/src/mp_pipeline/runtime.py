@@ -205,6 +205,8 @@ class PipelineRuntime:
         self._early: list[Any] = []
         self._step = 0
         self.last_stats: dict[str, int] = {}
+        self.last_sent: dict[str, int] = {}
+        """Messages this rank sent in the last step, by kind (Server.sent)."""
         self.pool = WorkerPool(rank, alive=lambda: not transport.closed)
         """Worker threads kept across steps (closed by :meth:`close`)."""
         self.flow: FlowRecorder | None = None
@@ -400,6 +402,7 @@ class PipelineRuntime:
             self.remote.server = None
             self.remote.saved.clear()
             self.last_stats = dict(server.stats)
+            self.last_sent = dict(server.sent)
             self.transport.set_busy(True)
             if hold:
                 self.remote.shortcut = True

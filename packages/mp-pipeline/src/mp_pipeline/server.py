@@ -42,6 +42,8 @@ from mp_pipeline.in_place import InPlace
 from mp_pipeline.messages import (
     Failure,
     Handoff,
+    PostedAck,
+    PostedSync,
     Request,
     Response,
     StepAbort,
@@ -152,6 +154,8 @@ class Server(InPlace, Handoffs, TPOrder):
                             self._announce((FINISH,))
                             self._finish(driver)
                             break
+                        if driver.done:
+                            self.sync_posted()
                         message = self._poll(self._timeout)
                 else:
                     message = self._poll(self._timeout)
@@ -213,9 +217,9 @@ class Server(InPlace, Handoffs, TPOrder):
             self.run_job(lambda: self._serve_request(message))
         elif isinstance(message, Response):
             self.stats["responses"] += 1
-            check = self._posted.pop(message.request_id, None)
-            if check is not None:
-                check(message)
+            posted = self._posted.pop(message.request_id, None)
+            if posted is not None:
+                posted[1](message)
                 return
             slot = self._pending.pop(message.request_id, None)
             if slot is None:
@@ -230,6 +234,10 @@ class Server(InPlace, Handoffs, TPOrder):
             else:
                 waiter.handed = message.tensor
                 self._lend(waiter)
+        elif isinstance(message, PostedAck):
+            self._acknowledged(message)
+        elif isinstance(message, PostedSync):
+            self._sync_wanted(message)
         elif isinstance(message, StepEnd):
             self.finished = True
             self.results = message.results
@@ -247,7 +255,10 @@ class Server(InPlace, Handoffs, TPOrder):
         try:
             while True:
                 response = self._handle_request(request)
-                self._send_flow(request.requester, response, request)  # fast mode: may find a changed flow
+                if not self._answer_quietly(request, response):
+                    self._send_flow(
+                        request.requester, response, request
+                    )  # fast mode: may find a changed flow
                 following = self._request_in_place()
                 if following is None:
                     return

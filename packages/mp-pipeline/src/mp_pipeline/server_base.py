@@ -18,6 +18,7 @@ import torch
 
 from mp_comm.transport.base import SendHandle, Transport
 from mp_pipeline.messages import TAG, Entered, Request, Response, StepId
+from mp_pipeline.posted import PostedCheck
 from mp_pipeline.schedule import Phase, Task
 from mp_pipeline.sequence import Sequencer
 from mp_pipeline.static import FlowRecorder, TemplateStore
@@ -121,14 +122,27 @@ class ServerBase:
             "tensor_bytes": 0,
             "in_place": 0,
             "posted": 0,
+            "acks": 0,
         }
+        self.sent: dict[str, int] = {}
+        """Messages this rank sent in the step, by kind (see count_sent)."""
         self._handed: dict[tuple[str, int, int, int], torch.Tensor] = {}
         """Fast mode: tensors handed to this rank (or kept here) for a later request, by Handoff key."""
         self._awaited: dict[tuple[str, int, int, int], _Slot] = {}
         self._ready: collections.deque[_Slot] = collections.deque()
         """Fast mode: threads whose wait this rank's own work ended (resumed by the main thread next)."""
-        self._posted: dict[int, Callable[[Response], None]] = {}
-        """Fast mode: requests sent without waiting (see post), with the check of their response."""
+        self._posted: dict[int, tuple[int, PostedCheck]] = {}
+        """Fast mode: requests sent without waiting (see post): their destination and check."""
+        self._posted_to: dict[int, int] = {}
+        """pp_rank 0: posted calls per destination that answer with an acknowledgement, not a response."""
+        self._synced: dict[int, int] = {}
+        """pp_rank 0: the count last sent to each destination in a PostedSync."""
+        self._ran: dict[int, int] = {}
+        """Owner: posted calls run per requester in this step."""
+        self._acks: dict[int, list[tuple[int, int | None]]] = {}
+        """Owner: posted calls run per requester and not acknowledged yet, with their digests."""
+        self._ack_wanted: dict[int, int] = {}
+        """Owner: per requester, the count of posted calls after which to acknowledge (PostedSync)."""
         self._driver: Driver | None = None
         self._inbox: collections.deque[Any] = collections.deque()
         """Messages a thread waiting in place took for the main thread (dispatched first, in order)."""
@@ -145,7 +159,13 @@ class ServerBase:
     def send(self, dest: int, message: object) -> None:
         if self.closed:
             return
+        self.count_sent(type(message).__name__)
         self._sends.append(self.transport.send(message, dest, TAG))
+
+    def count_sent(self, kind: str) -> None:
+        """Count a message this rank sends in :attr:`sent`, by kind (its class name: Request, Response,
+        Handoff, ...; a compact message counts as the request or response it stands for)."""
+        self.sent[kind] = self.sent.get(kind, 0) + 1
 
     def pause(self, token: object) -> None:
         """Give the rank back to the main thread until it hands the baton to ``token``."""
@@ -177,4 +197,9 @@ class ServerBase:
 
     def _finish(self, driver: Driver) -> None:
         """pp_rank 0: end the step here and tell the pipeline."""
+        raise NotImplementedError
+
+    # -- fast mode's, in mp_pipeline.handoffs -----------------------------------------------------------
+    def sync_posted(self) -> None:
+        """pp_rank 0, its tasks done: ask the owners of its posted calls to acknowledge them."""
         raise NotImplementedError

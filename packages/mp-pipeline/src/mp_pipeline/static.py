@@ -308,6 +308,7 @@ def expand(template: Request | Response, m: Compact) -> Request | Response:
             tensors=m.tensors,
             forward_id=m.forward_id,
             refs=m.refs,
+            posted=m.posted,
             template_id=None,
         )
     return dataclasses.replace(

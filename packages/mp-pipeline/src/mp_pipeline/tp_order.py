@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from mp_pipeline.errors import PipelineError
-from mp_pipeline.messages import Response, StepAbort
+from mp_pipeline.messages import PostedAck, PostedSync, Response, StepAbort
 from mp_pipeline.sequence import FINISH, TASK, Event, Order, event_of
 from mp_pipeline.server_base import Driver
 from mp_pipeline.wire import Wire
@@ -21,11 +21,12 @@ class TPOrder(Wire):
     def _arrived(self, message: Any) -> None:
         """A message of this step: dispatched now (a leader first tells its followers), or, on a
         follower, held until the leader names it. An abort, or a failed request's answer, is dispatched
-        at once everywhere: the step ends either way, and the failure must not wait for an order."""
+        at once everywhere: the step ends either way, and the failure must not wait for an order. So are
+        posted calls' acknowledgements and the requests for them: they run nothing."""
         seq = self.sequencer
         if (
             seq is None
-            or isinstance(message, StepAbort)
+            or isinstance(message, StepAbort | PostedAck | PostedSync)
             or (isinstance(message, Response) and message.failure is not None)
         ):
             self._dispatch(message)
@@ -63,15 +64,20 @@ class TPOrder(Wire):
         assert seq is not None
         if driver is None:
             raise PipelineError(f"rank {self.rank}: the leader ordered {event}; this is not pp_rank 0")
-        seq.done_order()
         if event[0] == FINISH:
             if not driver.done:
                 raise PipelineError(
                     f"rank {self.rank}: TP leader rank {seq.leader} ended the step, this rank's schedule "
                     "is not done: the tensor-parallel ranks ran different steps"
                 )
+            if self._posted:  # this rank's own posted calls first: the step's end ends the owners' serving
+                self.sync_posted()
+                self._arrived(self._poll(self._timeout))
+                return
+            seq.done_order()
             self._finish(driver)
             return
+        seq.done_order()
         task = driver.next_task()
         if task is None or str(task) != event[1]:
             raise PipelineError(

@@ -108,14 +108,16 @@ class Wire(ServerBase):
         if plan.compact:
             forward_id = message.forward_id if isinstance(message, Request) else None
             refs = message.refs if isinstance(message, Request) else ()
+            posted = message.posted if isinstance(message, Request) else False
             out: object = Compact(
-                message.step, plan.template_id, message.request_id, message.tensors, forward_id, refs
+                message.step, plan.template_id, message.request_id, message.tensors, forward_id, refs, posted
             )
             self.stats["compact_sent"] += 1
         else:  # in full; the first one of a template leaves it at the receiver
             message.template_id = plan.template_id if plan.announce else None
             out = message
         if not self.closed:
+            self.count_sent(type(message).__name__)
             self._sends.append(self.transport.send(out, dest, tag, static=True))
 
     def _received(self, source: int, tag: object, message: Any) -> Any:
