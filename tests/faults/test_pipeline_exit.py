@@ -11,8 +11,10 @@ Each job costs ~16 CPU-s (4 ranks importing torch and starting mp), so 15 jobs, 
 idle 2-core host, is the default: they catch a failure that hits ~10% of jobs with probability
 1 - 0.9**15 = 79%. MP_PIPELINE_EXIT_RUNS sets the count (a soak: 100).
 
-The one silent exit with status 1 found under plain mpiexec, ``sys.exit(1)`` on a rank, is named by mp
-(mp_comm.world._name_exit) and ends the job; a caught one ends nothing.
+The silent exits with status 1 found under plain mpiexec are named by the rank itself: ``sys.exit(1)``
+(mp_comm.world._name_exit, which also ends the job; a caught one ends nothing), ``os._exit`` (Hydra
+then ends every rank without a word, with status 0 too), and mp's own two: the heartbeat's report and
+a failed background save at exit, which only logged their reason (a script may turn logging off).
 """
 
 from __future__ import annotations
@@ -196,3 +198,33 @@ def test_a_rank_whose_last_background_save_failed_prints_why_it_exits_1(tmp_path
         said = rf"\[rank {rank}\] mp: smp\.save_checkpoint\(.*'last'\) failed .*\nrank 0: CheckpointWrite"
         assert re.search(said, output), output
     assert output.count("The process exits with status 1: its last checkpoint was not saved") == 2, output
+
+
+OS_EXIT = """
+import os, sys, time
+import mp as smp
+
+smp.init({"ddp": True})
+smp.barrier()
+if smp.rank() == 1:
+    os._exit(int(sys.argv[1]))
+time.sleep(150)  # Hydra ends this rank once rank 1 is gone without MPI_Finalize
+print("rank 0 slept", flush=True)
+"""
+
+
+@pytest.mark.parametrize("status", [1, 0])
+def test_a_rank_that_calls_os_exit_names_itself(tmp_path: Path, status: int) -> None:
+    """os._exit skips MPI_Finalize: Hydra ends the other ranks without a word and returns the status
+    (1: the silent exit of issue 47; 0: a job that ends early and looks fine). The rank names itself."""
+    script = tmp_path / "os_exit.py"
+    script.write_text(OS_EXIT)
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    command = [mpiexec(), "-n", "2", sys.executable, str(script), str(status)]
+    start = time.monotonic()
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=180, env=environ)
+    output, took = proc.stdout + proc.stderr, time.monotonic() - start
+    assert proc.returncode == status, output
+    assert f"[rank 1] mp: os._exit({status}) at {script}:8 in <module>; this rank ends now" in output, output
+    assert "rank 0 slept" not in output, output
+    assert took < 120, f"the job took {took:.0f} s to end"

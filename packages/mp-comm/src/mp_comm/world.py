@@ -141,6 +141,8 @@ class World:
     """sys.excepthook before this World started torch.distributed (put back by `shutdown`)."""
     previous_exit: Any = field(default=None, repr=False)
     """sys.exit before this World wrapped it (put back by `shutdown`; see `_name_exit`)."""
+    previous_os_exit: Any = field(default=None, repr=False)
+    """os._exit before this World wrapped it (put back by `shutdown`; see `_name_os_exit`)."""
     _cancel_exit: Callable[[], None] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -233,6 +235,8 @@ class World:
                 sys.excepthook = self.previous_excepthook
             if self.previous_exit is not None:
                 sys.exit = self.previous_exit
+            if self.previous_os_exit is not None:
+                os._exit = self.previous_os_exit
         if self.mpi_comm is not None:
             self.mpi_comm.Free()
             self.mpi_comm = None
@@ -375,10 +379,12 @@ def init_world(
         dist.init_process_group(chosen, store=store, rank=info.rank, world_size=info.size, timeout=timeout)
     else:
         dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    previous_exit = None
+    previous_exit = previous_os_exit = None
     if launcher is Launcher.MPI and info.size > 1:
         sys.excepthook = _abort_job_after(sys.excepthook, info.rank)
         previous_exit, sys.exit = sys.exit, _name_exit(info.rank)
+        previous_os_exit = os._exit
+        os._exit = _name_os_exit(info.rank, previous_os_exit)
     log.debug("rank %d/%d started by %s on node %d", info.rank, info.size, launcher.value, info.node)
     return World(
         info,
@@ -389,6 +395,7 @@ def init_world(
         network=network,
         previous_excepthook=excepthook,
         previous_exit=previous_exit,
+        previous_os_exit=previous_os_exit,
     )
 
 
@@ -553,6 +560,37 @@ def _name_exit(rank: int) -> Callable[..., NoReturn]:
         raise SystemExit(status)
 
     return exit
+
+
+def _name_os_exit(rank: int, os_exit: Callable[[int], NoReturn]) -> Callable[..., NoReturn]:
+    """An os._exit that first says which rank ends, with what status and where it was called, under
+    `mpiexec` while MPI is up.
+
+    os._exit skips the rank's teardown and MPI_Finalize, and Hydra then ends every other rank of the job
+    without a word: with status 1 mpiexec returns 1 silently, and with status 0 it returns 0 while the
+    other ranks' work and unprinted output are lost. A library or script that calls it would leave no
+    trace of which rank ended the job. A forked child (a DataLoader worker) exits as it always did.
+    """
+    pid = os.getpid()
+
+    def _exit(status: int) -> NoReturn:
+        if os.getpid() == pid:
+            with contextlib.suppress(Exception):
+                from mpi4py import MPI
+
+                if MPI.Is_initialized() and not MPI.Is_finalized():
+                    caller = sys._getframe(1)
+                    where = f"{caller.f_code.co_filename}:{caller.f_lineno} in {caller.f_code.co_name}"
+                    sys.stdout.flush()
+                    print(
+                        f"[rank {rank}] mp: os._exit({status!r}) at {where}; this rank ends now, without "
+                        "MPI_Finalize, and mpiexec ends the other ranks",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        os_exit(status)
+
+    return _exit
 
 
 _EXIT_STATUS: list[tuple[int, int, str]] = []
