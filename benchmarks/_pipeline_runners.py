@@ -125,7 +125,8 @@ class _Landing:
     def wait(self, *args: Any, **kwargs: Any) -> bool:
         self.work.wait(*args, **kwargs)
         if not self.landed:
-            self.device_tensor.copy_(self.host)
+            with torch.no_grad():  # torch's receive buffers are leaves that require grad
+                self.device_tensor.copy_(self.host)
             self.landed = True
         return True
 

@@ -339,7 +339,7 @@ def suite_main(args: argparse.Namespace) -> int:
         "parts": {},
         "elapsed_s": 0.0,
     }
-    for part in make_parts(args, work):
+    for part in [p for p in make_parts(args, work) if args.only is None or p.name in args.only]:
         left = deadline - time.monotonic()
         if part.needs_cuda and not cuda:
             print(f"\n=== {part.name}: skipped: torch sees no CUDA device here", flush=True)
@@ -395,6 +395,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the pipeline parts")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per system and round")
     parser.add_argument("--no-m16", dest="m16", action="store_false", help="skip the m=16 CPU parts")
+    parser.add_argument("--only", nargs="+", default=None, help="run only these parts (by name)")
     parser.add_argument("--overhead-json", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--calls", type=int, default=32, help=argparse.SUPPRESS)
     parser.add_argument("--overhead-reps", type=int, default=2, help=argparse.SUPPRESS)
