@@ -27,7 +27,7 @@ import torch
 
 import mp as smp
 from mp_memory import checkpoint as engine
-from tests.integration.test_checkpoint_faults import _build, _own_keys, _state, _train
+from tests.integration._checkpoint_job import build_job, own_keys, state_copy, train_once
 
 
 @contextlib.contextmanager
@@ -47,35 +47,35 @@ def _writes_held(gate: threading.Event) -> Iterator[None]:
 
 
 def _train_saving(world: Any, folder: str) -> dict[str, Any]:
-    model, opt = _build(0)
+    model, opt = build_job(0)
     for i in (1, 2, 3):
-        _train(model, opt, i)
-    at_call = _state(model)
+        train_once(model, opt, i)
+    at_call = state_copy(model)
     gate = threading.Event()
     with _writes_held(gate):
         smp.save_checkpoint(
             folder, "step3", model=model, optimizer=opt, user_content={"step": 3}, async_save=True
         )
         for i in (4, 5, 6):  # while the save is in flight, before it writes anything
-            _train(model, opt, i)
+            train_once(model, opt, i)
         gate.set()
         smp.save_checkpoint(
             folder, "step6", model=model, optimizer=opt, user_content={"step": 6}, async_save=True
         )
     smp.wait_checkpoint()
-    final = _state(model)
+    final = state_copy(model)
     smp.reset()
     return {"at_call": at_call, "final": final, "listing": sorted(os.listdir(folder))}
 
 
 def _resume_and_train(world: Any, folder: str, at_call: dict[str, Any]) -> dict[str, Any]:
-    model, opt = _build(1)
+    model, opt = build_job(1)
     step = smp.resume_from_checkpoint(folder, tag="step3")["step"]
     got = model.module.state_dict()
-    wrong = [k for k, v in _own_keys(at_call).items() if not torch.equal(v, got[k])]
+    wrong = [k for k, v in own_keys(at_call).items() if not torch.equal(v, got[k])]
     for i in (4, 5, 6):
-        _train(model, opt, i)
-    final = _state(model)
+        train_once(model, opt, i)
+    final = state_copy(model)
     smp.reset()
     return {"step": step, "wrong_at_load": wrong, "final": final}
 
@@ -118,18 +118,18 @@ def _error(call: Any) -> str | None:
 
 
 def _failing_saves(world: Any, folder: str) -> dict[str, Any]:
-    model, opt = _build(0)
-    _train(model, opt, 1)
+    model, opt = build_job(0)
+    train_once(model, opt, 1)
     smp.save_checkpoint(folder, "step1", model=model, optimizer=opt)
     out: dict[str, Any] = {}
     full = smp.rank() == 1
     with _file_size_limit(full):
         smp.save_checkpoint(folder, "step2", model=model, optimizer=opt, async_save=True)  # returns
-        _train(model, opt, 2)
+        train_once(model, opt, 2)
         out["wait"] = _error(smp.wait_checkpoint)
         out["wait_again"] = _error(smp.wait_checkpoint)  # reported once
         smp.save_checkpoint(folder, "step3", model=model, optimizer=opt, async_save=True)
-        _train(model, opt, 3)
+        train_once(model, opt, 3)
         out["next_save"] = _error(lambda: smp.save_checkpoint(folder, "step4", model=model, optimizer=opt))
     out["newest_after_failures"] = (Path(folder) / "newest").read_text()
     smp.save_checkpoint(folder, "step5", model=model, optimizer=opt, async_save=True)

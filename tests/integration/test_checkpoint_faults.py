@@ -22,53 +22,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import mp as smp
 from mp.errors import SMPCheckpointError
-
-PP2 = {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0}
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 16)
-        self.b = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
-
-
-def _build(seed: int) -> tuple[Any, Any]:
-    from mp_partition import set_partition
-
-    smp.init(PP2)
-    torch.manual_seed(seed)
-    net = Net()
-    set_partition(net.b, 1)
-    model = smp.DistributedModel(net)
-    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
-    return model, opt
-
-
-@smp.step
-def _step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    loss = F.mse_loss(model(x), y)
-    model.backward(loss)
-    return loss
-
-
-def _train(model: Any, opt: Any, i: int) -> None:
-    g = torch.Generator().manual_seed(i)
-    opt.zero_grad()
-    _step(model, torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g))
-    opt.step()
-
-
-def _state(model: Any) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in model.state_dict().items()}
+from tests.integration._checkpoint_job import build_job, own_keys, state_copy, train_once
 
 
 def _save(model: Any, opt: Any, folder: str, mode: str, step: int) -> None:
@@ -108,10 +65,10 @@ def main(folder: str, mode: str, point: str) -> None:
     """Save at steps 10 and 20 (recording the expected parameters), dying at ``point`` in the second."""
     if mode == "async":
         _slow_first_write()
-    model, opt = _build(0)
+    model, opt = build_job(0)
     for step in (10, 20):
-        _train(model, opt, step)
-        expected = _state(model)
+        train_once(model, opt, step)
+        expected = state_copy(model)
         if smp.rank() == 0:
             torch.save(expected, os.path.join(folder, f"expected{step}"))
         smp.barrier()
@@ -123,7 +80,7 @@ def main(folder: str, mode: str, point: str) -> None:
             os.environ["MP_CHECKPOINT_FAULT"] = point
         _save(model, opt, folder, mode, step)
         if mode == "async":  # the next step runs while the save is written: it must not change it
-            _train(model, opt, step + 1)
+            train_once(model, opt, step + 1)
     smp.barrier()
 
 
@@ -148,15 +105,10 @@ def _crash(folder: Path, mode: str, point: str) -> str:
     return out
 
 
-def _own_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    prefix = "a." if smp.pp_rank() == 0 else "b."
-    return {k: v for k, v in state.items() if k.startswith(prefix)}
-
-
 def _resume(world: Any, folder: str, mode: str) -> dict[str, Any]:
     """Load what ``newest`` (or the fixed name) holds; the rank's own parameters must be exactly those
     saved at that step (compared before the first step, which would change them)."""
-    model, _ = _build(1)
+    model, _ = build_job(1)
     before = {k: v.clone() for k, v in model.module.state_dict().items()}
     try:
         if mode in {"folder", "async"}:
@@ -172,7 +124,7 @@ def _resume(world: Any, folder: str, mode: str) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}", "unchanged": unchanged}
     expected = torch.load(os.path.join(folder, f"expected{step}"), weights_only=True)
     got = model.module.state_dict()
-    wrong = [k for k, v in _own_keys(expected).items() if not torch.equal(v, got[k])]
+    wrong = [k for k, v in own_keys(expected).items() if not torch.equal(v, got[k])]
     smp.reset()
     return {"step": step, "wrong": wrong}
 
@@ -195,8 +147,8 @@ def test_kill_during_save_checkpoint_keeps_the_last_good_one(
 
 
 def _save_again(world: Any, folder: str) -> None:
-    model, opt = _build(2)
-    _train(model, opt, 30)
+    model, opt = build_job(2)
+    train_once(model, opt, 30)
     _save(model, opt, folder, "folder", 30)
     smp.reset()
 

@@ -15,18 +15,18 @@ import torch
 
 import mp as smp
 from mp_memory.checkpoint.zipcheck import directory_record
-from tests.integration.test_checkpoint_faults import _build, _train
+from tests.integration._checkpoint_job import build_job, train_once
 
 
 def _save(world: Any, folder: str) -> None:
-    model, opt = _build(0)
-    _train(model, opt, 1)
+    model, opt = build_job(0)
+    train_once(model, opt, 1)
     smp.save_checkpoint(folder, "step1", model=model, optimizer=opt, user_content={"step": 1})
     smp.reset()
 
 
 def _try_resume(world: Any, folder: str) -> dict[str, Any]:
-    model, _ = _build(1)
+    model, _ = build_job(1)
     before = {k: v.clone() for k, v in model.module.state_dict().items()}
     out: dict[str, Any] = {}
     try:

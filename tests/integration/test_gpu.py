@@ -374,7 +374,7 @@ def test_smp_half_precision_on_gpu_trains_like_one_process_with_the_same_recipe(
     # smp's fp16/bf16 keys (half parameters, fp32 masters, dynamic loss scale, a forced overflow on one
     # rank in step 4 for fp16) with CUDA's half kernels, against the recipe by hand on the same GPU
     # (with SGD: see test_memory_precision._optimizer).
-    from tests.integration.test_memory_precision import _check, _train
+    from tests.integration._half_recipe import _check, _train
 
     overflow = 4 if precision == "fp16" else None
     for r in worlds.run(2, _train, precision, 2, overflow, "cuda", True, timeout=240):
@@ -387,7 +387,7 @@ def test_smp_half_precision_on_gpu_trains_like_one_process_with_the_same_recipe(
 
 def test_tensor_parallel_gpt2_on_gpu_trains_like_single_process(worlds: Any) -> None:
     # tp=2 (each rank its own samples, 2 microbatches) with CUDA kernels, against HF's GPT-2 on the GPU.
-    from tests.integration.test_tp_model import _reference, _train, assert_losses
+    from tests.integration._tp_model import _reference, _train, assert_losses
 
     torch.backends.cuda.matmul.allow_tf32 = False
     results = worlds.run(2, _train, 1, 2, False, False, "cuda", timeout=240)

@@ -1,286 +1,294 @@
-"""sharded_data_parallel_degree on real worlds (FSDP2 underneath) against plain single-process PyTorch.
+"""sharded_data_parallel_degree (FSDP2 underneath) on real worlds against plain single-process PyTorch,
+alone and combined with tensor parallelism, delayed parameter initialization and fp16/bf16.
 
-sdp=2 on 2 ranks and sdp=2 x dp=2 (HSDP) on 4 ranks: every step's loss, every gradient of the last
-step, every parameter after 4 AdamW steps and the full optimizer state equal one process training on
-all replicas' batches (the same microbatch averaging, the same clipping by the global norm) within
-1e-5. sdp_gradient_clipping clips; per-rank parameter + gradient + optimizer bytes under sdp=2 are at
-most 0.55x the unsharded ones; partial (sharded) and full checkpoints round-trip; memory stays flat
-over 200 steps.
+The model, batches, references and the functions the ranks run are in tests/integration/_sdp.py; this
+module holds the cases as tables and what each must show.
+
+- fp32 (sdp=2 on 2 ranks: ZeRO-3; sdp=2 x dp=2 on 4: HSDP; tp=2 x sdp=2 on 4; tp=2 x 2 replicas x
+  sdp=2 on 8): every step's loss, the parameters after 4 AdamW steps and the full optimizer state equal
+  one process training on all replicas' batches (the same microbatch averaging, the same clipping by
+  the global norm) within 1e-5; without TP every gradient of the last step too.
+- fp16 / bf16: against one process running the same mixed-precision recipe (_sdp.half_reference). Under
+  sharding the sharded parameters stay fp32 and are their own masters; FSDP2 gathers them in the half
+  dtype for forward and backward and reduce-scatters the gradients in fp32. The small parameters below
+  sdp_param_persistence_threshold (here the biases) are half with separate fp32 masters, as without
+  sharding. Tolerance: the masters within rtol 1e-3, atol 1e-4 for fp16 (its unit roundoff is 5e-4) and
+  rtol 1e-2, atol 1e-3 for bf16 (unit roundoff 4e-3); the half parameters within one more rounding of
+  the half dtype; losses within 1e-3 (fp16) and 1e-2 (bf16) relative. An inf in one rank's shard skips
+  the step on every rank. Under TP clipping uses the whole model's norm: shards summed over the sharding
+  group, TP shards over the TP group, TP-replicated parameters counted once.
+- Delayed initialization: DistributedModel materializes the meta model in module order and shards each
+  block as soon as it is initialized, so at most the root's parameters and one block are ever whole;
+  the values equal eager initialization under the same seed (under TP: those of delayed init under TP
+  without sharding, each TP shard drawn as its distributed module's constructor draws it).
+- Checkpoints: partial (sharded) and full ones resume bitwise, in fp32 and fp16, with and without TP.
+- Also: sdp_gradient_clipping, per-rank state bytes (at most 0.55x unsharded), the prefetch depth from
+  sdp_max_live_parameters, refused options, memory flat over 200 steps, Hugging Face GPT-2.
 """
 
 from __future__ import annotations
 
-import gc
+import pickle
+from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 import mp as smp
-from mp.errors import SMPValidationError
-from mp_memory.sharded import state_bytes
-from tests.mp_pipeline.models import Block, first_difference
+from tests._harness import run_script
+from tests.integration import _sdp
 
-STEPS = 4
-MICROBATCHES = 2
-BATCH = 8  # per data-parallel replica
-LR = 1e-2
+# ---- fp32 training equals one process --------------------------------------------------------------
 
-
-class Stack(nn.Module):
-    """A model as FSDP2 users wrap it: blocks in a ModuleList, an input and an output layer at the root."""
-
-    def __init__(self, d: int = 32, layers: int = 4) -> None:
-        super().__init__()
-        self.inp = nn.Linear(10, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
-        self.out = nn.Linear(d, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.inp(x))
-        for block in self.blocks:
-            h = h + block(h)
-        return self.out(h)  # type: ignore[no-any-return]
-
-
-def _build(seed: int = 0) -> Stack:
-    torch.manual_seed(seed)
-    return Stack()
-
-
-def _batch(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + replica)
-    return torch.randn(BATCH, 10, generator=g), torch.randn(BATCH, 4, generator=g)
+# id: (ranks, config, tp, delayed)
+TRAIN: dict[str, tuple[int, dict[str, Any], bool, bool]] = {
+    "sdp2": (2, _sdp.config(2), False, False),  # ZeRO-3
+    "sdp2-dp2": (4, _sdp.config(2), False, False),  # HSDP
+    # sdp_param_persistence_threshold's default (1e6) shards no parameter of this small model: every
+    # gradient is averaged over the data-parallel group instead
+    "sdp2-smp-default-threshold": (
+        2,
+        _sdp.config(2, sdp_param_persistence_threshold=1_000_000),
+        False,
+        False,
+    ),
+    "sdp2-delayed": (2, _sdp.config(2), False, True),
+    "sdp2-dp2-delayed": (4, _sdp.config(2), False, True),
+    "tp2-sdp2-memory": (4, _sdp.config(2, tensor_parallel_degree=2), True, False),
+    "tp2-sdp2-speed": (4, _sdp.config(2, tensor_parallel_degree=2, optimize="speed"), True, False),
+    "tp2-sdp2-prescaled": (
+        4,
+        _sdp.config(2, tensor_parallel_degree=2, optimize="speed", prescaled_batch=True),
+        True,
+        False,
+    ),
+}
 
 
-def _optimizer(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
+@pytest.mark.parametrize("case", list(TRAIN))
+def test_sharded_training_equals_one_process(worlds: Any, case: str) -> None:
+    ranks, config, tp, delayed = TRAIN[case]
+    for r in worlds.run(ranks, _sdp.train, config, tp, delayed, timeout=400):
+        assert r["loss_ok"] and r["params"] is None and r["opt"] is None and r.get("grads") is None, r
+        kinds = r["kinds"]
+        if tp:
+            assert r["layer"] == "DistributedLinear" and "DTensor" in kinds.values(), r
+        elif config["sdp_param_persistence_threshold"] > 10_000:
+            assert set(kinds.values()) == {"Parameter"}, r  # nothing sharded
+        else:
+            assert kinds["blocks.0.inner.weight"] == "DTensor", r  # sharded
+            assert kinds["blocks.0.inner.bias"] == "Parameter", r  # below the persistence threshold
 
 
-def _reference(
-    replicas: int, clip: float, steps: int = STEPS, initial: dict[str, torch.Tensor] | None = None
-) -> dict[str, Any]:
-    """One process: each replica's microbatches, loss / (microbatches * replicas), clip, AdamW; from
-    _build()'s values or ``initial``."""
-    model = _build()
-    if initial is not None:
-        model.load_state_dict(initial)
-    opt = _optimizer(model.parameters())
-    losses: list[list[float]] = []
-    grads: dict[str, torch.Tensor] = {}
-    norms: list[float] = []
-    for step in range(steps):
-        per_replica = []
-        for r in range(replicas):
-            x, y = _batch(step, r)
-            total = 0.0
-            for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True):
-                loss = F.mse_loss(model(xm), ym)
-                (loss / (MICROBATCHES * replicas)).backward()
-                total += loss.item()
-            per_replica.append(total / MICROBATCHES)
-        losses.append(per_replica)
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        if clip > 0:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        opt.step()
-        opt.zero_grad()
-    names = dict(model.named_parameters())
-    opt_state = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in names.items()}
-    return {"losses": losses, "grads": grads, "norms": norms, "params": model.state_dict(), "opt": opt_state}
+def test_tp2_hsdp_2x2_trains_like_one_process(tmp_path: Path) -> None:
+    """tp=2 x 2 replicas x sdp=2 on 8 ranks: a (tp, replicate, shard) mesh, FSDP2's hybrid sharding over
+    the last two dimensions; clipped by sdp_gradient_clipping (the norm sums shards over one replica
+    only); a partial checkpoint (one file per shard and TP rank, written by the first replica) resumes
+    bitwise."""
+    for r in _on_8_ranks(tmp_path, "hsdp", (str(tmp_path / "ckpt"),)):
+        assert r["norms"] and min(r.pop("norms")) > _sdp.HSDP_CLIP, r
+        assert r == {"mesh": (2, 2), "loss_ok": True, "params": None, "opt": None, "resumed": None}, r
 
 
-def _config(sdp: int, **extra: Any) -> dict[str, Any]:
-    # threshold 100: the biases (32 elements) stay whole on every rank, the weights are sharded
-    return {
-        "sharded_data_parallel_degree": sdp,
-        "microbatches": MICROBATCHES,
-        "sdp_param_persistence_threshold": 100,
-        **extra,
-    }
+def _on_8_ranks(tmp_path: Path, name: str, args: tuple[Any, ...]) -> list[Any]:
+    """_sdp's function ``name`` on every rank of an 8-rank job under plain mpiexec (the reused pool's
+    listener takes its ranks' connections one at a time and did not start 8 ranks within its 300 s on
+    this host); the results in rank order."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        f"from tests.integration import _sdp\n_sdp.write_result({name!r}, {args!r}, {str(tmp_path)!r})\n"
+    )
+    output, code, _ = run_script(script, _sdp.HSDP_RANKS, timeout=600)
+    assert code == 0, output[-4000:]
+    return [pickle.loads((tmp_path / f"result{rank}.pkl").read_bytes()) for rank in range(_sdp.HSDP_RANKS)]
 
 
-def _delayed_build(seed: int = 0) -> Stack:
-    """_build on the meta device (smp.delay_param_initialization): materialized by DistributedModel."""
-    torch.manual_seed(seed)
-    with smp.delay_param_initialization():
-        return Stack()
+# ---- fp16 / bf16 against the one-process recipe ----------------------------------------------------
+
+# id: (ranks, precision, overflow step or None, tp)
+HALF: dict[str, tuple[int, str, int | None, bool]] = {
+    "sdp2-fp16": (2, "fp16", None, False),
+    "sdp2-bf16": (2, "bf16", None, False),
+    "sdp2-dp2-fp16": (4, "fp16", None, False),
+    "sdp2-fp16-overflow": (2, "fp16", 2, False),
+    "tp2-sdp2-fp16": (4, "fp16", None, True),
+    "tp2-sdp2-bf16": (4, "bf16", None, True),
+    "tp2-sdp2-fp16-overflow": (4, "fp16", 2, True),
+}
 
 
-def _setup(config: dict[str, Any], seed: int = 0, delayed: bool = False) -> tuple[Any, Any, Any]:
-    smp.init(config)
-    model = smp.DistributedModel(_delayed_build(seed) if delayed else _build(seed))
-    opt = smp.DistributedOptimizer(_optimizer(model.parameters()))
-
-    @smp.step
-    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.mse_loss(model(x), y)
-        model.backward(loss)
-        return loss
-
-    return model, opt, train_step
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _close(a: float, b: float) -> bool:
-    return abs(a - b) <= 1e-6 + 1e-5 * abs(b)
+def _check_half(r: dict[str, Any], precision: str, overflow_step: int | None) -> None:
+    assert r["masters"] is None and r["params"] is None, r
+    assert r["master_dtypes"] == ["torch.float32"], r
+    assert max(r["losses"]) <= _sdp.LOSS_TOL[precision], r
+    assert r["scales"][0] == r["scales"][1] and r["skipped"][0] == r["skipped"][1], r
+    half = str(_sdp.DTYPES[precision])
+    assert r["dtypes"] == [half], r  # the model's state is in the half dtype, as smp's
+    assert r["kinds"]["blocks.0.inner.weight"] == ("DTensor", "torch.float32"), r  # fp32 shards = masters
+    assert r["kinds"]["blocks.0.inner.bias"] == ("Parameter", half), r  # kept whole, half
+    got, want = r["norms"]
+    assert len(got) == len(want) and all(abs(g - w) <= 1e-3 * w for g, w in zip(got, want, strict=True)), r
+    if overflow_step is not None:  # skipped on every rank, the scale halved; clip_master_grads' norms
+        scales, skipped = r["scales"][0], r["skipped"][0]
+        assert skipped == [step == overflow_step for step in range(_sdp.HALF_STEPS)], r
+        assert scales[overflow_step + 1] == scales[overflow_step] / 2, r
+        assert len(got) == _sdp.HALF_STEPS - 1, r
 
 
-def _train(world: Any, config: dict[str, Any], delayed: bool = False) -> dict[str, Any]:
-    model, opt, train_step = _setup(config, delayed=delayed)
-    clip = float(config.get("sdp_gradient_clipping", 1.0))
-    losses, grads = [], {}
-    for step in range(STEPS):
-        losses.append(train_step(*_batch(step, smp.dp_rank())).reduce_mean().item())
-        grads = {n: _full(p.grad).clone() for n, p in model.module.named_parameters() if p.grad is not None}
-        opt.step()
-        opt.zero_grad()
-    kinds = {n: type(p).__name__ for n, p in model.module.named_parameters()}
-    params = model.state_dict()
-    opt_full = opt.state_dict()
-    ref = _reference(smp.dp_size(), clip)
-    opt_diff = None
-    for name, st in ref["opt"].items():
-        got = opt_full["state"][name]
-        opt_diff = opt_diff or first_difference(
-            {k: torch.as_tensor(got[k]) for k in st}, {k: torch.as_tensor(v) for k, v in st.items()}
-        )
-    return {
-        "loss_ok": all(_close(g, w[smp.dp_rank()]) for g, w in zip(losses, ref["losses"], strict=True)),
-        "grads": first_difference(grads, ref["grads"]),
-        "params": first_difference(params, ref["params"]),
-        "opt": opt_diff,
-        "kinds": kinds,
-        "norms": ref["norms"],
-    }
+@pytest.mark.parametrize("case", list(HALF))
+def test_half_precision_sharded_trains_like_the_one_process_recipe(worlds: Any, case: str) -> None:
+    """sdp_gradient_clipping 1.0 inside optimizer.step(); with a forced overflow (an inf in one rank's
+    shard) the script clips by clip_master_grads instead."""
+    ranks, precision, overflow_step, tp = HALF[case]
+    for r in worlds.run(ranks, _sdp.train_half, precision, overflow_step, tp, timeout=400):
+        if tp:
+            assert r["layer"] == "DistributedLinear", r
+        _check_half(r, precision, overflow_step)
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_sharded_training_equals_one_process(worlds: Any, ranks: int) -> None:
-    """sdp=2 (2 ranks: ZeRO-3) and sdp=2 x dp=2 (4 ranks: HSDP) train like one process."""
-    for r in worlds.run(ranks, _train, _config(2), timeout=300):
-        assert r["loss_ok"] and r["grads"] is None and r["params"] is None and r["opt"] is None, r
-        assert r["kinds"]["blocks.0.inner.weight"] == "DTensor", r  # sharded
-        assert r["kinds"]["blocks.0.inner.bias"] == "Parameter", r  # below the persistence threshold
+def test_tp2_hsdp_2x2_fp16_with_a_forced_overflow(tmp_path: Path) -> None:
+    """The tp2-sdp2-fp16-overflow case with 2 replicas on 8 ranks: same tolerances."""
+    for r in _on_8_ranks(tmp_path, "train_half", ("fp16", 2, True)):
+        _check_half(r, "fp16", 2)
 
 
-def test_smp_default_threshold_keeps_a_small_model_whole(worlds: Any) -> None:
-    """sdp_param_persistence_threshold's default (1e6) shards no parameter of this small model: every
-    gradient is averaged over the data-parallel group instead, and training is still exact."""
-    config = _config(2, sdp_param_persistence_threshold=1_000_000)
-    for r in worlds.run(2, _train, config, timeout=300):
-        assert r["loss_ok"] and r["grads"] is None and r["params"] is None and r["opt"] is None, r
-        assert set(r["kinds"].values()) == {"Parameter"}, r
+# ---- checkpoints ----------------------------------------------------------------------------------
+
+# id: (ranks, partial, tp, precision, load_sharded_optimizer_state)
+ROUND_TRIP: dict[str, tuple[int, bool, bool, str | None, bool]] = {
+    "sdp2-partial": (2, True, False, None, True),
+    "sdp2-full": (2, False, False, None, True),
+    "sdp2-fp16-partial": (2, True, False, "fp16", True),
+    "sdp2-fp16-full": (2, False, False, "fp16", True),
+    "tp2-sdp2-partial": (4, True, True, None, True),
+    "tp2-sdp2-fp16-partial": (4, True, True, "fp16", True),
+    # the weights load, AdamW's state starts afresh: the run no longer follows the straight one
+    "sdp2-partial-without-optimizer-state": (2, True, False, None, False),
+}
 
 
-def _clipped(world: Any, clip: float) -> dict[str, Any]:
-    model, opt, train_step = _setup(_config(2, sdp_gradient_clipping=clip))
-    train_step(*_batch(0, smp.dp_rank()))
-    params = list(model.parameters())
-    before = torch.linalg.vector_norm(torch.stack([_full(p.grad).norm() for p in params]))
-    norms: list[float] = []
+@pytest.mark.parametrize("case", list(ROUND_TRIP))
+def test_checkpoint_round_trip(worlds: Any, tmp_path: Any, case: str) -> None:
+    """Partial: one file per shard (and TP rank), this rank's shards of the parameters, the fp32
+    masters, AdamW's state and the scaler; full: gathered. Under TP in fp16 the full optimizer state is
+    refused by name (optimizer.local_state_dict() instead)."""
+    ranks, partial, tp, precision, sharded_state = ROUND_TRIP[case]
+    kwargs = {"tp": tp, "precision": precision, "sharded_state": sharded_state}
+    for r in worlds.run(ranks, _sdp.round_trip, str(tmp_path), partial, timeout=400, **kwargs):
+        assert r["user"] == {"step": 2}, r
+        if not sharded_state:
+            assert r["params"] is not None, r
+            continue
+        assert r["params"] is None, r
+        if precision is not None:
+            assert r["masters"] is None and r["scaler"], r
+        if tp and precision is not None:
+            assert "optimizer.local_state_dict()" in r["refused"], r
 
-    def spy(*_: Any) -> None:  # the gradient norm the optimizer is handed
-        norms.append(float(torch.linalg.vector_norm(torch.stack([_full(p.grad).norm() for p in params]))))
 
-    opt.register_step_pre_hook(spy)
-    opt.step()
-    ref = _reference(2, clip, steps=1)
-    return {
-        "before": float(before),
-        "after": norms[0],
-        "params": first_difference(model.state_dict(), ref["params"]),
-    }
+def test_tp2_sdp2_full_states_gather_translate_and_load_across_layouts(worlds: Any, tmp_path: Any) -> None:
+    """optimizer.state_dict() gathers each state tensor over the sharding group and translates the TP
+    shards to the original model's names and full tensors; model/optimizer.load_state_dict of full states
+    cut them back to each rank's shard of its TP shard: within 1e-5 of one process after 2 and 4 steps; a
+    full checkpoint resumes bitwise; the one-process run's own states load and train on like it."""
+    for r in worlds.run(4, _sdp.tp_full_states, str(tmp_path), timeout=500):
+        assert r == {
+            "keys": True,
+            "opt_early": None,
+            "opt_late": None,
+            "resumed": None,
+            "resumed_opt": None,
+            "from_one_process": None,
+            "from_one_process_opt": None,
+        }, r
+
+
+# ---- delayed parameter initialization --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("how", "precision"),
+    [("delay_param_initialization", None), ("model_creation", None), ("model_creation", "fp16")],
+)
+def test_materialized_block_by_block_equal_to_eager_init(
+    worlds: Any, how: str, precision: str | None
+) -> None:
+    """The values equal eager initialization under the same seed for a model whose modules draw their
+    random numbers in module order (this one: nn.Linear's reset_parameters)."""
+    for r in worlds.run(2, _sdp.materialized, how, precision, timeout=300):
+        assert r["on_meta"] and not r["meta_left"] and r["kinds"] == ["DTensor"], r
+        assert r["init"] is None, r  # bitwise the eager values (fp16: eager fp32 init, then cast)
+        assert r["peak"] <= _sdp.ROOT + _sdp.BLOCK, r  # never more than the root and one block whole (of 4)
+
+
+@pytest.mark.parametrize("precision", [None, "fp16"], ids=["fp32", "fp16"])
+def test_tp2_sdp2_delayed_init_draws_tp_shards_and_trains_like_one_process(
+    worlds: Any, precision: str | None
+) -> None:
+    for r in worlds.run(4, _sdp.delayed_tp, precision, timeout=400):
+        assert r["on_meta"] and not r["meta_left"] and "DTensor" in r["kinds"], r
+        assert r["init"] is None, r  # the TP path's own draws, bitwise
+        assert r["params"] is None, r
+        if precision is None:
+            assert r["moved"] > 0, (
+                r
+            )  # not the eager values: the distributed modules' own init (docs/memory.md)
+            assert r["peak"] <= _sdp.TP_ROOT + _sdp.TP_BIASES + _sdp.TP_BLOCK_WEIGHTS, (
+                r
+            )  # never 2 blocks whole
+            assert r["loss_ok"], r
+        else:
+            assert r["dtypes"] == ["torch.float16"] and r["losses"] <= 1e-3, r
+
+
+# ---- Hugging Face GPT-2 -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ranks", "tp", "delayed"),
+    [(2, False, False), (2, False, True), (4, True, False)],
+    ids=["sdp2", "sdp2-delayed", "tp2-sdp2"],
+)
+def test_hf_gpt2_trains_like_one_process(worlds: Any, ranks: int, tp: bool, delayed: bool) -> None:
+    """Blocks from _no_split_modules, tied embeddings; tp: whole-stack tensor-parallel
+    (GPT2DistributedLMHead), each DistributedTransformerLayer sharded on its own; delayed: built on meta,
+    HF's _init_weights ran."""
+    for r in worlds.run(ranks, _sdp.gpt2, tp, delayed, timeout=500):
+        assert r["loss_ok"] and r["params"] is None, r
+        if tp:
+            assert r["model"].endswith("GPT2DistributedLMHead"), r  # FSDP2 prefixes the class name
+            assert r["blocks"] == 2, r
+        else:
+            assert r["tied"] and r["refused"] == [True, True], r
+        if delayed:
+            assert 0.015 < r["wte_std"] < 0.025, r  # HF's _init_weights ran: normal(0, 0.02)
+
+
+# ---- options, memory, refusals -------------------------------------------------------------------------
 
 
 def test_sdp_gradient_clipping_clips_by_the_global_norm(worlds: Any) -> None:
-    for r in worlds.run(2, _clipped, 0.01, timeout=300):
+    for r in worlds.run(2, _sdp.clipped, 0.01, timeout=300):
         assert r["before"] > 0.1, r  # the raw gradient is well above the threshold
         assert abs(r["after"] - 0.01) <= 1e-5, r  # clipped to it, over all shards together
         assert r["params"] is None, r  # the same step as clip_grad_norm_ in one process
 
 
-def _bytes(world: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for sdp in (1, 2):
-        config = _config(sdp, sdp_param_persistence_threshold=0)
-        model, opt, train_step = _setup(config if sdp > 1 else {"microbatches": MICROBATCHES})
-        train_step(*_batch(0, smp.dp_rank()))
-        opt.step()
-        out[str(sdp)] = sum(state_bytes(model.module, opt).values())
-        smp.reset()
-    return out
-
-
 def test_sharded_state_per_rank_is_at_most_055_of_unsharded(worlds: Any) -> None:
-    for r in worlds.run(2, _bytes, timeout=300):
+    for r in worlds.run(2, _sdp.state_bytes_by_sdp, timeout=300):
         assert r["2"] <= 0.55 * r["1"], r
-
-
-def _prefetch(world: Any, budget: int) -> dict[str, Any]:
-    try:
-        model, opt, train_step = _setup(_config(2, sdp_max_live_parameters=budget))
-    except SMPValidationError as exc:
-        return {"error": str(exc)}
-    train_step(*_batch(0, smp.dp_rank()))
-    opt.step()
-    ref = _reference(2, 1.0, steps=1)
-    return {
-        "depth": model._sharded.prefetch_depth,
-        "params": first_difference(model.state_dict(), ref["params"]),
-    }
 
 
 def test_sdp_max_live_parameters_sets_the_prefetch_depth(worlds: Any) -> None:
     # root: inp (10*32+32) + out (32*4+4) = 484 parameters; a block: 2 * (32*32+32) = 2112
-    root, block = 484, 2112
-    for r in worlds.run(2, _prefetch, root + 3 * block, timeout=300):
+    root, block = _sdp.ROOT, _sdp.BLOCK
+    for r in worlds.run(2, _sdp.prefetch, root + 3 * block, timeout=300):
         assert r == {"depth": 2, "params": None}, r
-    for r in worlds.run(2, _prefetch, root + block, timeout=300):
+    for r in worlds.run(2, _sdp.prefetch, root + block, timeout=300):
         assert (
             "sdp_max_live_parameters=2596" in r["error"] and f"at least {root + 2 * block}" in r["error"]
         ), r
-
-
-def _round_trip(world: Any, path: str, partial: bool, sharded_state: bool = True) -> dict[str, Any]:
-    model, opt, train_step = _setup(_config(2))
-    for step in range(2):
-        train_step(*_batch(step, smp.dp_rank()))
-        opt.step()
-        opt.zero_grad()
-    smp.save_checkpoint(path, "s2", partial=partial, model=model, optimizer=opt, user_content={"step": 2})
-    for step in range(2, STEPS):
-        train_step(*_batch(step, smp.dp_rank()))
-        opt.step()
-        opt.zero_grad()
-    straight = model.state_dict()
-    smp.reset()
-    model, opt, train_step = _setup(_config(2), seed=7)  # other weights: the checkpoint must replace them
-    user = smp.resume_from_checkpoint(path, "s2", partial=partial, load_sharded_optimizer_state=sharded_state)
-    for step in range(2, STEPS):
-        train_step(*_batch(step, smp.dp_rank()))
-        opt.step()
-        opt.zero_grad()
-    return {"user": user, "diff": first_difference(model.state_dict(), straight, rtol=0, atol=0)}
-
-
-@pytest.mark.parametrize("partial", [True, False])
-def test_checkpoint_round_trip(worlds: Any, tmp_path: Any, partial: bool) -> None:
-    for r in worlds.run(2, _round_trip, str(tmp_path), partial, timeout=300):
-        assert r["user"] == {"step": 2} and r["diff"] is None, r
-
-
-def test_resume_without_the_sharded_optimizer_state(worlds: Any, tmp_path: Any) -> None:
-    """load_sharded_optimizer_state=False: the weights load, AdamW's state starts afresh (so the run
-    no longer follows the straight one)."""
-    for r in worlds.run(2, _round_trip, str(tmp_path), True, False, timeout=300):
-        assert r["user"] == {"step": 2} and r["diff"] is not None, r
 
 
 def test_bucket_size_and_pipeline_parallelism_are_refused() -> None:
@@ -291,36 +299,20 @@ def test_bucket_size_and_pipeline_parallelism_are_refused() -> None:
         assert not smp.is_initialized()
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
+def test_shard_groups_spanning_nodes_are_refused(worlds: Any) -> None:
+    for text in worlds.run(2, _sdp.spanning, timeout=120):
+        assert "'sdp_hierarchical_allgather'" in text and "a divisor of 1" in text, text
 
 
-def _live_tensors() -> int:
-    gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
-
-
-def _endurance(world: Any) -> dict[str, Any]:
-    _, opt, train_step = _setup(_config(2))
-    tensors: dict[int, int] = {}
-    rss: dict[int, float] = {}
-    x, y = _batch(0, smp.dp_rank())
-    for i in range(1, 201):
-        train_step(x, y)
-        opt.step()
-        opt.zero_grad()
-        if 20 <= i < 30 or i > 190:
-            tensors[i] = _live_tensors()
-        if i in (100, 200):
-            rss[i] = _rss_mb()
-    return {"tensors": tensors, "rss": rss}
+def test_backward_passes_per_step_accumulates(worlds: Any) -> None:
+    for r in worlds.run(2, _sdp.accumulated, timeout=300):
+        assert r["params"] is None, r
 
 
 def test_memory_stays_flat_over_200_steps(worlds: Any) -> None:
     """As tests/integration/test_endurance.py: fewest live tensors over steps 20-29 vs 191-200, RSS at
     step 100 vs 200."""
-    for r in worlds.run(2, _endurance, timeout=600):
+    for r in worlds.run(2, _sdp.endurance, timeout=600):
         t0 = min(v for i, v in r["tensors"].items() if i < 30)
         t1 = min(v for i, v in r["tensors"].items() if i > 190)
         assert t1 - t0 <= 8, r["tensors"]
@@ -333,117 +325,8 @@ def test_blocks_are_hf_no_split_modules_else_module_list_children() -> None:
 
     gpt = build("gpt2", layers=3)
     assert block_modules(gpt) == list(gpt.transformer.h)  # type: ignore[union-attr]
-    stack = _build()
+    stack = _sdp.build()
     assert block_modules(stack) == list(stack.blocks)
     assert block_modules(nn.Sequential(nn.Linear(2, 2))) == []
     stack._no_split_modules = ["NotHere"]  # type: ignore[assignment]
     assert block_modules(stack) == list(stack.blocks)  # named classes absent: ModuleList children
-
-
-def _gpt2(world: Any) -> dict[str, Any]:
-    """A Hugging Face GPT-2 (blocks from _no_split_modules, tied embeddings) at sdp=2 without clipping,
-    against tests.mp_pipeline.models.reference; join and comm hooks refused."""
-    from tests.mp_pipeline.models import batch, build, loss_of, make_optimizer, reference
-
-    smp.init(
-        {
-            "sharded_data_parallel_degree": 2,
-            "microbatches": 2,
-            "sdp_param_persistence_threshold": 0,
-            "sdp_gradient_clipping": 0.0,
-        }
-    )
-    model = smp.DistributedModel(build("gpt2"))
-    opt = smp.DistributedOptimizer(make_optimizer("gpt2", model.parameters()))
-
-    @smp.step
-    def train_step(ids: torch.Tensor) -> torch.Tensor:
-        loss = loss_of("gpt2", model, (ids,))
-        model.backward(loss)
-        return loss
-
-    for step in range(3):
-        train_step(*batch("gpt2", step, smp.dp_rank()))
-        opt.step()
-        opt.zero_grad()
-    _, want = reference("gpt2", microbatches=2, replicas=2)
-    refused = []
-    for call in (model.join, lambda: model.register_comm_hook(None, lambda s, b: b)):
-        try:
-            call()
-        except smp.SMPUnsupportedError as exc:
-            refused.append("sharded_data_parallel_degree" in str(exc))
-    wte = model.module.transformer.wte.weight
-    return {
-        "params": first_difference(model.state_dict(), want),
-        "tied": wte is model.module.lm_head.weight and isinstance(wte, DTensor),
-        "refused": refused,
-    }
-
-
-def test_hf_gpt2_trains_like_one_process(worlds: Any) -> None:
-    for r in worlds.run(2, _gpt2, timeout=300):
-        assert r == {"params": None, "tied": True, "refused": [True, True]}, r
-
-
-def _spanning(world: Any) -> str:
-    """Two nodes of one rank each (a fake layout): every shard group of 2 spans both nodes."""
-    import dataclasses
-
-    from mp.state import state
-
-    smp.init({"sharded_data_parallel_degree": 2})
-    real = state.world
-    assert real is not None
-    original = real.info
-    fake = dataclasses.replace(original, num_nodes=2, local_size=1, local_rank=0, node=smp.rank())
-    object.__setattr__(real, "info", fake)
-    try:
-        smp.DistributedModel(_build())
-    except SMPValidationError as exc:
-        return str(exc)
-    finally:
-        object.__setattr__(real, "info", original)
-    return "not refused"
-
-
-def test_shard_groups_spanning_nodes_are_refused(worlds: Any) -> None:
-    for text in worlds.run(2, _spanning, timeout=120):
-        assert "'sdp_hierarchical_allgather'" in text and "a divisor of 1" in text, text
-
-
-def _accumulated(world: Any) -> dict[str, Any]:
-    """backward_passes_per_step=2 (smp's way to accumulate under sharding): two step calls, one
-    optimizer step; sharded gradients accumulate in FSDP2, whole ones are averaged every second call."""
-    smp.init(_config(2))
-    model = smp.DistributedModel(_build(), backward_passes_per_step=2)
-    opt = smp.DistributedOptimizer(_optimizer(model.parameters()))
-
-    @smp.step
-    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.mse_loss(model(x), y)
-        model.backward(loss)
-        return loss
-
-    for step in range(STEPS):
-        train_step(*_batch(step, smp.dp_rank()))
-        if step % 2 == 1:
-            opt.step()
-            opt.zero_grad()
-    ref = _build()
-    ref_opt = _optimizer(ref.parameters())
-    for step in range(STEPS):
-        for r in range(smp.dp_size()):
-            x, y = _batch(step, r)
-            for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True):
-                (F.mse_loss(ref(xm), ym) / (MICROBATCHES * smp.dp_size())).backward()
-        if step % 2 == 1:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-            ref_opt.step()
-            ref_opt.zero_grad()
-    return {"params": first_difference(model.state_dict(), ref.state_dict())}
-
-
-def test_backward_passes_per_step_accumulates(worlds: Any) -> None:
-    for r in worlds.run(2, _accumulated, timeout=300):
-        assert r["params"] is None, r

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import mp as smp
 from mp_partition import set_partition
-from tests.integration.test_smp_checkpoint import PP2, Net
+from tests.integration._pp2_net import PP2, Net
 
 BASE = dict(PP2)  # manual partitioning, default partition 0: unmarked modules stay on pp_rank 0
 

@@ -8,9 +8,6 @@ benchmarks/pipeline_grid.py.
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,6 +17,7 @@ import torch.distributed as dist
 import mp as smp
 from mp import DistributedModel, DistributedOptimizer, step
 from mp.errors import NotSupportedByFastModeError
+from tests.integration._fast_mode import RECORD_STEPS, record_steps
 from tests.mp_pipeline.models import (
     STEPS,
     batch,
@@ -166,22 +164,6 @@ def test_pipeline_equals_plain_pytorch(  # noqa: PLR0917 - pytest parameters
 
 
 # -- static and fast mode (seed 001 §4.4) -------------------------------------------------------------
-
-RECORD_STEPS = 2
-"""Steps static mode records before replaying in these tests (MP_PIPELINE_STATIC_STEPS; default 5)."""
-
-
-@contextlib.contextmanager
-def record_steps(n: int) -> Iterator[None]:
-    before = os.environ.get("MP_PIPELINE_STATIC_STEPS")
-    os.environ["MP_PIPELINE_STATIC_STEPS"] = str(n)
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["MP_PIPELINE_STATIC_STEPS"]
-        else:
-            os.environ["MP_PIPELINE_STATIC_STEPS"] = before
 
 
 def train_recorded(world: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -25,19 +25,7 @@ from mp.errors import (
     SMPCheckpointError,
 )
 from mp_partition import set_partition
-
-PP2 = {"pipeline_parallel_degree": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0}
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 16)
-        self.b = nn.Linear(16, 16)
-        self.c = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+from tests.integration._pp2_net import PP2, Net
 
 
 def _build(config: dict[str, Any], seed: int) -> tuple[smp.DistributedModel, torch.optim.Optimizer, Any]:

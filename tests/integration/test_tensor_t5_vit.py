@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mp as smp
-from tests.integration.test_tp_model import assert_losses, global_loss
+from tests.integration._tp_model import assert_losses, global_loss
 
 transformers = pytest.importorskip("transformers")
 

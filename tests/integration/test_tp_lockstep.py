@@ -19,7 +19,7 @@ import torch
 
 import mp as smp
 from mp_pipeline.context import current
-from tests.integration.test_tp_model import (
+from tests.integration._tp_model import (
     PER_RANK,
     _config,
     _data,

@@ -7,7 +7,6 @@ Round trips go through the loopback transport, which takes the full path of the 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import pickle
 from typing import Any
 
@@ -36,49 +35,7 @@ from mp_comm.message import (
 )
 from mp_comm.transport.base import TransportConfig
 from mp_comm.transport.loopback import LoopbackHub
-
-ALL_DTYPES = [
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint16,
-    torch.uint32,
-    torch.uint64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.complex64,
-    torch.complex128,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-]
-
-
-def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.rand(shape, generator=g) > 0.5
-    if dtype.is_complex:
-        return torch.randn(shape, dtype=dtype, generator=g)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=g).to(dtype)
-    return torch.randint(0, 100, shape, generator=g).to(dtype)
-
-
-def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.numel() == 0:
-        return True
-
-    def raw(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1).view(torch.uint8)
-
-    return torch.equal(raw(a), raw(b))
+from tests.mp_comm._payloads import ALL_DTYPES, BoomOnLoad, Pair, bitwise_equal, sample_tensor
 
 
 def _roundtrip(obj: Any, **config: Any) -> Any:
@@ -98,10 +55,10 @@ def _roundtrip(obj: Any, **config: Any) -> Any:
 @pytest.mark.parametrize("inline", [0, 4096], ids=["separate", "inline"])
 def test_every_dtype_round_trips_bit_exactly(dtype: torch.dtype, inline: int) -> None:
     for shape in [(), (0,), (3, 0, 2), (5,), (4, 7)]:
-        t = _sample(dtype, shape)
+        t = sample_tensor(dtype, shape)
         got = _roundtrip(t, inline_bytes=inline)
         assert got.dtype == dtype and got.shape == t.shape
-        assert _bitwise_equal(got, t), (dtype, shape)
+        assert bitwise_equal(got, t), (dtype, shape)
 
 
 def test_non_contiguous_views_round_trip() -> None:
@@ -141,13 +98,6 @@ def test_dense_tensors_are_sent_from_their_own_memory() -> None:
     assert not is_dense(gappy) and wire_tensors([gappy])[0][0].is_contiguous()
 
 
-@dataclasses.dataclass
-class _Pair:
-    left: torch.Tensor
-    right: Any
-    note: str = "x"
-
-
 _Point = collections.namedtuple("_Point", ["x", "y"])
 
 
@@ -156,7 +106,7 @@ def test_nested_structures_round_trip() -> None:
     g = torch.randn(4, requires_grad=True)
     obj = {
         "list": [torch.ones(2), (torch.zeros(1, dtype=torch.int64), None)],
-        "pair": _Pair(torch.eye(2), {"deep": [torch.full((2,), 3.0)]}),
+        "pair": Pair(torch.eye(2), {"deep": [torch.full((2,), 3.0)]}),
         "point": _Point(torch.tensor(1.5), 7),
         "param": w,
         "grad_input": g * 2,  # a non-leaf: travels as data, arrives as a leaf that requires grad
@@ -166,7 +116,7 @@ def test_nested_structures_round_trip() -> None:
     got = _roundtrip(obj)
     assert torch.equal(got["list"][0], torch.ones(2))
     assert got["list"][1][1] is None and got["list"][1][0].dtype == torch.int64
-    assert isinstance(got["pair"], _Pair) and torch.equal(got["pair"].right["deep"][0], torch.full((2,), 3.0))
+    assert isinstance(got["pair"], Pair) and torch.equal(got["pair"].right["deep"][0], torch.full((2,), 3.0))
     assert isinstance(got["point"], _Point) and got["point"].y == 7
     assert isinstance(got["param"], torch.nn.Parameter) and got["param"].requires_grad
     assert torch.equal(got["param"].detach(), w.detach())
@@ -219,19 +169,10 @@ def test_unpicklable_object_raises_on_the_sender_at_once() -> None:
     b.close()
 
 
-def _explode() -> None:
-    raise ValueError("cannot rebuild this here")
-
-
-class _BoomOnLoad:
-    def __reduce__(self) -> Any:
-        return (_explode, ())
-
-
 def test_unpicklable_message_raises_on_the_receiver_naming_source_and_tag() -> None:
     hub = LoopbackHub(2, config=TransportConfig(timeout=5.0))
     a, b = hub.transport(0), hub.transport(1)
-    a.send([torch.ones(2), _BoomOnLoad()], 1, tag=("req", 3))
+    a.send([torch.ones(2), BoomOnLoad()], 1, tag=("req", 3))
     with pytest.raises(MessageDecodeError, match=r"rank 0 with tag \('req', 3\).*cannot rebuild"):
         b.recv()
     a.send("next", 1, tag=1)  # the transport goes on
@@ -323,14 +264,14 @@ _SHAPES = st.lists(st.integers(min_value=0, max_value=5), min_size=0, max_size=4
 def test_random_layouts_round_trip(
     dtype: torch.dtype, shape: tuple[int, ...], perm_seed: int, step: int
 ) -> None:
-    t = _sample(dtype, shape, seed=perm_seed)
+    t = sample_tensor(dtype, shape, seed=perm_seed)
     if t.dim() > 1:
         perm = torch.randperm(t.dim(), generator=torch.Generator().manual_seed(perm_seed)).tolist()
         t = t.permute(perm)
     if t.dim() >= 1 and step > 1:
         t = t[..., ::step]
     got = _roundtrip({"t": t})["t"]
-    assert _bitwise_equal(got, t)
+    assert bitwise_equal(got, t)
     if is_dense(t) and t.numel() > 1:
         assert got.stride() == t.stride()
 

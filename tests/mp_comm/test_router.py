@@ -10,7 +10,7 @@ import torch
 from mp_comm.errors import TransportUnavailableError
 from mp_comm.router import Route, Router, RouterConfig, choose_route
 from mp_comm.transport import ANY_TAG, LoopbackHub, Mailbox, OrderCounter, TransportConfig
-from tests.mp_comm.test_transport_ucx import _conflict
+from tests.mp_comm._ucx_cases import ucx_conflict
 
 BOTH = (Route.MPI, Route.UCX)
 FAST = TransportConfig(timeout=20.0)
@@ -129,7 +129,7 @@ def test_default_router_on_a_cpu_world_uses_mpi(worlds: Any) -> None:
 
 
 def _ucx_router(world: Any) -> Any:
-    problem = _conflict()
+    problem = ucx_conflict()
     if problem is not None:
         return problem
     router = Router.create(
@@ -146,10 +146,10 @@ def _ucx_router(world: Any) -> Any:
 
 
 def test_router_with_ucx_keeps_one_senders_order_across_routes(worlds: Any) -> None:
-    if _conflict() is not None:
+    if ucx_conflict() is not None:
         pytest.skip("ucxx is not installed or cannot start here")
     result = worlds.run(2, _ucx_router, timeout=90)
-    if isinstance(result[0], str):  # UCX guard: ucxx could not load in the ranks (see _conflict)
+    if isinstance(result[0], str):  # UCX guard: ucxx could not load in the ranks (see ucx_conflict)
         pytest.skip(result[0])
     for got, stats in result:
         assert got == list(range(12)) and stats == {"mpi": 3, "ucx": 9}

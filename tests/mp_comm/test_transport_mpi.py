@@ -13,49 +13,24 @@ import torch
 from mp_comm.errors import MessageDecodeError, PeerTimeoutError, TransportUnavailableError
 from mp_comm.transport import ANY_SOURCE, ANY_TAG, MPITransport, TransportConfig
 from mp_comm.transport.mpi import check_thread_level
-from tests.mp_comm.test_message import ALL_DTYPES, _bitwise_equal, _BoomOnLoad, _Pair, _sample
+from tests.mp_comm._payloads import BoomOnLoad, rich_payload, same_message
 
 
 def _open(world: Any, **config: Any) -> MPITransport:
     return MPITransport(world.mpi_comm, config=TransportConfig(timeout=20.0, **config))
 
 
-def _payload(rank: int) -> dict[str, Any]:
-    base = torch.arange(24, dtype=torch.float64).reshape(2, 3, 4) + rank
-    return {
-        "dtypes": [_sample(dt, (3, 5), seed=rank) for dt in ALL_DTYPES],
-        "views": (base.transpose(0, 2), base[:, ::2], base.expand(2, 2, 3, 4)),
-        "empty": torch.empty(0, 4),
-        "scalar": torch.tensor(3.5 + rank),
-        "big": torch.randn(1 << 20, generator=torch.Generator().manual_seed(rank)),  # 4 MB
-        "pair": _Pair(torch.eye(3), [None, 1, "two"]),
-        "param": torch.nn.Parameter(torch.ones(2)),
-    }
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and _bitwise_equal(a.detach(), b.detach())
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, _Pair):
-        return _same(a.left, b.left) and a.right == b.right
-    return bool(a == b)
-
-
 def _exchange_both_ways(world: Any) -> bool:
     t = _open(world)
     peer = 1 - world.rank
-    handle = t.send(_payload(world.rank), peer, tag="payload")
+    handle = t.send(rich_payload(world.rank), peer, tag="payload")
     source, tag, got = t.recv(peer, "payload")
     handle.wait()
     t.close()
     assert (source, tag) == (peer, "payload")
     assert isinstance(got["param"], torch.nn.Parameter)
-    assert got["views"][0].stride() == _payload(peer)["views"][0].stride()
-    return _same(got, _payload(peer))
+    assert got["views"][0].stride() == rich_payload(peer)["views"][0].stride()
+    return same_message(got, rich_payload(peer))
 
 
 def test_objects_round_trip_both_ways_at_once(worlds: Any) -> None:
@@ -238,7 +213,7 @@ def _timeout_and_decode_errors(world: Any) -> list[str]:
         except PeerTimeoutError as exc:
             messages.append(str(exc))
             assert time.monotonic() - start < 3.0
-        t.send([torch.ones(3), _BoomOnLoad()], 0, tag=("req", 9))
+        t.send([torch.ones(3), BoomOnLoad()], 0, tag=("req", 9))
         t.send("fine", 0, tag="after")
     else:
         try:

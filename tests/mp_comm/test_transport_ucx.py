@@ -7,7 +7,6 @@ listing "cpu" in `UCXConfig.buffered_devices`.
 
 from __future__ import annotations
 
-import functools
 import multiprocessing
 import sys
 import threading
@@ -30,29 +29,17 @@ from mp_comm.transport import (
 )
 from mp_comm.transport import ucx as ucx_mod
 from mp_comm.transport.ucx import UCXConfig, UCXTransport, import_ucxx
-from tests.mp_comm.test_message import _bitwise_equal
-from tests.mp_comm.test_transport_mpi import _payload, _same
-
-FAST = TransportConfig(timeout=20.0)
-D2D_ON_CPU = UCXConfig(
-    buffered_devices=("cpu",), buffered_peers="all", recv_buffer_bytes=1 << 20, send_buffer_bytes=1 << 20
+from tests.mp_comm._payloads import bitwise_equal, rich_payload, same_message
+from tests.mp_comm._ucx_cases import (
+    D2D_ON_CPU,
+    FAST,
+    close_all,
+    in_threads,
+    needs_ucx,
+    ucx_conflict,
+    ucx_pair,
+    ucx_problem,
 )
-
-
-@functools.cache
-def _ucx_problem() -> str | None:
-    """Why UCX cannot run here (None when it can): missing ucxx, or a worker that does not start."""
-    try:
-        import_ucxx()
-        t = UCXTransport(ThreadBootstrap.group(1)[0], config=FAST)
-    except TransportUnavailableError as exc:
-        return str(exc)
-    t.close()
-    return None
-
-
-needs_ucx = pytest.mark.skipif("_ucx_problem() is not None", reason="ucxx is missing or cannot start here")
-
 
 # -- the buffer manager (always) -----------------------------------------------------------------------
 
@@ -109,77 +96,48 @@ def test_missing_ucxx_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
 # -- two ranks in one process --------------------------------------------------------------------------
 
 
-def _in_threads(fn: Any, n: int) -> list[Any]:
-    results: list[Any] = [None] * n
-    errors: list[BaseException] = []
-
-    def run(r: int) -> None:
-        try:
-            results[r] = fn(r)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    if errors:
-        raise errors[0]
-    return results
-
-
-def _pair(ucx: UCXConfig | None = None, config: TransportConfig = FAST) -> list[UCXTransport]:
-    boot = ThreadBootstrap.group(2)
-    return _in_threads(lambda r: UCXTransport(boot[r], config=config, ucx=ucx, node_key="n"), 2)
-
-
-def _close(ts: list[UCXTransport]) -> None:
-    _in_threads(lambda r: ts[r].close(), len(ts))
-
-
 @needs_ucx
 def test_objects_round_trip_over_ucx() -> None:
-    a, b = _pair()
-    h = a.send(_payload(0), 1, tag="p")
-    b.send(_payload(1), 0, tag="p")
-    assert _same(b.recv(0, "p").obj, _payload(0))
-    assert _same(a.recv(ANY_SOURCE, ANY_TAG).obj, _payload(1))
+    a, b = ucx_pair()
+    h = a.send(rich_payload(0), 1, tag="p")
+    b.send(rich_payload(1), 0, tag="p")
+    assert same_message(b.recv(0, "p").obj, rich_payload(0))
+    assert same_message(a.recv(ANY_SOURCE, ANY_TAG).obj, rich_payload(1))
     h.wait()
     assert a.same_node == [True, True]
-    _close([a, b])
+    close_all([a, b])
     assert not [th for th in threading.enumerate() if th.name.startswith("mp-comm-ucx")]
 
 
 @needs_ucx
 def test_d2d_path_lands_in_the_persistent_buffer_or_goes_direct_when_full() -> None:
-    a, b = _pair(D2D_ON_CPU)
+    a, b = ucx_pair(D2D_ON_CPU)
     small = torch.randn(20_000)  # 80 KB: fits the 1 MB receive buffer
     large = torch.randn(400_000)  # 1.6 MB: does not; without a fallback transport it goes direct
     for x in (small, large, small.reshape(100, 200).T):
         a.send({"x": x, "tiny": torch.ones(3)}, 1, tag="d2d")
         got = b.recv(0, "d2d").obj
-        assert _bitwise_equal(got["x"], x) and got["x"].stride() == x.stride()
+        assert bitwise_equal(got["x"], x) and got["x"].stride() == x.stride()
     a.send([small, small * 2, large], 1, tag="mixed")
     got = b.recv(0, "mixed").obj
-    assert _bitwise_equal(got[2], large) and _bitwise_equal(got[1], small * 2)
+    assert bitwise_equal(got[2], large) and bitwise_equal(got[1], small * 2)
     assert a.stats["d2d_buffered"] == 2 and a.stats["d2d_direct"] == 2
     buf = b.recv_buffer("cpu")
     assert buf is not None and buf.used == 0  # every region went back
     sendbuf = a._send_buffers.get("cpu")
     assert sendbuf is None or sendbuf.used == 0
-    _close([a, b])
+    close_all([a, b])
 
 
 def _buffered_to_a_peer(node_keys: tuple[str, str]) -> dict[str, int]:
     ucx = UCXConfig(buffered_devices=("cpu",), host="127.0.0.1")  # default buffered_peers: cross-node
     boot = ThreadBootstrap.group(2)
-    a, b = _in_threads(lambda r: UCXTransport(boot[r], config=FAST, ucx=ucx, node_key=node_keys[r]), 2)
+    a, b = in_threads(lambda r: UCXTransport(boot[r], config=FAST, ucx=ucx, node_key=node_keys[r]), 2)
     x = torch.randn(20_000)
     a.send(x, 1, tag="b")
-    assert _bitwise_equal(b.recv(0, "b").obj, x)
+    assert bitwise_equal(b.recv(0, "b").obj, x)
     stats = {k: v for k, v in a.stats.items() if k.startswith("d2d")}
-    _close([a, b])
+    close_all([a, b])
     return stats
 
 
@@ -196,39 +154,39 @@ def test_d2d_path_falls_back_to_the_other_transport_when_the_buffer_is_full() ->
     hub = LoopbackHub(2, config=FAST)  # stands in for MPI: any MessageTransport can be the fallback
     fallbacks = [hub.transport(0), hub.transport(1)]
     boot = ThreadBootstrap.group(2)
-    a, b = _in_threads(
+    a, b = in_threads(
         lambda r: UCXTransport(boot[r], config=FAST, ucx=D2D_ON_CPU, node_key="n", fallback=fallbacks[r]), 2
     )
     small, large = torch.randn(20_000), torch.randn(400_000)
     for x in (large, small, large):
         a.send({"x": x, "again": x}, 1, tag="fb")
         got = b.recv(0, "fb").obj
-        assert _bitwise_equal(got["x"], x) and got["again"] is got["x"]
+        assert bitwise_equal(got["x"], x) and got["again"] is got["x"]
     a.send([large, small], 1, tag="two").wait()  # large does not fit: the whole message falls back
     got = b.recv(0, "two").obj
-    assert _bitwise_equal(got[0], large) and _bitwise_equal(got[1], small)
+    assert bitwise_equal(got[0], large) and bitwise_equal(got[1], small)
     assert (a.stats["d2d_fallback"], a.stats["d2d_buffered"]) == (3, 1)
     assert fallbacks[1].stats["received"] == 3 and b.stats["received"] == 4
     buf = b.recv_buffer("cpu")
     assert buf is not None and buf.used == 0
-    _close([a, b])
+    close_all([a, b])
     for f in fallbacks:
         f.close()
 
 
 @needs_ucx
 def test_static_mode_over_ucx() -> None:
-    a, b = _pair(config=TransportConfig(timeout=20.0, static_shapes=True))
+    a, b = ucx_pair(config=TransportConfig(timeout=20.0, static_shapes=True))
     for step in range(4):
         a.send(torch.full((64, 64), float(step)), 1, tag="act")
         assert float(b.recv(0, "act").obj[0, 0]) == step
     assert a.stats["static_hits"] == 3
-    _close([a, b])
+    close_all([a, b])
 
 
 @needs_ucx
 def test_a_peer_that_goes_away_fails_the_waiting_thread_by_name() -> None:
-    a, b = _pair()
+    a, b = ucx_pair()
     a.send("hello", 1, tag=0)
     assert b.recv(0, 0).obj == "hello"
     start = time.monotonic()
@@ -241,11 +199,11 @@ def test_a_peer_that_goes_away_fails_the_waiting_thread_by_name() -> None:
 
 @needs_ucx
 def test_too_many_tensors_for_the_tag_space_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    a, b = _pair()
+    a, b = ucx_pair()
     monkeypatch.setattr(ucx_mod, "MAX_TENSORS", 2)
     with pytest.raises(MessageEncodeError, match="at most 2"):
         a.send([torch.ones(1), torch.ones(2), torch.ones(3)], 1)
-    _close([a, b])
+    close_all([a, b])
 
 
 # -- a peer process that dies --------------------------------------------------------------------------
@@ -303,18 +261,8 @@ def test_a_peer_process_that_dies_is_detected_within_bounded_time() -> None:
 # -- real ranks: UCX with the MPI fallback ------------------------------------------------------------
 
 
-def _conflict() -> str | None:
-    # In a rank where MPI loaded the mpich wheel's own UCX first, ucxx cannot load (see
-    # ucx.preload_before_mpi); the world was started by code outside this module.
-    try:
-        import_ucxx()
-    except TransportUnavailableError as exc:
-        return str(exc)
-    return None
-
-
 def _ucx_with_fallback(world: Any) -> dict[str, Any]:
-    problem = _conflict()
+    problem = ucx_conflict()
     if problem is not None:
         return {"skip": problem}
     mpi = MPITransport(world.mpi_comm, config=FAST)
@@ -328,8 +276,8 @@ def _ucx_with_fallback(world: Any) -> dict[str, Any]:
         got = t.recv(peer, "f").obj
         expected = torch.arange(n, dtype=torch.float32) * (peer + 1)
         assert got["i"] == i and torch.equal(got["x"], expected) and got["pair"][1] is got["x"]
-    t.send(_payload(world.rank), peer, tag="all")
-    assert _same(t.recv(peer, "all").obj, _payload(peer))
+    t.send(rich_payload(world.rank), peer, tag="all")
+    assert same_message(t.recv(peer, "all").obj, rich_payload(peer))
     stats = dict(t.stats)
     t.close()
     mpi.close()
@@ -337,7 +285,7 @@ def _ucx_with_fallback(world: Any) -> dict[str, Any]:
 
 
 def test_ucx_falls_back_to_mpi_when_the_persistent_buffer_is_full(worlds: Any) -> None:
-    if _ucx_problem() is not None:
+    if ucx_problem() is not None:
         pytest.skip("ucxx is not installed or cannot start here")
     for stats in worlds.run(2, _ucx_with_fallback, timeout=90):
         if "skip" in stats:
@@ -346,7 +294,7 @@ def test_ucx_falls_back_to_mpi_when_the_persistent_buffer_is_full(worlds: Any) -
 
 
 def _ucx_many_to_one(world: Any) -> Any:
-    problem = _conflict()
+    problem = ucx_conflict()
     if problem is not None:
         return {"skip": problem}
     t = UCXTransport.from_world(world, config=FAST)
@@ -367,7 +315,7 @@ def _ucx_many_to_one(world: Any) -> Any:
 
 
 def test_ucx_any_source_from_three_senders(worlds: Any) -> None:
-    if _ucx_problem() is not None:
+    if ucx_problem() is not None:
         pytest.skip("ucxx is not installed or cannot start here")
     got = worlds.run(4, _ucx_many_to_one, timeout=90)[0]
     if isinstance(got, dict):
@@ -376,7 +324,7 @@ def test_ucx_any_source_from_three_senders(worlds: Any) -> None:
 
 
 def _ucx_cuda(world: Any) -> Any:
-    problem = _conflict()
+    problem = ucx_conflict()
     if problem is not None:
         return problem
     mpi = MPITransport(world.mpi_comm, config=FAST)
@@ -402,7 +350,7 @@ def _ucx_cuda(world: Any) -> Any:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_d2d_path_with_fallback(worlds: Any) -> None:
-    if _ucx_problem() is not None:
+    if ucx_problem() is not None:
         pytest.skip("ucxx is not installed or cannot start here")
     result = worlds.run(2, _ucx_cuda, timeout=120)
     if isinstance(result[0], str):
@@ -431,5 +379,5 @@ def test_bootstraps_gather_in_rank_order_and_meet(worlds: Any) -> None:
 def test_thread_bootstrap_barrier_times_out_alone() -> None:
     boots = ThreadBootstrap.group(2)
     assert boots[0].barrier(0.05) is False
-    assert _in_threads(lambda r: boots[r].allgather(r * 10), 2) == [[0, 10], [0, 10]]
-    assert _in_threads(lambda r: boots[r].barrier(5.0), 2) == [True, True]
+    assert in_threads(lambda r: boots[r].allgather(r * 10), 2) == [[0, 10], [0, 10]]
+    assert in_threads(lambda r: boots[r].barrier(5.0), 2) == [True, True]

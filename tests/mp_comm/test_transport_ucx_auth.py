@@ -29,16 +29,16 @@ from mp_comm.transport import ThreadBootstrap, auth
 from mp_comm.transport.ucx import UCXConfig, UCXTransport
 from mp_comm.transport.ucx_setup import job_net_devices
 from tests.mp_comm._foreign_ucx import Payload
-from tests.mp_comm.test_transport_ucx import (  # noqa: F401 (the skip reads _ucx_problem)
+from tests.mp_comm._ucx_cases import (  # noqa: F401 (the skip reads ucx_problem)
     FAST,
-    _close,
-    _in_threads,
-    _pair,
-    _ucx_problem,
+    close_all,
+    in_threads,
+    needs_ucx,
+    ucx_pair,
+    ucx_problem,
 )
 
 FOREIGN = Path(__file__).with_name("_foreign_ucx.py")
-needs_ucx = pytest.mark.skipif("_ucx_problem() is not None", reason="ucxx is missing or cannot start here")
 
 
 def test_sealed_messages_open_only_with_the_secret_and_their_tag() -> None:
@@ -64,7 +64,7 @@ def test_a_foreign_process_with_a_crafted_pickle_runs_nothing(tmp_path: Path) ->
         del os.environ["MP_FOREIGN_MARKER"]
     assert control.is_dir()
 
-    a, b = _pair()
+    a, b = ucx_pair()
     marker = tmp_path / "pwned"
     try:
         proc = subprocess.run(
@@ -85,7 +85,7 @@ def test_a_foreign_process_with_a_crafted_pickle_runs_nothing(tmp_path: Path) ->
         b.send({"step": 1}, 0, tag="after")
         assert a.recv(1, "after", timeout=20).obj == {"step": 1}
     finally:
-        _close([a, b])
+        close_all([a, b])
 
 
 # -- what listens ---------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def _listeners_of_a_talking_pair(ucx: UCXConfig, node_keys: tuple[str, str] = ("
     """What the sockets a pair of ranks opened listen on, once both have sent and received."""
     before = _socket_inodes()
     boot = ThreadBootstrap.group(2)
-    a, b = _in_threads(lambda r: UCXTransport(boot[r], config=FAST, ucx=ucx, node_key=node_keys[r]), 2)
+    a, b = in_threads(lambda r: UCXTransport(boot[r], config=FAST, ucx=ucx, node_key=node_keys[r]), 2)
     try:
         a.send("ping", 1, tag="p")
         assert b.recv(0, "p").obj == "ping"
@@ -129,7 +129,7 @@ def _listeners_of_a_talking_pair(ucx: UCXConfig, node_keys: tuple[str, str] = ("
         assert a.recv(1, "p").obj == "pong"
         return _listening(_socket_inodes() - before)
     finally:
-        _close([a, b])
+        close_all([a, b])
 
 
 def _outside_interface() -> tuple[str, str] | None:
@@ -201,5 +201,5 @@ def test_a_rank_that_cannot_find_its_interface_fails_every_rank() -> None:
             UCXTransport(boot[r], config=FAST, ucx=configs[r], node_key=f"n{r}")
         return str(info.value)
 
-    errors = _in_threads(start, 2)
+    errors = in_threads(start, 2)
     assert "192.0.2.123" in errors[1] and "could not start on ranks [1]" in errors[0], errors

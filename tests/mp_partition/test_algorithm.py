@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from mp_partition import ModelTooSmallError, PartitionError, PlanNode, allocate_devices, auto_partition
+from mp_partition import ModelTooSmallError, PartitionError, allocate_devices, auto_partition
 from mp_partition.algorithm import hand_out_devices
 
+from ._checks import walk_consistent
 from .models import HugeEmbedding, HugeTrunk, Stack, TiedLM
 
 
@@ -66,17 +67,6 @@ def test_allocation_invariants(costs: list[float], ndev: int) -> None:
     for r in result:
         assert r and set(r) <= set(devices) and list(r) == sorted(r)
     assert result == allocate_devices(devices, costs)  # deterministic
-
-
-def walk_consistent(node: PlanNode) -> None:
-    """A subtree given a single partition lies wholly on it."""
-    if len(node.devices) == 1:
-        for d in node.walk():
-            assert d.partition == node.partition, (node.label, d.label)
-    assert node.partition == min(node.devices)
-    for child in node.children:
-        assert set(child.devices) <= set(node.devices)
-        walk_consistent(child)
 
 
 @pytest.mark.parametrize("skip", [False, True])

@@ -14,7 +14,7 @@ from transformers import GPT2Config, T5Config
 from mp_partition import ModelTooSmallError, PartitionError, auto_partition, build_hf_model, partition_hf
 from mp_partition.hf import load_hf_config
 
-from .test_algorithm import walk_consistent
+from ._checks import walk_consistent
 
 
 def t5_config() -> T5Config:

@@ -22,8 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mp_pipeline import RECORDER, EventKind, ProcessTrace, Recorder, Timeline, pipelined_backward
-from mp_pipeline.timeline import STEP_MODULE, Event, busy_segments
+from mp_pipeline import RECORDER, EventKind, Recorder, Timeline, pipelined_backward
+from mp_pipeline.timeline import STEP_MODULE, busy_segments
+from tests.mp_pipeline._loopback import run_two_ranks
+from tests.mp_pipeline._traces import two_rank_trace
 from tests.mp_pipeline.models import build
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -65,54 +67,6 @@ def no_matplotlib() -> Iterator[None]:
     finally:
         sys.meta_path.remove(finder)
         sys.modules.update(saved)
-
-
-def ev(
-    kind: EventKind, rank: int, start: int, end: int, *, mb: int = 0, thread: str = "w0", **kw: Any
-) -> Event:
-    return Event(kind, rank, thread, 1, kw.pop("module", "m"), mb, start, end, **kw)
-
-
-def two_rank_trace(offset1: int = 0) -> list[ProcessTrace]:
-    """pp=2, 2 microbatches, times in µs: rank 0 runs the step body, rank 1 serves module "h"."""
-    us = 1000
-    r0 = [
-        ev(EventKind.STEP, 0, 0, 100 * us, mb=-1, thread="MainThread", module=STEP_MODULE),
-        ev(EventKind.FWD, 0, 1 * us, 30 * us, mb=0, module=STEP_MODULE),
-        ev(EventKind.REQUEST, 0, 5 * us, 5 * us, mb=0, phase="FWD", peer=1),
-        ev(EventKind.WAIT, 0, 5 * us, 25 * us, mb=0, phase="FWD", peer=1),
-        ev(EventKind.FWD, 0, 6 * us, 20 * us, mb=1, thread="w1", module=STEP_MODULE),
-        ev(EventKind.BWD, 0, 40 * us, 90 * us, mb=0, module=STEP_MODULE),
-        ev(EventKind.WAIT, 0, 45 * us, 80 * us, mb=0, phase="BWD", peer=1),
-    ]
-    r1 = [
-        ev(EventKind.STEP, 1, 0, 100 * us, mb=-1, thread="MainThread", module=STEP_MODULE),
-        ev(EventKind.FWD, 1, 8 * us, 22 * us, mb=0),
-        ev(EventKind.BWD, 1, 50 * us, 75 * us, mb=0),
-    ]
-
-    def shifted(events: list[Event], off: int) -> tuple[Event, ...]:
-        return tuple(
-            Event(
-                e.kind,
-                e.rank,
-                e.thread,
-                e.step,
-                e.module,
-                e.microbatch,
-                e.start_ns - off,
-                e.end_ns - off,
-                e.phase,
-                e.peer,
-            )
-            for e in events
-        )
-
-    return [
-        ProcessTrace(shifted(r0, 0), clock_offset_ns=10**12, labels={0: "pp 0, dp 0"}),
-        # another process: its perf_counter reads differently, its offset makes up for it
-        ProcessTrace(shifted(r1, offset1), clock_offset_ns=10**12 + offset1, labels={1: "pp 1, dp 0"}),
-    ]
 
 
 def test_disabled_recorder_records_nothing_and_costs_a_shared_no_op() -> None:
@@ -211,7 +165,7 @@ def test_without_matplotlib_the_trace_is_written_with_one_warning(tmp_path: Path
     (tmp_path / "site" / "sitecustomize.py").write_text(NO_MATPLOTLIB)
     code = f"""
         import logging
-        from tests.mp_pipeline.test_timeline import two_rank_trace
+        from tests.mp_pipeline._traces import two_rank_trace
         from mp_pipeline import Timeline
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
         try:
@@ -256,8 +210,6 @@ def check_every_microbatch(timeline: Timeline, ranks: tuple[int, ...], microbatc
 
 
 def test_loopback_pipeline_records_every_microbatch_on_both_ranks() -> None:
-    from tests.mp_pipeline.test_runtime_loopback import run_two_ranks
-
     assignment = {"": 0, "0": 0, "1": 1, "2": 1}
 
     def make() -> nn.Module:

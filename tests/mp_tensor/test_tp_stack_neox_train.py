@@ -13,8 +13,7 @@ import pytest
 import torch
 
 import mp as smp
-from tests.integration.test_tp_model import assert_losses, global_loss
-from tests.integration.test_train_gptj_neo import (
+from tests.integration._gptj_neo import (
     LAYERS,
     PER_RANK,
     SEQ,
@@ -24,6 +23,7 @@ from tests.integration.test_train_gptj_neo import (
     _data,
     _optimizer,
 )
+from tests.integration._tp_model import assert_losses, global_loss
 
 transformers = pytest.importorskip("transformers")
 

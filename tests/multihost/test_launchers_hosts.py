@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.multihost._jobs import BIN, TRAIN, _env, _records
 from tests.multihost.hosts import SimulatedHosts
-from tests.multihost.test_mpi_hosts import BIN, TRAIN, _env, _records
 
 CONFIG = {"pipeline_parallel_degree": 2, "microbatches": 2}
 
