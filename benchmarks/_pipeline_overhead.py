@@ -281,12 +281,19 @@ def _max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None:
 
 
 def measure_overhead(
-    comm: Any, world: Any, *, calls: int, steps: int, reps: int, device: str = "cpu"
+    comm: Any,
+    world: Any,
+    *,
+    calls: int,
+    steps: int,
+    reps: int,
+    device: str = "cpu",
+    torch_variants: bool = True,
 ) -> dict[str, Any]:
     """Interleaved repetitions of every variant; per-call costs in µs (medians over repetitions of the
     paired differences). Collective over both ranks; the result is valid on rank 0."""
     rank = comm.Get_rank()
-    names = ["plain", *MP_VARIANTS, *TORCH_VARIANTS]
+    names = ["plain", *MP_VARIANTS, *(TORCH_VARIANTS if torch_variants else ())]
     step_s: dict[str, dict[str, list[float]]] = {k: {n: [] for n in names} for k in BLOCKS}
     grad_diff: dict[str, dict[str, float]] = {k: {} for k in BLOCKS}
     loads: list[float] = []
