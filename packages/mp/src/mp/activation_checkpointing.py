@@ -26,8 +26,7 @@ from torch import nn
 
 from mp.errors import CheckpointingConfigError, DistributedModelNotWrappedError, StepFunctionCalledError
 from mp.state import state
-from mp_memory import activation
-from mp_memory.errors import CheckpointArgumentError
+from mp_memory import CheckpointArgumentError, activation
 from mp_partition import is_tracing
 
 __all__ = ["checkpoint", "checkpoint_attentions", "checkpoint_sequential", "set_activation_checkpointing"]

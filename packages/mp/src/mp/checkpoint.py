@@ -35,21 +35,19 @@ from mp.errors import (
 from mp.sharded import partial_file_names
 from mp.state import state
 from mp_comm import GroupKind
-from mp_memory import checkpoint as engine
-from mp_memory.checkpoint.errors import (
+from mp_memory import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointLayoutError,
     CheckpointMissingError,
     UntrustedCheckpointError,
-)
-from mp_memory.checkpoint.reshard import (
     full_model_from_parts,
     full_optimizer_from_parts,
     merge_model_parts,
     merge_optimizer_parts,
+    read_header,
 )
-from mp_memory.checkpoint.schema import read_header
+from mp_memory import checkpoint as engine
 
 __all__ = [
     "CorruptCheckpointError",

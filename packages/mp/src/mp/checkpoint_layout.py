@@ -18,7 +18,7 @@ from typing import Any
 
 from mp.errors import IncompatibleCheckpointFoundError
 from mp.state_dicts import local_layout_check
-from mp_memory.checkpoint.schema import read_header
+from mp_memory import read_header
 from mp_tensor.registry import default_registry
 
 __all__ = ["load_merged_model", "original_names"]

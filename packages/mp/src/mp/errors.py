@@ -14,7 +14,7 @@ either smp class, or for plain ``ValueError``, catches it.
 
 from __future__ import annotations
 
-from mp_memory.checkpoint.errors import CheckpointCorruptError, UntrustedCheckpointError
+from mp_memory import CheckpointCorruptError, UntrustedCheckpointError
 
 # Raised by the packages below the facade, which cannot import mp; re-exported under smp's names so
 # `except smp.InvalidPartitionIDError` works. They subclass ValueError / RuntimeError as smp's do.

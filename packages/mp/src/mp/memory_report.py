@@ -20,7 +20,7 @@ import torch
 from mp.errors import DistributedModelNotWrappedError
 from mp.state import state
 from mp.zero import sharding_of
-from mp_memory.memory_report import ActivationTracker, MemoryReport, tensor_bytes
+from mp_memory import ActivationTracker, MemoryReport, tensor_bytes
 from mp_pipeline.context import TASK_HOOKS
 
 __all__ = ["MEMORY_REPORT_ENV", "install_memory_trace", "memory_report"]

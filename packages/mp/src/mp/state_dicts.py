@@ -24,7 +24,7 @@ import torch.distributed as dist
 from mp.errors import IncompatibleCheckpointFoundError
 from mp.state import state
 from mp_comm import GroupKind
-from mp_memory.checkpoint.schema import TPLayout
+from mp_memory import TPLayout
 from mp_tensor import gather_state_dict, load_original_state_dict
 from mp_tensor.nn.base import DistributedModule, param_spec
 from mp_tensor.replace import ORIGINAL_ATTR, Replacement
