@@ -1,4 +1,4 @@
-"""The messages module servers exchange (seed 001, Appendix B).
+"""The messages module servers exchange (docs/pipeline.md).
 
 Every message carries the :class:`StepId` it belongs to, so that a message left over from an aborted
 step is recognized and dropped, and one that arrives early (from the next step) is kept for it.
@@ -87,7 +87,7 @@ class Ref(NamedTuple):
 @pickled_by_position
 @dataclass(slots=True)
 class Request:
-    """Execute a module (forward) or run its backward, for the requesting rank (Appendix B)."""
+    """Execute a module (forward) or run its backward, for the requesting rank."""
 
     step: StepId
     request_id: int
@@ -235,7 +235,7 @@ class PostedAck:
 @pickled_by_position
 @dataclass(slots=True)
 class Handoff:
-    """Fast mode: a tensor sent straight from one module's owner to the next one's (seed 001 §4.4)."""
+    """Fast mode: a tensor sent straight from one module's owner to the next one's (fast mode)."""
 
     step: StepId
     key: tuple[str, int, int, int]

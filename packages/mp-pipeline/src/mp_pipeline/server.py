@@ -1,4 +1,4 @@
-"""The module server of one rank (seed 001 §4.2): input queue, main thread, worker threads.
+"""The module server of one rank (docs/pipeline.md): input queue, main thread, worker threads.
 
 The transport's mailbox is the input queue: requests from other ranks and responses to this rank's requests
 arrive there. The server's main thread (the thread that called the step) takes one message at a time. A

@@ -1,4 +1,4 @@
-"""Static mode (seed 001 §4.4): record each rank's messages in the first steps, then replay them compactly.
+"""Static mode (docs/pipeline.md): record each rank's messages in the first steps, then replay them compactly.
 
 With ``static_mode`` the user promises that every step executes the same flow. Each rank records, for
 its first ``record_steps`` steps, every request and response it sends, keyed by where it sits in the
@@ -54,7 +54,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_RECORD_STEPS = 5
-"""T of seed 001 §4.4: the steps recorded before replaying."""
+"""The steps recorded before replaying."""
 
 
 class Template(NamedTuple):
