@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import mp as smp
-from tests.integration.test_pipeline_equivalence import RECORD_STEPS
-from tests.integration.test_pipeline_shortcut import RELAY_OWNERS, Relay, fast_trainer, plain_sgd
+from tests.integration._fast_mode import RECORD_STEPS, RELAY_OWNERS, Relay, fast_trainer, plain_sgd
 from tests.mp_pipeline.models import first_difference
 
 
