@@ -20,12 +20,17 @@ predicted and compared with mp's measured step time and per-rank memory:
   same run's "single 1 thread" rows;
 - benchmarks/results/tensor_hf_gpt2.json (HF GPT-2 4 x 256, vocab 8192, tp=2): calibration from the same
   run's "single process, 1 thread" rows (quiet condition);
-- fresh runs of benchmarks/memory.py's workers (GPT-2 4 x 256, vocab 2048, 8 sequences per rank: dp=2,
-  shard_optimizer_state, checkpointing, pp=2, sdp=2 on 2 ranks; tp=2 x dp=2 on 4), calibrated by a
-  single-process step measured just before them.
+- fresh runs of benchmarks/memory.py's GPT-2 and configurations (4 x 256, vocab 2048, 8 sequences per
+  rank: dp=2, shard_optimizer_state, checkpointing, pp=2, sdp=2 on 2 ranks; tp=2 x dp=2 on 4) by this
+  script's own worker, calibrated by a single-process step measured before and after them. Memory per
+  rank: parameters, gradients and optimizer state, and the peak of the distinct storages that autograd's
+  saved tensors keep alive during a steady step, in every thread (mp's pipeline runs stages in worker
+  threads; saved-tensor hooks are thread-local), parameters' own storage left out (:class:`_SavedTracker`).
+  Ranks beyond the host's cores share them: the calibrated rate is scaled by cores / ranks.
 
-Run: ``python benchmarks/plan_accuracy.py [--part papers|machine|all]``; results go to
-benchmarks/results/plan_accuracy.json and .md (the part not run is kept from the JSON).
+Run: ``python benchmarks/plan_accuracy.py [--part papers|machine|predict|all]``; results go to
+benchmarks/results/plan_accuracy.json and .md (the part not run is kept from the JSON; ``predict`` runs
+the model again on the measurements the JSON keeps).
 """
 
 from __future__ import annotations
@@ -55,41 +60,52 @@ def _load() -> tuple[Any, Any, Any]:
 
 
 # ------------------------------------------------------------------------------------------- papers
-def gpt3() -> dict[str, Any]:
+def gpt3() -> list[dict[str, Any]]:
+    """The paper's layout, costed as mp runs it and as smp ran it (the DP reduction overlapped with the
+    last backward, optimizer-state sharding's gradients reduced to their owner: the paper's H.1)."""
     plan, to_dict, _ = _load()
     prof = plan.profile_model(
         "gpt2",
         seq_len=2048,
         overrides={"n_embd": 12288, "n_layer": 96, "n_head": 96, "n_positions": 2048, "vocab_size": 50257},
     )
-    res = plan.plan(
-        prof,
-        global_batch=2560,
-        cluster="a100-40gb",
-        hosts=120,
-        pp=6,
-        tp=8,
-        microbatches=64,
-        schedule="interleaved",
-        checkpointing=True,
-        offload=True,
-        shard_optimizer_state=True,
-        precision="fp16",
-    )
-    est = res.estimates[0]
-    row = to_dict(est)
-    row["parameters"] = prof.num_parameters
-    row["paper_samples_per_s"] = PAPER_GPT3
-    row["ratio"] = est.samples_per_s / PAPER_GPT3
-    row["within_30pct"] = abs(row["ratio"] - 1) <= 0.30
-    # the sustained fraction of peak that would give the paper's step time, the rest unchanged
-    t = est.time
-    other = est.step_time - t.compute
-    paper_step = 2560 / PAPER_GPT3
-    row["implied_compute_efficiency"] = (
-        res.cluster.compute_efficiency * t.compute / max(paper_step - other, 1e-9)
-    )
-    return row
+    rows = []
+    for overlap, reduce_scatter, label in ((None, False, "mp"), (True, True, "as smp")):
+        res = plan.plan(
+            prof,
+            global_batch=2560,
+            cluster="a100-40gb",
+            hosts=120,
+            pp=6,
+            tp=8,
+            microbatches=64,
+            schedule="interleaved",
+            checkpointing=True,
+            offload=True,
+            shard_optimizer_state=True,
+            precision="fp16",
+            overlap_dp=overlap,
+            zero1_reduce_scatter=reduce_scatter,
+        )
+        est = res.estimates[0]
+        row = to_dict(est)
+        row["dp_mode"] = label
+        row["parameters"] = prof.num_parameters
+        row["forward_flops_per_sample"] = prof.forward_flops
+        row["paper_samples_per_s"] = PAPER_GPT3
+        row["ratio"] = est.samples_per_s / PAPER_GPT3
+        row["within_30pct"] = abs(row["ratio"] - 1) <= 0.30
+        # the sustained fraction of peak that would give the paper's step time, the rest unchanged
+        t = est.time
+        other = est.step_time - t.compute
+        paper_step = 2560 / PAPER_GPT3
+        row["implied_compute_efficiency"] = (
+            res.cluster.compute_efficiency * t.compute / max(paper_step - other, 1e-9)
+        )
+        # the paper's rate per GPU: FLOPs per sequence with recomputation (4 forwards) x seq/s / GPUs
+        row["paper_tflops_per_gpu"] = 4 * prof.forward_flops * PAPER_GPT3 / 960 / 1e12
+        rows.append(row)
+    return rows
 
 
 def bert_roberta() -> list[dict[str, Any]]:
@@ -121,7 +137,7 @@ def bert_roberta() -> list[dict[str, Any]]:
     ]
     for name, model_type, overrides, batch in specs:
         prof = plan.profile_model(model_type, seq_len=512, overrides=overrides)
-        for overlap, label in ((None, "mp (no DP overlap under TP)"), (True, "DP overlapped (as smp)")):
+        for overlap, label in ((None, "mp"), (True, "as smp")):
             res = plan.plan(
                 prof,
                 global_batch=batch,
@@ -134,6 +150,7 @@ def bert_roberta() -> list[dict[str, Any]]:
                 shard_optimizer_state=True,
                 precision="fp16",
                 overlap_dp=overlap,
+                zero1_reduce_scatter=overlap is True,
             )
             row = to_dict(res.best)
             row.update(
@@ -346,6 +363,19 @@ def memory_model() -> Any:
     return _memory_model()
 
 
+def memory_model_tp_ops() -> Any:
+    """The same GPT-2 running the operations of mp's distributed GPT-2 layer (mp_tensor.hf.gpt2:
+    scaled_dot_product_attention, GELU as one tanh-approximated op) instead of eager attention and
+    gelu_new's separate ops."""
+    from transformers.activations import ACT2FN
+
+    net, args, kwargs = _memory_model()
+    net.config._attn_implementation = "sdpa"
+    for block in net.transformer.h:
+        block.mlp.act = ACT2FN["gelu_pytorch_tanh"]
+    return net, args, kwargs
+
+
 def _single_step_s(batch: int, steps: int = 3) -> float:
     """One process, one thread: the fastest of ``steps`` AdamW steps of memory.py's GPT-2 on ``batch``
     sequences (after one warm-up step)."""
@@ -372,74 +402,282 @@ def _single_step_s(batch: int, steps: int = 3) -> float:
         torch.set_num_threads(threads)
 
 
+class _SavedTracker:
+    """Activation memory as autograd holds it: the bytes of the distinct storages that saved tensors
+    keep alive, live over time, in every thread (saved-tensor hooks are thread-local, and mp's pipeline
+    runs a stage's modules in its worker threads), parameters' own storage left out. A storage counts
+    from the first saved tensor on it until the last one is released."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        self.refs: dict[int, list[int]] = {}  # storage pointer -> [saved tensors alive, bytes]
+        self.params: set[int] = set()
+        self.live = 0
+        self.peak = 0
+        self.on = False
+
+    def hooks(self) -> Any:
+        import weakref
+
+        import torch
+
+        tracker = self
+
+        class Packed:
+            __slots__ = ("__weakref__", "t")
+
+            def __init__(self, t: Any) -> None:
+                self.t = t
+
+        def release(ptr: int) -> None:
+            with tracker.lock:
+                ref = tracker.refs.get(ptr)
+                if ref is None:
+                    return
+                ref[0] -= 1
+                if ref[0] == 0:
+                    tracker.live -= ref[1]
+                    del tracker.refs[ptr]
+
+        def pack(t: Any) -> Any:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if not tracker.on or ptr in tracker.params or t.device.type == "meta":
+                return t
+            box = Packed(t)
+            with tracker.lock:
+                ref = tracker.refs.setdefault(ptr, [0, storage.nbytes()])
+                if ref[0] == 0:
+                    tracker.live += ref[1]
+                    tracker.peak = max(tracker.peak, tracker.live)
+                ref[0] += 1
+            weakref.finalize(box, release, ptr)
+            return box
+
+        def unpack(x: Any) -> Any:
+            return x.t if isinstance(x, Packed) else x
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def install(self) -> None:
+        """Push the hooks in the calling thread and in every thread started from now on."""
+        import threading
+
+        original = threading.Thread.run
+        tracker = self
+
+        def run(thread: threading.Thread) -> None:
+            with tracker.hooks():
+                original(thread)
+
+        threading.Thread.run = run  # type: ignore[method-assign]
+        self.hooks().__enter__()
+
+
+MEASURE_STEPS = 3
+
+
+def _worker(variant: str, out: str, steps: int) -> None:
+    """One rank of a measured run (under mpiexec): memory.py's GPT-2 and config for ``variant``, one
+    warm-up step (mp partitions and learns the pipeline's flow), one step whose activation memory is
+    tracked (:class:`_SavedTracker`), then ``steps`` timed steps."""
+    import resource
+
+    import torch
+    import torch.distributed as dist
+    from memory import SEQ, VOCAB, _gpt, _local, _tensor_bytes
+
+    import mp as smp
+
+    tracker = _SavedTracker()
+    tracker.install()
+    cfg: dict[str, Any] = {"microbatches": 1}
+    if variant == "mp_pp2":
+        cfg = {"pipeline_parallel_degree": 2, "microbatches": 2}
+    if variant == "mp_zero":
+        cfg["shard_optimizer_state"] = True
+    if variant == "mp_sdp":
+        cfg.update(sharded_data_parallel_degree=2, sdp_param_persistence_threshold=0)
+    if variant == "mp_tp2":
+        cfg["tensor_parallel_degree"] = 2
+    smp.init(cfg)
+    torch.manual_seed(0)
+    with smp.tensor_parallelism(enabled=variant == "mp_tp2"):
+        net = _gpt(4, 256)
+    model = smp.DistributedModel(net)
+    if variant == "mp_ckpt":
+        for block in net.transformer.h:
+            smp.set_activation_checkpointing(block)
+    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+    @smp.step
+    def train_step(ids: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids).loss
+        model.backward(loss)
+        return loss
+
+    g = torch.Generator().manual_seed(smp.rank())
+    batches = [torch.randint(0, VOCAB, (8, SEQ), generator=g) for _ in range(steps + 2)]
+    times = []
+    for i, ids in enumerate(batches):
+        if i == 1:  # after the warm-up: partitioned, flow learned
+            params = list(model.local_parameters())
+            tracker.params = {_local(p).untyped_storage().data_ptr() for p in params}
+            tracker.on = True
+        opt.zero_grad()
+        dist.barrier()
+        start = time.perf_counter()
+        train_step(ids)
+        opt.step()
+        dist.barrier()
+        if i == 1:
+            tracker.on = False
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    from mp.zero import sharding_of
+
+    zero = sharding_of(opt)
+    if zero is not None and zero.zero is not None:
+        state_of = zero.zero.optim  # this rank's share
+    else:
+        state_of = opt.optim if hasattr(opt, "optim") else opt
+    opt_bytes = sum(
+        _local(v).numel() * v.element_size()
+        for st in state_of.state.values()
+        for v in st.values()
+        if torch.is_tensor(v)
+    )
+    row = {
+        "variant": variant,
+        "rank": smp.rank(),
+        "pp_rank": smp.pp_rank(),
+        "param_mb": _tensor_bytes(params) / 2**20,
+        "grad_mb": _tensor_bytes([p.grad for p in params]) / 2**20,
+        "optimizer_mb": opt_bytes / 2**20,
+        "activation_peak_mb": tracker.peak / 2**20,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "step_s": times,
+    }
+    rows: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    if smp.rank() == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
+def _run_worker(variant: str, steps: int) -> list[dict[str, Any]]:
+    import subprocess
+    import tempfile
+
+    from _launch import mpiexec
+
+    exe = mpiexec()
+    assert exe is not None, "mpiexec not found; install it with `pip install mpich`"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        cmd = [exe, "-n", str(MEMORY_VARIANTS[variant][0]), sys.executable, str(Path(__file__).resolve())]
+        cmd += ["--worker", variant, "--worker-json", str(out), "--worker-steps", str(steps)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29527"}
+        subprocess.run(cmd, env=env, check=True, capture_output=True)
+        rows: list[dict[str, Any]] = json.loads(out.read_text())
+        return rows
+
+
 def memory_runs(variants: list[str], repeats: int = 2) -> list[dict[str, Any]]:
     """Each variant ``repeats`` times (its fastest run counts), between two single-process calibrations
-    (their fastest step counts): on this shared host the fastest of several runs is the least disturbed."""
-    import memory
-
-    plan, to_dict, _ = _load()
-    prof = plan.profile_model("plan_accuracy:memory_model", seq_len=128, hidden=256, device="cpu")
-    margs = argparse.Namespace(layers=4, hidden=256, batch=8, steps=3, verbose=False)
+    (their fastest step counts): on this shared host the fastest of several runs is the least disturbed.
+    Memory per rank: parameters, gradients and optimizer state after the run, and the activation peak of
+    a steady step (:class:`_SavedTracker`); the rank that needs most counts, as in the prediction."""
     calibration = [_single_step_s(8, steps=5)]
     measured: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in variants}
     for _ in range(repeats):
         for variant in variants:
-            measured[variant].append(memory._run(variant, margs))
+            measured[variant].append(_run_worker(variant, MEASURE_STEPS))
     calibration.append(_single_step_s(8, steps=5))
+    return [memory_row(variant, calibration, measured[variant]) for variant in variants]
+
+
+def _step_of(rs: list[dict[str, Any]]) -> float:
+    """A run's step time: the slowest rank's median step."""
+    return max(statistics.median(r["step_s"]) for r in rs)
+
+
+def memory_row(variant: str, calibration: list[float], runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """The prediction for ``variant`` next to its measured runs (kept in the row, so that
+    ``--part predict`` can predict again from them)."""
+    plan, to_dict, _ = _load()
+    prof = plan.profile_model("plan_accuracy:memory_model", seq_len=128, hidden=256, device="cpu")
     single = min(calibration)
     rate = _step_flops(prof, 8) / single
-    rows = []
-    for variant in variants:
-        ranks, pins, batch = MEMORY_VARIANTS[variant]
-        runs = measured[variant]
-        fastest = min(runs, key=lambda rs: max(r["seconds"] for r in rs))
-        measured_step = max(r["seconds"] for r in fastest) / margs.steps
-        clus = _cpu(rate).with_(devices_per_host=ranks)
-        kwargs = {"checkpointing": False, "shard_optimizer_state": False, "sdp": False, "offload": False}
-        kwargs.update(pins)
-        res = plan.plan(prof, global_batch=batch, cluster=clus, **kwargs)
-        est = res.estimates[0]
-        mem = est.memory
-        mb = 2**20
-        measured_mem = {
-            "parameters": max(r["param_mb"] for r in fastest),
-            "gradients": max(r["grad_mb"] for r in fastest),
-            "optimizer": max(r["optimizer_mb"] + r["master_mb"] for r in fastest),
-            "activations": max(r["saved_activation_mb"] for r in fastest),
+    ranks, pins, batch = MEMORY_VARIANTS[variant]
+    fastest = min(runs, key=_step_of)
+    measured_step = _step_of(fastest)
+    # the calibration is one rank on a core of its own; more ranks than cores share them
+    cores = os.cpu_count() or 1
+    clus = _cpu(rate * min(1.0, cores / ranks)).with_(devices_per_host=ranks)
+    kwargs = {"checkpointing": False, "shard_optimizer_state": False, "sdp": False, "offload": False}
+    kwargs.update(pins)
+    res = plan.plan(prof, global_batch=batch, cluster=clus, **kwargs)
+    est = res.estimates[0]
+    mem = est.memory
+    mb = 2**20
+    per_rank = [
+        {
+            "parameters": r["param_mb"],
+            "gradients": r["grad_mb"],
+            "optimizer": r["optimizer_mb"],
+            "activations": r["activation_peak_mb"],
         }
-        predicted_mem = {
-            "parameters": mem.parameters / mb,
-            "gradients": mem.gradients / mb,
-            "optimizer": (mem.optimizer + mem.master) / mb,
-            "activations": mem.activations / mb,
-        }
-        total_p, total_m = sum(predicted_mem.values()), sum(measured_mem.values())
-        rows.append(
-            {
-                "source": f"memory.py worker {variant} (fresh, {ranks} ranks, fastest of {len(runs)})",
-                "variant": variant,
-                "layout": est.layout.label(),
-                "calibration_step_s": single,
-                "calibration_runs_s": calibration,
-                "measured_runs_s": [max(r["seconds"] for r in rs) / margs.steps for rs in runs],
-                "predicted_step_s": est.step_time,
-                "measured_step_s": measured_step,
-                "ratio": est.step_time / measured_step,
-                "predicted_tokens_per_s": est.samples_per_s * 128,
-                "measured_tokens_per_s": min(r["tokens_per_s"] for r in fastest),
-                "predicted_memory_mb": predicted_mem,
-                "measured_memory_mb": measured_mem,
-                "memory_ratio": total_p / total_m,
-                "measured_peak_rss_mb": max(r["peak_rss_mb"] for r in fastest),
-                "predicted": to_dict(est),
-            }
+        for r in fastest
+    ]
+    measured_mem = max(per_rank, key=lambda d: sum(d.values()))  # the rank that needs most
+    predicted_mem = {
+        "parameters": mem.parameters / mb,
+        "gradients": mem.gradients / mb,
+        "optimizer": (mem.optimizer + mem.master) / mb,
+        "activations": mem.activations / mb,
+    }
+    tp_ops_act = None
+    if est.layout.tp > 1:  # mp runs its distributed layer in place of GPT2Block: profile what it runs
+        prof_tp = plan.profile_model(
+            "plan_accuracy:memory_model_tp_ops", seq_len=128, hidden=256, device="cpu"
         )
-        print(
-            f"{variant}: predicted {est.step_time:.3f} s, measured {measured_step:.3f} s; memory "
-            f"{total_p:.1f} vs {total_m:.1f} MB",
-            flush=True,
-        )
-    return rows
+        est_tp = plan.plan(prof_tp, global_batch=batch, cluster=clus, **kwargs).estimates[0]
+        tp_ops_act = est_tp.memory.activations / mb
+    recompute = 0.0
+    if est.layout.checkpointing:  # the one layer recomputed in backward: its tensors are saved under
+        # torch.utils.checkpoint's own hooks, which the tracker's do not see
+        stage = plan.split_stages(prof, est.layout.pp)[est.memory.stage]
+        recompute = stage.max_block_activation_bytes * est.microbatch_size / est.layout.tp / mb
+    total_p, total_m = sum(predicted_mem.values()), sum(measured_mem.values())
+    print(
+        f"{variant}: predicted {est.step_time:.3f} s, measured {measured_step:.3f} s; memory "
+        f"{total_p:.1f} vs {total_m:.1f} MB",
+        flush=True,
+    )
+    return {
+        "source": f"fresh run {variant} ({ranks} ranks, fastest of {len(runs)})",
+        "variant": variant,
+        "layout": est.layout.label(),
+        "calibration_step_s": single,
+        "calibration_runs_s": calibration,
+        "measured_runs_s": [_step_of(rs) for rs in runs],
+        "runs": runs,
+        "predicted_step_s": est.step_time,
+        "measured_step_s": measured_step,
+        "ratio": est.step_time / measured_step,
+        "predicted_tokens_per_s": est.samples_per_s * 128,
+        "predicted_memory_mb": predicted_mem,
+        "measured_memory_mb": measured_mem,
+        "measured_memory_per_rank_mb": per_rank,
+        "memory_ratio": total_p / total_m,
+        "predicted_recomputed_layer_mb": recompute,
+        "predicted_activations_tp_layer_ops_mb": tp_ops_act,
+        "ranks_per_core": ranks / cores,
+        "measured_peak_rss_mb": max(r["peak_rss_mb"] for r in fastest),
+        "predicted": to_dict(est),
+    }
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -451,18 +689,26 @@ def markdown(data: dict[str, Any]) -> str:
     out = ["# mp-plan: predicted against measured (benchmarks/plan_accuracy.py)", ""]
     papers = data.get("papers")
     if papers:
-        g = papers["gpt3"]
+        gs = papers["gpt3"]
         out += [
             "## The smp paper's clusters (models on the meta device; cluster preset a100-40gb)",
             "",
+            "mp: costed as mp runs the layout (no DP overlap under TP; shard_optimizer_state as torch's "
+            "ZeroRedundancyOptimizer: all-reduce, then the parameters' broadcast). as smp: the DP reduction "
+            "overlapped with the last backward and each gradient reduced to the rank that steps it (the smp "
+            "paper's Appendix H.1), then the broadcast.",
+            "",
             "| run (source) | layout | predicted | paper | gap | fits (GB per device) | bottleneck |",
             "|---|---|---:|---:|---:|---|---|",
-            f"| GPT-3 175B, 120 x 8 A100 40GB (smp paper §7.2) | {g['layout']} | "
-            f"{g['samples_per_s']:.1f} seq/s "
-            f"| {PAPER_GPT3} seq/s | {_pct(g['ratio'])} | {'yes' if g['fits'] else 'NO'} "
-            f"({g['memory_bytes']['total'] / 1e9:.1f} of {g['memory_bytes']['device'] / 1e9:.1f}) | "
-            f"{g['bottleneck']} |",
         ]
+        for g in gs:
+            out.append(
+                f"| GPT-3 175B, 120 x 8 A100 40GB, {g['dp_mode']} (smp paper §7.2) | {g['layout']} | "
+                f"{g['samples_per_s']:.1f} seq/s "
+                f"| {PAPER_GPT3} seq/s | {_pct(g['ratio'])} | {'yes' if g['fits'] else 'NO'} "
+                f"({g['memory_bytes']['total'] / 1e9:.1f} of {g['memory_bytes']['device'] / 1e9:.1f}) | "
+                f"{g['bottleneck']} |"
+            )
         for r in papers["bert"]:
             out.append(
                 f"| {r['model']} 10B, 16 x 8 A100, {r['dp_mode']} (Tables 1-2) | {r['layout']} | "
@@ -470,14 +716,23 @@ def markdown(data: dict[str, Any]) -> str:
                 f"{_pct(r['samples_per_s'] / r['paper_samples_per_s'])} | {'yes' if r['fits'] else 'NO'} "
                 f"({r['memory_bytes']['total'] / 1e9:.1f}) | {r['bottleneck']} |"
             )
-        t = g["time_s"]
+        out.append("")
+        for g in gs:
+            t = g["time_s"]
+            out.append(
+                f"GPT-3 step ({g['dp_mode']}) {g['step_time_s']:.1f} s: compute {t['compute']:.1f}, TP "
+                f"{t['tp_comm']:.1f}, p2p {t['p2p']:.1f}, bubble {t['bubble']:.1f}, DP {t['dp_comm']:.1f} s; "
+                f"the paper's 26.5 seq/s would need a sustained {g['implied_compute_efficiency']:.2f} of "
+                "peak (the preset assumes 0.5)."
+            )
+        g = gs[0]
         out += [
             "",
-            f"GPT-3 step {g['step_time_s']:.1f} s: compute {t['compute']:.1f}, TP {t['tp_comm']:.1f}, p2p "
-            f"{t['p2p']:.1f}, bubble {t['bubble']:.1f}, DP {t['dp_comm']:.1f} s; offloaded "
-            f"{g['offload_bytes_per_step'] / 1e9:.0f} GB per step per device (taken as overlapped). "
-            f"The paper's 26.5 seq/s would need a sustained {g['implied_compute_efficiency']:.2f} of peak "
-            "(the preset assumes 0.5).",
+            f"Offloaded {g['offload_bytes_per_step'] / 1e9:.0f} GB per step per device (as overlapped). "
+            f"The paper's rate per GPU: {g['paper_tflops_per_gpu']:.0f} TFLOP/s "
+            f"({g['paper_tflops_per_gpu'] / 312:.0%} of the A100's 312), counting "
+            f"{g['forward_flops_per_sample'] / 1e12:.0f} TFLOP per sequence forward, four forwards with "
+            "recomputation.",
             "",
         ]
         orders = {}
@@ -512,7 +767,12 @@ def markdown(data: dict[str, Any]) -> str:
         out += [
             "## This machine (2 cores; compute rate from a 1-process 1-thread step of the same model)",
             "",
-            f"Host load average at the start {machine['load'][0]:.1f}, at the end {machine['load'][1]:.1f}.",
+            "Host 1-minute load average at the start and end of each run: "
+            + ", ".join(
+                f"{a:.1f} to {b:.1f}"
+                for a, b in zip(machine["load"][::2], machine["load"][1::2], strict=True)
+            )
+            + ".",
             "",
             "| source | layout | calibration s | predicted s | measured s | gap "
             "| memory predicted / measured MB |",
@@ -526,6 +786,17 @@ def markdown(data: dict[str, Any]) -> str:
                     f"{sum(p.values()):.1f} / {sum(m.values()):.1f} ({_pct(r['memory_ratio'])}); act "
                     f"{p['activations']:.1f} / {m['activations']:.1f}"
                 )
+                if r.get("predicted_activations_tp_layer_ops_mb"):
+                    mem += (
+                        f"; with the TP layer's operations profiled: act "
+                        f"{r['predicted_activations_tp_layer_ops_mb']:.1f} / {m['activations']:.1f}"
+                    )
+                if r.get("predicted_recomputed_layer_mb"):
+                    rec = r["predicted_recomputed_layer_mb"]
+                    mem += (
+                        f"; without the recomputed layer ({rec:.1f}, unseen by the hooks) "
+                        f"{p['activations'] - rec:.1f} / {m['activations']:.1f}"
+                    )
             out.append(
                 f"| {r['source']} | {r['layout']} | {r['calibration_step_s']:.3f} | "
                 f"{r['predicted_step_s']:.3f} | "
@@ -535,7 +806,7 @@ def markdown(data: dict[str, Any]) -> str:
         if ranked:
             out += [
                 "",
-                "Among the 2-rank memory.py layouts (tokens trained per second): measured order "
+                "Among the 2-rank layouts (tokens trained per second): measured order "
                 f"{', '.join(ranked['measured_order'])}; "
                 f"predicted order: {', '.join(ranked['predicted_order'])}; in the predicted top 2: "
                 f"{'yes' if ranked['in_top2'] else 'NO'}.",
@@ -566,9 +837,18 @@ def _ranking(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("papers", "machine", "all"), default="all")
-    parser.add_argument("--variants", default=",".join(MEMORY_VARIANTS), help="memory.py variants to run")
+    parser.add_argument("--part", choices=("papers", "machine", "predict", "all"), default="all")
+    parser.add_argument("--variants", default=",".join(MEMORY_VARIANTS), help="measured variants to run")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="runs per measured variant (the fastest counts)"
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-json", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-steps", type=int, default=MEASURE_STEPS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        _worker(args.worker, args.worker_json, args.worker_steps)
+        return
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     path = RESULTS / "plan_accuracy.json"
     data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
@@ -583,9 +863,22 @@ def main() -> None:
     if args.part in ("machine", "all"):
         load0 = os.getloadavg()[0]
         rows = pipeline_users() + tensor_hf_gpt2()
-        mem_rows = memory_runs([v for v in args.variants.split(",") if v])
+        chosen = [v for v in args.variants.split(",") if v]
+        mem_rows = memory_runs(chosen, repeats=args.repeats)
+        load = [load0, os.getloadavg()[0]]
+        if set(chosen) != set(MEMORY_VARIANTS) and data.get("machine"):  # keep the other variants' rows
+            kept = [r for r in data["machine"]["rows"] if r.get("variant") and r["variant"] not in chosen]
+            mem_rows = sorted(kept + mem_rows, key=lambda r: list(MEMORY_VARIANTS).index(r["variant"]))
+            load = data["machine"]["load"] + load
         rows += mem_rows
-        data["machine"] = {"rows": rows, "load": [load0, os.getloadavg()[0]]}
+        data["machine"] = {"rows": rows, "load": load}
+    if args.part == "predict":  # the model again, on the measurements kept in the JSON
+        kept = data["machine"]
+        rows = pipeline_users() + tensor_hf_gpt2()
+        rows += [
+            memory_row(r["variant"], r["calibration_runs_s"], r["runs"]) for r in kept["rows"] if "runs" in r
+        ]
+        kept["rows"] = rows
     if data.get("machine"):
         data["machine"]["ranking"] = _ranking(data["machine"]["rows"])
     path.write_text(json.dumps(data, indent=1, default=str))
