@@ -105,7 +105,7 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Every benchmark in benchmarks/ (not part of the test suite); results go to benchmarks/results/."""
     _install_all(session)
-    session.run("python", str(ROOT / "benchmarks" / "run.py"), *session.posargs)
+    session.run("python", "-m", "benchmarks.run", *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _pipeline_runners import idle_barrier, stage_cuda_p2p_through_host
 from torch import nn
+
+from benchmarks._launch import idle_barrier, stage_cuda_p2p_through_host
 
 __all__ = ["BLOCKS", "PLACEMENTS", "Chain", "measure_overhead"]
 

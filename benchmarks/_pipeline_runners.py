@@ -13,13 +13,14 @@ import contextlib
 import resource
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from _launch import on_all_cores
-from _pipeline_gpt import GPT, BackStage, GPTConfig, StageProbe
+
+from benchmarks._launch import on_all_cores
+from benchmarks._pipeline_gpt import GPT, BackStage, GPTConfig, StageProbe
 
 __all__ = [
     "ACTIVE_PLUS3",
@@ -32,11 +33,9 @@ __all__ = [
     "SingleRunner",
     "Spec",
     "TorchRunner",
-    "idle_barrier",
     "make_runner",
     "make_specs",
     "mp_schedules",
-    "stage_cuda_p2p_through_host",
 ]
 
 STAGES = 2
@@ -105,77 +104,6 @@ class Runner(Protocol):
 
 
 _TICK = 0.01  # /proc clock ticks (USER_HZ is 100 on Linux)
-
-
-def idle_barrier(comm: Any, nap: float = 1e-3) -> None:
-    """A barrier that sleeps while it waits (MPI's blocking barrier spins and would steal a core from the
-    other rank, which on 2 cores is the one still computing)."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(nap)
-
-
-class _Landing:
-    """A receive into host memory whose wait copies the message into its CUDA tensor."""
-
-    def __init__(self, work: Any, device_tensor: torch.Tensor, host: torch.Tensor) -> None:
-        self.work, self.device_tensor, self.host = work, device_tensor, host
-        self.landed = False
-
-    def wait(self, *args: Any, **kwargs: Any) -> bool:
-        self.work.wait(*args, **kwargs)
-        if not self.landed:
-            with torch.no_grad():  # torch's receive buffers are leaves that require grad
-                self.device_tensor.copy_(self.host)
-            self.landed = True
-        return True
-
-    def is_completed(self) -> bool:
-        return self.landed
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.work, name)
-
-
-def stage_cuda_p2p_through_host(should_stage: Callable[[torch.Tensor], bool] | None = None) -> None:
-    """Make torch.distributed's point-to-point calls (``isend``, ``irecv``, ``send``, ``recv``, and so
-    ``batch_isend_irecv``, all that torch.distributed.pipelining sends with) carry CUDA tensors through
-    host memory when the default group is gloo (ranks sharing a GPU: NCCL refuses them, and gloo's
-    point-to-point takes host memory), as mp's MPI route carries the same tensors. CPU tensors pass
-    unchanged. Call it before building the stages (their P2POps keep the functions they were given);
-    idempotent. ``should_stage`` (default: ``Tensor.is_cuda``) is for checking the wiring on a CPU host."""
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    if getattr(dist.isend, "_staged", False) or dist.get_backend() != "gloo":
-        return
-    staged = should_stage or (lambda t: t.is_cuda)
-    isend, irecv, send, recv = c10d.isend, c10d.irecv, c10d.send, c10d.recv
-
-    def host_isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return isend(tensor.detach().to("cpu", copy=True) if staged(tensor) else tensor, *args, **kwargs)
-
-    def host_irecv(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if not staged(tensor):
-            return irecv(tensor, *args, **kwargs)
-        host = torch.empty(tensor.shape, dtype=tensor.dtype)
-        return _Landing(irecv(host, *args, **kwargs), tensor, host)
-
-    def host_send(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return send(tensor.detach().to("cpu", copy=True) if staged(tensor) else tensor, *args, **kwargs)
-
-    def host_recv(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if not staged(tensor):
-            return recv(tensor, *args, **kwargs)
-        host = torch.empty(tensor.shape, dtype=tensor.dtype)
-        sender = recv(host, *args, **kwargs)
-        tensor.copy_(host)
-        return sender
-
-    for name, fn in (("isend", host_isend), ("irecv", host_irecv), ("send", host_send), ("recv", host_recv)):
-        fn._staged = True  # type: ignore[attr-defined]
-        setattr(c10d, name, fn)  # what P2POp and batch_isend_irecv check and call
-        setattr(dist, name, fn)  # what torch.distributed.pipelining looks up
 
 
 def _thread_cpu(native_id: int) -> float:

@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _launch import on_all_cores  # this script's folder is first on sys.path
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -55,6 +54,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.pytorch_utils import Conv1D
 
 import mp as smp
+from benchmarks._launch import on_all_cores
 from mp.nn.huggingface.gpt2 import translate_state_dict_to_hf_gpt2
 from mp_tensor.nn import param_spec
 

@@ -27,13 +27,11 @@ blocked time and their shares of the step; per mesh: predicted against measured 
 the error; and whether the selected mesh is slower than the 1-D layouts (a sign test over the rounds),
 with the calibration repeated to show how stable the selection is.
 
-    python benchmarks/atp_meshes.py [--hidden 256 --heads 8 --batch 8 --seq 256 --reps 11 --steps 3]
+    python -m benchmarks.atp_meshes [--hidden 256 --heads 8 --batch 8 --seq 256 --reps 11 --steps 3]
 
-starts itself under ``mpiexec -n 4`` (or run it as ``mpiexec -n 4 python benchmarks/atp_meshes.py``).
+starts itself under ``mpiexec -n 4`` (or run it as ``mpiexec -n 4 python -m benchmarks.atp_meshes``).
 Writes ``benchmarks/results/atp_meshes.json`` and ``.md`` (rank 0).
 """
-
-from __future__ import annotations
 
 import argparse
 import copy
@@ -49,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _launch import relaunch, under_mpi
+from benchmarks._launch import relaunch, under_mpi
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = 4
@@ -69,9 +67,7 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
     parallelize_module,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _atp_comm import CATEGORIES, LINEAR, CommProbe, Replay  # noqa: E402
-
+from benchmarks._atp_comm import CATEGORIES, LINEAR, CommProbe, Replay  # noqa: E402
 from mp_comm.world import init_world  # noqa: E402
 from mp_tensor.atp import (  # noqa: E402
     ATPTransformerLayer,

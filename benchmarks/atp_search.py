@@ -7,7 +7,7 @@ estimated communication time and the ratio to ``DeviceMesh(N, 1)`` (= Megatron-L
 the communication time, in units of ``Delta = 2 L b s h / GroupBW``, of ATP-1, -2, -4 and of the best
 mesh on a one-layer (NVLink-Network switch) topology as the number of devices grows. Pure computation.
 
-    python benchmarks/atp_search.py
+    python -m benchmarks.atp_search
 
 Writes ``benchmarks/results/atp_search.json``, ``.md`` and ``atp_search_fig12.png``.
 """

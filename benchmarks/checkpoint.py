@@ -24,7 +24,7 @@ barrier; throughput is the bytes of both ranks' tensors over that time, median o
 Files go to ``--dir`` (default: a temporary folder on the same disk as /tmp) and are removed after each
 repetition, so reads after writes come from the page cache for all three alike.
 
-Run: ``python benchmarks/checkpoint.py`` (starts itself under ``mpiexec -n 2``); ``--quick`` for a smoke
+Run: ``python -m benchmarks.checkpoint`` (starts itself under ``mpiexec -n 2``); ``--quick`` for a smoke
 run. Results go to benchmarks/results/checkpoint.json and .md.
 """
 
@@ -43,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _launch import relaunch, under_mpi
+from benchmarks._launch import relaunch, under_mpi
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

@@ -19,8 +19,8 @@ Each cell is the median over repetitions of the mean time of a batch of calls; r
 a repetition (the variants ran seconds apart), median over repetitions. Results go to
 benchmarks/results/comm_collectives.json and .md.
 
-Run: ``python benchmarks/comm_collectives.py`` (starts itself under ``mpiexec -n 2`` and ``-n 4``), or
-``mpiexec -n N python benchmarks/comm_collectives.py`` for one world size. Options: ``--quick`` (fewer
+Run: ``python -m benchmarks.comm_collectives`` (starts itself under ``mpiexec -n 2`` and ``-n 4``), or
+``mpiexec -n N python -m benchmarks.comm_collectives`` for one world size. Options: ``--quick`` (fewer
 sizes and repetitions), ``--reps N``, ``--ranks 2,4``.
 """
 
@@ -39,8 +39,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _launch import mpiexec as find_mpiexec
-from _launch import rotated, sweep_parser, under_mpi
+from benchmarks._launch import mpiexec as find_mpiexec
+from benchmarks._launch import python_command, root_env, rotated, sweep_parser, under_mpi
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -85,13 +85,13 @@ def _launch(args: argparse.Namespace) -> int:
     if mpiexec is None:
         print("mpiexec not found; install it with `pip install mpich`", file=sys.stderr)
         return 2
-    env = dict(os.environ)
+    env = root_env()
     env.setdefault("OMP_NUM_THREADS", "1")
     parts = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(r) for r in args.ranks.split(",")):
             out = Path(tmp) / f"part{n}.json"
-            cmd = [mpiexec, "-n", str(n), sys.executable, str(Path(__file__).resolve()), "--part", str(out)]
+            cmd = [mpiexec, "-n", str(n), *python_command(__file__), "--part", str(out)]
             if args.quick:
                 cmd.append("--quick")
             if args.reps:

@@ -45,8 +45,8 @@ Targets (the issue's): at >= 1 MB, mp-mpi's bandwidth >= 0.9x the better raw pat
 reported for both measurements (ping-pong bandwidth = size / one-way time); object layer < 50 us per
 message for a small tensor. The report says whether each is met.
 
-Run: ``python benchmarks/comm_p2p.py`` (starts itself under ``mpiexec -n 2``), or
-``mpiexec -n 2 python benchmarks/comm_p2p.py``. Options: ``--quick`` (fewer sizes and repetitions),
+Run: ``python -m benchmarks.comm_p2p`` (starts itself under ``mpiexec -n 2``), or
+``mpiexec -n 2 python -m benchmarks.comm_p2p``. Options: ``--quick`` (fewer sizes and repetitions),
 ``--reps N``.
 """
 
@@ -63,7 +63,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _launch import relaunch, rotated, sweep_parser, under_mpi
+from benchmarks._launch import relaunch, rotated, sweep_parser, under_mpi
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -460,7 +460,7 @@ def _report(
         "",
         f"Median of {reps} interleaved repetitions; GB/s = size / one-way time; (x) = bandwidth ratio to "
         "mpi4py (the bound), paired within each repetition, median over repetitions. The host is shared "
-        "and noisy: compare ratios, not absolute numbers. `python benchmarks/comm_p2p.py` regenerates "
+        "and noisy: compare ratios, not absolute numbers. `python -m benchmarks.comm_p2p` regenerates "
         "this file.",
         "",
         f"Host: {os.cpu_count()} CPUs, 1-minute load average {load[0]:.1f} at the start and {load[1]:.1f} at "

@@ -11,7 +11,7 @@ Needs a GPU (two ranks on one GPU use CUDA IPC on that device). Ping-pong of one
 Each cell is the median over repetitions of the mean one-way time; the router's own choice for CUDA
 tensors is printed beside. Results go to benchmarks/results/comm_p2p_cuda.json and .md.
 
-Run: ``python benchmarks/comm_p2p_cuda.py`` (starts itself under ``mpiexec -n 2``).
+Run: ``python -m benchmarks.comm_p2p_cuda`` (starts itself under ``mpiexec -n 2``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from _launch import relaunch, under_mpi
+from benchmarks._launch import relaunch, under_mpi
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"

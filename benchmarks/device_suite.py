@@ -19,8 +19,8 @@ After each part the suite rewrites ``device_suite.json`` (every part's raw resul
 ``device_suite.md`` (the tables) in ``--out``, so whatever finished is kept. The GPU parts are skipped
 with a message where torch sees no CUDA device.
 
-    python benchmarks/device_suite.py --out DIR [--budget 400]   # on the device (device_suite.sh)
-    python benchmarks/device_suite.py --smoke --out DIR           # every part at tiny sizes (pp=2)
+    python -m benchmarks.device_suite --out DIR [--budget 400]   # on the device (device_suite.sh)
+    python -m benchmarks.device_suite --smoke --out DIR           # every part at tiny sizes (pp=2)
 
 ``--out benchmarks/results`` writes the tables beside the other benchmarks' results.
 """
@@ -64,7 +64,7 @@ class Part:
 
 
 def _pipeline_cmd(work: Path, name: str, *args: str) -> list[str]:
-    return [sys.executable, str(HERE / "pipeline_users.py"), "--out", str(work / name), *args]
+    return [sys.executable, "-m", "benchmarks.pipeline_users", "--out", str(work / name), *args]
 
 
 def make_parts(args: argparse.Namespace, work: Path) -> list[Part]:
@@ -104,7 +104,8 @@ def make_parts(args: argparse.Namespace, work: Path) -> list[Part]:
             "per-call overhead, CUDA and CPU tensors",
             [
                 sys.executable,
-                str(Path(__file__).resolve()),
+                "-m",
+                "benchmarks.device_suite",
                 "--overhead-json",
                 str(work / "overhead.json"),
                 *("--calls", "4" if smoke else "32"),
@@ -361,10 +362,9 @@ def suite_main(args: argparse.Namespace) -> int:
 def overhead_main(args: argparse.Namespace) -> None:
     """Under mpiexec (2 ranks): the per-call overhead on CUDA tensors (when there is a GPU), then on CPU
     tensors; rank 0 rewrites ``--overhead-json`` after each."""
-    sys.path.insert(0, str(HERE))
     import torch
-    from _pipeline_overhead import measure_overhead
 
+    from benchmarks._pipeline_overhead import measure_overhead
     from mp_comm.world import init_world
 
     world = init_world()
@@ -410,8 +410,7 @@ def main() -> None:
     parser.add_argument("--overhead-steps", type=int, default=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.overhead_json is not None:  # the overhead part, run by the suite
-        sys.path.insert(0, str(HERE))
-        from _launch import relaunch, under_mpi
+        from benchmarks._launch import relaunch, under_mpi
 
         if not under_mpi():
             sys.exit(relaunch(__file__, 2))

@@ -37,4 +37,4 @@ export PYTHONUNBUFFERED=1
 echo "device suite: $($py --version), $(command -v mpiexec), $(nproc) CPUs"
 $py -c "import torch, mpi4py; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'mpi4py', mpi4py.__version__, mpi4py.__file__)"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
-exec $py benchmarks/device_suite.py --out "$out" "$@"
+exec $py -m benchmarks.device_suite --out "$out" "$@"

@@ -13,7 +13,7 @@ steps after 2 warm-up steps; the ratio is paired within a repetition, median ove
 scale, the steps that do not reduce at all (``backward_passes_per_step=2``: every other step only
 accumulates).
 
-Run: ``python benchmarks/dp_overlap.py`` (starts itself under ``mpiexec -n 2``); ``--quick`` for a
+Run: ``python -m benchmarks.dp_overlap`` (starts itself under ``mpiexec -n 2``); ``--quick`` for a
 smoke run. Results go to benchmarks/results/dp_overlap.json and .md.
 """
 
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _launch import relaunch, under_mpi
+from benchmarks._launch import relaunch, under_mpi
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

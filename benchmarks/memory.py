@@ -25,7 +25,7 @@ optimizer state after training, and the bytes autograd saved for backward in one
 (saved-tensor hooks); throughput in tokens per second over the timed steps (the slowest rank's time).
 The variants run in rotating order, ``--repeats`` times; the table gives medians.
 
-Run: ``python benchmarks/memory.py`` (``--quick`` for a smoke run). Results go to
+Run: ``python -m benchmarks.memory`` (``--quick`` for a smoke run). Results go to
 benchmarks/results/memory.json and .md.
 """
 
@@ -38,13 +38,12 @@ import platform
 import resource
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from _launch import mpiexec, under_mpi
+from benchmarks._launch import mpiexec, python_command, root_env, under_mpi
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -263,8 +262,7 @@ def _run(variant: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             exe,
             "-n",
             str(RANKS.get(variant, 2)),
-            sys.executable,
-            str(Path(__file__).resolve()),
+            *python_command(__file__),
             "--worker",
             variant,
             "--json",
@@ -272,7 +270,7 @@ def _run(variant: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         ]
         cmd += ["--layers", str(args.layers), "--hidden", str(args.hidden), "--batch", str(args.batch)]
         cmd += ["--steps", str(args.steps)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}
+        env = {**root_env(), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}
         subprocess.run(cmd, env=env, check=True, capture_output=not args.verbose)
         rows: list[dict[str, Any]] = json.loads(out.read_text())
         return rows

@@ -16,7 +16,7 @@ the device columns show what would leave a GPU, the RSS and time show the copies
 Python call per saved tensor to every variant alike (``--no-trace`` times without it, and reports no
 activation bytes). Variants run in rotating order ``--repeats`` times; the table gives medians.
 
-Run: ``python benchmarks/memory_offload.py`` (``--quick`` for a smoke run; on a GPU host each rank takes
+Run: ``python -m benchmarks.memory_offload`` (``--quick`` for a smoke run; on a GPU host each rank takes
 the GPU of its local rank, or shares one with MP_SHARE_GPUS=1). Results: benchmarks/results/
 memory_offload.json and .md (``--name`` another name, e.g. memory_offload_cuda for a GPU run).
 """
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import resource
 import statistics
@@ -36,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _launch import mpiexec, under_mpi
+from benchmarks._launch import mpiexec, python_command, root_env, under_mpi
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -132,12 +131,12 @@ def _run(variant: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     assert exe is not None, "mpiexec not found; install it with `pip install mpich`"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        cmd = [exe, "-n", "2", sys.executable, str(Path(__file__).resolve()), "--worker", variant]
+        cmd = [exe, "-n", "2", *python_command(__file__), "--worker", variant]
         cmd += ["--json", str(out), "--layers", str(args.layers), "--hidden", str(args.hidden)]
         cmd += ["--seq", str(args.seq), "--batch", str(args.batch), "--microbatches", str(args.microbatches)]
         cmd += ["--horizon", str(args.horizon), "--steps", str(args.steps)]
         cmd += ["--no-trace"] if args.no_trace else []
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**root_env(), "OMP_NUM_THREADS": "1"}
         subprocess.run(cmd, env=env, check=True, capture_output=not args.verbose)
         rows: list[dict[str, Any]] = json.loads(out.read_text())
         return rows

@@ -15,7 +15,7 @@ partition cost over the mean (1.0 = perfect balance) for
 All three use the same trace and the same costs (equation 1 with the same α). Writes
 ``benchmarks/results/partition_balance.json`` and ``.md``.
 
-    python benchmarks/partition_balance.py [--models gpt2-xl,t5-11b] [--pp 2,4,8] [--alphas 0.8,0.2]
+    python -m benchmarks.partition_balance [--models gpt2-xl,t5-11b] [--pp 2,4,8] [--alphas 0.8,0.2]
 """
 
 from __future__ import annotations

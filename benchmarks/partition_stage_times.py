@@ -1,12 +1,12 @@
 """Predicted against measured stage times of mp's default auto-partition (pp = 2, 2 ranks, CPU).
 
-For the looped GPT and HF GPT-2 of benchmarks/_pipeline_users_models.py, wrapped as users write them
+For the looped GPT and HF GPT-2 of benchmarks/models.py, wrapped as users write them
 under the default config (``memory_weight`` unset: time balanced), this runs ``--steps`` steps at
 ``m`` microbatches while the pipeline timeline records, then prints the plan report: each stage's
 forward + backward milliseconds per microbatch as the partitioner predicted them from the timed step
 (with the remote-call overhead) and as the timeline measured them (busy time, waits cut out).
 
-    python benchmarks/partition_stage_times.py [--models gpt gpt2] [--microbatches 8] [--steps 3] [--ab 3]
+    python -m benchmarks.partition_stage_times [--models gpt gpt2] [--microbatches 8] [--steps 3] [--ab 3]
 
 ``--ab N`` adds N interleaved rounds of the default plan against the plan mp computed before time
 balancing (memory_weight 0.8, module calls, the seed's algorithm; loaded from a partition_file).
@@ -28,9 +28,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _launch import relaunch, under_mpi
-from _pipeline_users_models import make_case
+from benchmarks._launch import relaunch, under_mpi
+from benchmarks.models import make_case
 
 RANKS = 2
 

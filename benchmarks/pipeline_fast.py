@@ -16,7 +16,7 @@ bytes the pipeline's messages moved per step (all ranks, measured by the module 
 by reference and handed off per step, and the losses of both variants (they must agree: fast mode
 changes where a tensor comes from, not its value).
 
-Run: ``python benchmarks/pipeline_fast.py`` (starts itself under ``mpiexec -n 2``); ``--quick`` for a
+Run: ``python -m benchmarks.pipeline_fast`` (starts itself under ``mpiexec -n 2``); ``--quick`` for a
 smoke run. Results go to benchmarks/results/pipeline_fast.json and .md. ``--pp 4`` runs the same on 4
 ranks (pp=4; the blocks spread over ranks 1-3 as well, so hidden states also go from rank to rank
 without passing rank 0), into pipeline_fast_pp4.json and .md; with 4 ranks on 2 cores its times say
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _launch import relaunch, under_mpi
+from benchmarks._launch import relaunch, under_mpi
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -214,7 +214,7 @@ def _report(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], ela
         f"{args.reps} repetitions x {args.steps} replayed steps per variant (after {RECORD_STEPS} "
         "recorded, and fast mode's learning step); "
         f"host: {os.cpu_count()} CPUs, 1-minute load {payload['host']['load_1min']:.1f} at the end. "
-        f"`python benchmarks/pipeline_fast.py{command}` regenerates this file.",
+        f"`python -m benchmarks.pipeline_fast{command}` regenerates this file.",
         "",
         "| mode | ms/step | samples/s | tensor MiB moved per step | by reference | handed off |",
         "|---|---:|---:|---:|---:|---:|",

@@ -8,7 +8,7 @@ outputs handed child to child in the last two): 3 optimizer steps, then the loss
 are compared with plain single-process PyTorch running the same microbatches (fp32, rtol 1e-5, atol
 1e-6). Also times a step (median of steps 2-3) against the plain PyTorch step on the same data.
 
-    python benchmarks/pipeline_grid.py            # starts mpiexec -n 2 and -n 4 itself
+    python -m benchmarks.pipeline_grid            # starts mpiexec -n 2 and -n 4 itself
 Writes benchmarks/results/pipeline_grid.{json,md}.
 """
 
@@ -168,7 +168,16 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     for ranks in (2, 4):
         mpiexec = Path(sys.executable).with_name("mpiexec")
-        cmd = [str(mpiexec), "-n", str(ranks), sys.executable, __file__, "--worker", str(ranks)]
+        cmd = [
+            str(mpiexec),
+            "-n",
+            str(ranks),
+            sys.executable,
+            "-m",
+            "benchmarks.pipeline_grid",
+            "--worker",
+            str(ranks),
+        ]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
         found = [line for line in proc.stdout.splitlines() if line.startswith("GRID-JSON ")]
         if proc.returncode != 0 or not found:

@@ -1,6 +1,6 @@
 """mp's pipeline on models as users write them, against torch.distributed.pipelining and one process.
 
-Four unmodified models (benchmarks/_pipeline_users_models.py): (a) a GPT whose ``forward`` loops over its
+Four unmodified models (benchmarks/models.py): (a) a GPT whose ``forward`` loops over its
 8 blocks (hidden 256, seq 128, vocab 1000, batch 16), (b) HF ``GPT2LMHeadModel`` (8 layers, n_embd 256,
 vocab 1000), (c) HF ``T5ForConditionalGeneration`` (4 + 4 layers, d_model 256) and (d) a ResNet-style CNN
 whose ``forward`` loops over its stages (ResNet-18's layout on 32x32 images, BatchNorm, batch 16). The
@@ -36,9 +36,9 @@ compute with its waits cut out; torch's from its stages' forward, loss and backw
 efficiency against the bubble bound, as in pipeline_vs_torch.py: ``T1 / p * (m + p - 1) / m`` over the
 measured step, ``T1`` the ``single acc`` step of the same round.
 
-    python benchmarks/pipeline_users.py [--models gpt cnn] [--microbatches 4 8] [--rounds 5] [--steps 2]
-    python benchmarks/pipeline_users.py --smoke      # tiny sizes, 1 round, results in a temporary folder
-    python benchmarks/pipeline_users.py --pp 4 --models gpt gpt2 --microbatches 8 --rounds 3
+    python -m benchmarks.pipeline_users [--models gpt cnn] [--microbatches 4 8] [--rounds 5] [--steps 2]
+    python -m benchmarks.pipeline_users --smoke      # tiny sizes, 1 round, results in a temporary folder
+    python -m benchmarks.pipeline_users --pp 4 --models gpt gpt2 --microbatches 8 --rounds 3
 
 Writes benchmarks/results/pipeline_users.json and .md (``--out`` elsewhere; ``--timeline`` adds mp's
 timeline of each (model, m) beside them; both files are rewritten after each (model, m), so a run cut
@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _launch import on_all_cores, relaunch, rotated, under_mpi
+from benchmarks._launch import on_all_cores, relaunch, rotated, under_mpi
 
 HERE = Path(__file__).resolve().parent
 P = 2
@@ -130,8 +130,9 @@ class Torch:
         self, case: Any, base: dict[str, Any], rank: int, *, m: int, cuts: list[int], schedule: str
     ) -> None:
         import torch
-        from _pipeline_users_models import Chain
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        from benchmarks.models import Chain
 
         self.case, self.rank, self.last = case, rank, len(cuts)
         model = case.build()
@@ -141,7 +142,7 @@ class Torch:
         self.module = Chain(pieces[bounds[rank] : bounds[rank + 1]])
         device = case.batch[0].device
         if device.type == "cuda":
-            from _pipeline_runners import stage_cuda_p2p_through_host
+            from benchmarks._launch import stage_cuda_p2p_through_host
 
             stage_cuda_p2p_through_host()
             device = torch.device("cuda", torch.cuda.current_device())
@@ -351,7 +352,7 @@ class Run:
 
 def _hand_split(run: Run, case: Any, model: Any, m: int) -> tuple[list[int], str]:
     """torch's cuts for ``m`` microbatches (measured on rank 0, shared) and their description."""
-    from _pipeline_users_models import best_cuts, piece_times
+    from benchmarks.models import best_cuts, piece_times
 
     times = run.comm.bcast(piece_times(case, model, m) if run.rank == 0 else None, root=0)
     cuts = best_cuts(times, run.p)
@@ -397,8 +398,8 @@ def _build(run: Run, case: Any, base: dict[str, Any], m: int, cuts: list[int]) -
 def _time(run: Run, case: Any, m: int, group: int, runners: dict[str, Any]) -> None:
     """``--rounds`` rounds of ``--steps`` timed steps of every runner, in a rotating order."""
     import torch
-    from _pipeline_runners import idle_barrier
 
+    from benchmarks._launch import idle_barrier
     from mp_pipeline.timeline import RECORDER, Timeline
 
     comm, rank, args = run.comm, run.rank, run.args
@@ -486,7 +487,7 @@ def _folder(args: argparse.Namespace) -> Path:
 
 
 def main() -> None:
-    from _pipeline_users_models import MODELS
+    from benchmarks.models import MODELS
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -517,11 +518,10 @@ def main() -> None:
         sys.exit(relaunch(__file__, args.pp))
     if args.smoke:
         args.microbatches, args.rounds, args.steps = [4], 1, 1
-    sys.path.insert(0, str(HERE))
 
     import torch
-    from _pipeline_users_models import make_case
 
+    from benchmarks.models import make_case
     from mp_comm.world import init_world
 
     if args.device == "cuda" and not torch.cuda.is_available():

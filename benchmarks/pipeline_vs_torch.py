@@ -65,9 +65,9 @@ Both assume each rank has a core to itself. Where the time goes instead is measu
   chain) and the raw round trip on mpi4py, mp's transport and gloo. ``--overhead-only`` runs only this
   part and writes it into the saved JSON (``--out``'s or results/) and its markdown.
 
-    python benchmarks/pipeline_vs_torch.py [--reps 3 --steps 2 --micro 4 8 --batch 16]
+    python -m benchmarks.pipeline_vs_torch [--reps 3 --steps 2 --micro 4 8 --batch 16]
 
-starts itself under ``mpiexec -n 2`` (or ``mpiexec -n 2 python benchmarks/pipeline_vs_torch.py``).
+starts itself under ``mpiexec -n 2`` (or ``mpiexec -n 2 python -m benchmarks.pipeline_vs_torch``).
 Writes benchmarks/results/pipeline_vs_torch.json and .md (rank 0; ``--out`` elsewhere). ``--quick`` runs a
 small model once and writes to a temporary folder; ``--rerender results/pipeline_vs_torch.json`` rebuilds
 the markdown from a saved JSON without running anything.
@@ -88,7 +88,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from _launch import relaunch, rotated, under_mpi
+from benchmarks._launch import relaunch, rotated, under_mpi
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -155,7 +155,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.rerender is not None:
-        from _pipeline_report import rerender
+        from benchmarks._pipeline_report import rerender
 
         rerender(args.rerender)
         return
@@ -164,22 +164,21 @@ def main() -> None:
     if args.quick:
         args.reps, args.steps, args.layers, args.hidden, args.batch = 1, 1, 4, 128, 8
         args.overhead_reps = 2
-    sys.path.insert(0, str(HERE))
 
     import torch
-    from _pipeline_gpt import GPT, GPTConfig, analyse, make_batch
-    from _pipeline_overhead import measure_overhead
-    from _pipeline_runners import (
+
+    from benchmarks._launch import idle_barrier
+    from benchmarks._pipeline_gpt import GPT, GPTConfig, analyse, make_batch
+    from benchmarks._pipeline_overhead import measure_overhead
+    from benchmarks._pipeline_runners import (
         BOTH_RANKS,
         CpuMeter,
         Runner,
         Spec,
-        idle_barrier,
         make_runner,
         make_specs,
         mp_schedules,
     )
-
     from mp_comm.world import init_world
 
     world = init_world()  # owns torch.distributed's default group; smp.init adopts it
@@ -220,7 +219,7 @@ def main() -> None:
             saved = (args.out or RESULTS) / "pipeline_vs_torch.json"
             md = saved.with_suffix(".md")
             if saved.exists() and md.exists() and not args.quick:
-                from _pipeline_markdown import replace_overhead
+                from benchmarks._pipeline_report import replace_overhead
 
                 payload = json.loads(saved.read_text())
                 payload["overhead"] = out
@@ -322,7 +321,7 @@ def main() -> None:
     )
     load.append(os.getloadavg()[0])
     if rank == 0:
-        from _pipeline_report import report
+        from benchmarks._pipeline_report import report
 
         folder = args.out or (Path(tempfile.mkdtemp(prefix="pipeline_vs_torch_")) if args.quick else RESULTS)
         report(

@@ -28,7 +28,7 @@ predicted and compared with mp's measured step time and per-rank memory:
   threads; saved-tensor hooks are thread-local), parameters' own storage left out (:class:`_SavedTracker`).
   Ranks beyond the host's cores share them: the calibrated rate is scaled by cores / ranks.
 
-Run: ``python benchmarks/plan_accuracy.py [--part papers|machine|predict|all]``; results go to
+Run: ``python -m benchmarks.plan_accuracy [--part papers|machine|predict|all]``; results go to
 benchmarks/results/plan_accuracy.json and .md (the part not run is kept from the JSON; ``predict`` runs
 the model again on the measurements the JSON keeps).
 """
@@ -39,14 +39,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-sys.path.insert(0, str(HERE))
 
 PAPER_GPT3 = 26.5
 PAPER_BERT = {"RoBERTa": 385.0, "BERT": 327.0}
@@ -570,15 +568,15 @@ def _run_worker(variant: str, steps: int) -> list[dict[str, Any]]:
     import subprocess
     import tempfile
 
-    from _launch import mpiexec
+    from benchmarks._launch import mpiexec, python_command, root_env
 
     exe = mpiexec()
     assert exe is not None, "mpiexec not found; install it with `pip install mpich`"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        cmd = [exe, "-n", str(MEMORY_VARIANTS[variant][0]), sys.executable, str(Path(__file__).resolve())]
+        cmd = [exe, "-n", str(MEMORY_VARIANTS[variant][0]), *python_command(__file__)]
         cmd += ["--worker", variant, "--worker-json", str(out), "--worker-steps", str(steps)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29527"}
+        env = {**root_env(), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29527"}
         subprocess.run(cmd, env=env, check=True, capture_output=True)
         rows: list[dict[str, Any]] = json.loads(out.read_text())
         return rows

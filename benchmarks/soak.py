@@ -14,7 +14,7 @@ system; with ``--trim`` the rank then calls ``malloc_trim(0)`` (which returns th
 samples RSS again (``rss_trimmed_mb``). A leak grows the bytes in use; fragmentation grows the free
 bytes held, and trimming takes it back.
 
-Run: ``python benchmarks/soak.py`` (starts itself under ``mpiexec -n 4``; 2,000 steps take a few
+Run: ``python -m benchmarks.soak`` (starts itself under ``mpiexec -n 4``; 2,000 steps take a few
 minutes on 2 cores); ``--steps 200 --sample-every 10`` for a smoke run. Results go to
 benchmarks/results/soak.json and .md, and soak.png when matplotlib is installed.
 """
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _launch import relaunch, under_mpi
+from benchmarks._launch import relaunch, under_mpi
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

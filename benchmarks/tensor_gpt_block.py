@@ -40,12 +40,10 @@ slowest rank's wall time per step; tokens/s = ``batch * seq`` (global tokens) / 
 medians, quartiles and ranges over rounds; ours/peer = median over rounds of the peer's step time
 over ours in the same round (> 1: ours faster).
 
-    python benchmarks/tensor_gpt_block.py [--hidden 512 --heads 8 --batch 8 --seq 128 --rounds 20 --steps 2]
+    python -m benchmarks.tensor_gpt_block [--hidden 512 --heads 8 --batch 8 --seq 128 --rounds 20 --steps 2]
 
 starts itself under ``mpiexec -n 2``. Writes ``benchmarks/results/tensor_gpt_block.{json,md}`` (rank 0).
 """
-
-from __future__ import annotations
 
 import argparse
 import contextlib
@@ -61,7 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _launch import on_all_cores, relaunch, under_mpi
+from benchmarks._launch import on_all_cores, relaunch, under_mpi
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = 2
@@ -76,11 +74,9 @@ from torch import Tensor, nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _atp_comm import CommProbe, Replay  # noqa: E402
-from _tensor_gpt_peer import PeerBlock, parallelize_peer, peer_full_grads  # noqa: E402
-
 import mp as smp  # noqa: E402
+from benchmarks._atp_comm import CommProbe, Replay  # noqa: E402
+from benchmarks._tensor_gpt_peer import PeerBlock, parallelize_peer, peer_full_grads  # noqa: E402
 from mp.config import load_config  # noqa: E402
 from mp.tensor_api import tp_context  # noqa: E402
 from mp_tensor.context import TPContext  # noqa: E402

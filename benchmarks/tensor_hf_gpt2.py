@@ -39,7 +39,7 @@ alternating), and in each every variant ``--steps`` steps in an order rotated pe
 killed after. Step time: the slowest rank's. Ratios: per round, the other variant's step time over
 ours, then the median over rounds (> 1: ours faster), with a two-sided sign test.
 
-    python benchmarks/tensor_hf_gpt2.py [--layers 4 --hidden 256 --heads 4 --vocab 8192 --seq 128
+    python -m benchmarks.tensor_hf_gpt2 [--layers 4 --hidden 256 --heads 4 --vocab 8192 --seq 128
                                          --batch 8 --rounds 10 --steps 1]
 
 Writes ``benchmarks/results/tensor_hf_gpt2.{json,md}``.
@@ -63,7 +63,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from _launch import mpiexec, rotated
+from benchmarks._launch import mpiexec, python_command, root_env, rotated
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -94,8 +94,8 @@ class Job:
         self.pipes = [ctl / f"{name}.{r}" for r in range(RANKS)]
         for p in self.pipes:
             os.mkfifo(p)
-        env = dict(os.environ, OMP_NUM_THREADS="1", **JOB_ENV.get(name, {}))
-        cmd = [exe, "-n", str(RANKS), *bind, sys.executable, str(WORKER)]
+        env = dict(root_env(), OMP_NUM_THREADS="1", **JOB_ENV.get(name, {}))
+        cmd = [exe, "-n", str(RANKS), *bind, *python_command(WORKER)]
         cmd += ["--job", name, "--ctl", str(ctl), "--model", json.dumps(model)]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
         self.writers: list[IO[str]] = []

@@ -16,12 +16,10 @@ rank's; samples/s = global batch / median step. Ratio = median over rounds of sa
 TP-across-DP step time in the same round. Then every term of the cost model (_tensor_ncf_cost.py) is
 timed on its own and the predicted and best ratios are reported beside the measured one.
 
-    python benchmarks/tensor_ncf.py [--optimizer sgd|adam] [--sparse] [--rounds 7] [--tag NAME]
+    python -m benchmarks.tensor_ncf [--optimizer sgd|adam] [--sparse] [--rounds 7] [--tag NAME]
 
 starts itself under ``mpiexec -n 2``. Writes benchmarks/results/tensor_ncf[_NAME].{json,md}.
 """
-
-from __future__ import annotations
 
 import argparse
 import contextlib
@@ -34,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from _launch import relaunch, rotated, under_mpi
+from benchmarks._launch import relaunch, rotated, under_mpi
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = 2
@@ -47,11 +45,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tensor_ncf_cost import analytic, measure, predict  # noqa: E402
-
 import mp as smp  # noqa: E402
 import mp_tensor.nn.embedding as embedding_module  # noqa: E402
+from benchmarks._tensor_ncf_cost import analytic, measure, predict  # noqa: E402
 from mp_tensor.dist_ops import gather_samples, leave  # noqa: E402
 
 DIMS = {"users": 50_000, "items": 2_000, "mlp_dim": 128, "gmf_dim": 32, "global_batch": 4096}

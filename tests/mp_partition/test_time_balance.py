@@ -4,7 +4,6 @@ the plan's predicted and measured stage times, and the looped GPT on a real pp=2
 from __future__ import annotations
 
 import functools
-import sys
 import time
 from pathlib import Path
 from types import MappingProxyType
@@ -31,8 +30,6 @@ from mp_partition.cost import assign_costs
 from mp_partition.nodes import build_module_tree
 
 from .models import Stack
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class _SlowBackward(torch.autograd.Function):
@@ -298,10 +295,8 @@ def test_timeline_stage_time_counts_nested_executions_once_and_cuts_waits() -> N
 # -- a real pipeline ----------------------------------------------------------------------------------
 def _looped_gpt_pp2(world: Any) -> dict[str, Any]:
     import mp as smp
+    from benchmarks.models import GPT  # the benchmark's model, as users write it
     from tests.mp_pipeline.models import first_difference
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from _pipeline_users_models import GPT  # the benchmark's model, as users write it
 
     def build() -> nn.Module:
         torch.manual_seed(0)

@@ -14,7 +14,7 @@ host's drift between runs:
 Ranks are bound to cores as mp-launch binds them (``--bind auto``, see benchmarks/_launch.py), in every
 run alike. Results: benchmarks/results/pipeline_defaults.json and .md.
 
-    python benchmarks/pipeline_defaults.py [--rounds 3] [--microbatches 8] [--models gpt gpt2]
+    python -m benchmarks.experiments.pipeline_defaults [--rounds 3] [--microbatches 8] [--models gpt gpt2]
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
+from benchmarks._launch import ROOT, root_env
+
+HERE = Path(__file__).resolve().parent.parent  # benchmarks/
 RESULTS = HERE / "results"
 
 
@@ -43,11 +45,13 @@ def variants(m: int) -> dict[str, dict[str, Any]]:
 
 
 def _run(config: dict[str, Any], args: argparse.Namespace, m: int, folder: Path) -> list[dict[str, Any]]:
-    cmd = [sys.executable, str(HERE / "pipeline_users.py"), "--models", *args.models]
+    cmd = [sys.executable, "-m", "benchmarks.pipeline_users", "--models", *args.models]
     cmd += ["--microbatches", str(m), "--rounds", str(args.rounds), "--steps", str(args.steps)]
     cmd += ["--out", str(folder)]
     cmd += ["--mp-config", json.dumps(config)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if not args.verbose else None)
+    subprocess.run(
+        cmd, check=True, cwd=ROOT, env=root_env(), stdout=subprocess.DEVNULL if not args.verbose else None
+    )
     out = json.loads((folder / "pipeline_users.json").read_text())
     rows: list[dict[str, Any]] = out["rows"]
     return [r | {"load": out["host"]["load_before"]} for r in rows if r["system"] in ("mp", "torch 1F1B")]
@@ -70,7 +74,7 @@ def main() -> None:
                         table.append({"variant": name, "config": config, **row})
             print(f"m={m} {name}: done", file=sys.stderr, flush=True)
     lines = [
-        "# Pipeline defaults (benchmarks/pipeline_defaults.py)",
+        "# Pipeline defaults (benchmarks/experiments/pipeline_defaults.py)",
         "",
         f"pp = 2 on 2 ranks bound to a core each, {args.rounds} interleaved rounds of {args.steps} step(s) "
         f"per run; host load (1 min) {min(r['load'] for r in table):.1f}-{max(r['load'] for r in table):.1f}"

@@ -12,12 +12,10 @@ Both are checked equal (output, input and parameter gradients), then timed inter
 rounds, ``--steps`` steps each, order alternating; the slowest rank's time), and one step of each is
 profiled on rank 0 (the top operators by self CPU time).
 
-    python benchmarks/tensor_memory_layout.py [--batch 8 --seq 128 --hidden 256 --heads 4 --rounds 10]
+    python -m benchmarks.experiments.tensor_memory_layout [--batch 8 --seq 128 --hidden 256 --heads 4]
 
 starts itself under ``mpiexec -n 2``; writes ``benchmarks/results/tensor_memory_layout.{json,md}``.
 """
-
-from __future__ import annotations
 
 import argparse
 import json
@@ -32,8 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _launch import relaunch, under_mpi  # this script's folder is first on sys.path
 from torch import Tensor
+
+from benchmarks._launch import relaunch, under_mpi
 
 RANKS = 2
 if __name__ == "__main__" and not under_mpi():
@@ -78,7 +77,9 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "tensor_memory_layout"))
+    p.add_argument(
+        "--out", default=str(Path(__file__).resolve().parent.parent / "results" / "tensor_memory_layout")
+    )
     a = p.parse_args()
     torch.set_num_threads(1)
     smp.init({"tensor_parallel_degree": RANKS, "optimize": "memory"})

@@ -6,8 +6,8 @@ host staging; for 64 KB and 1 MB it prints the median time of each phase of a ra
 message. Both ranks stamp with `time.perf_counter_ns` (CLOCK_MONOTONIC, one clock for the node), so
 differences across ranks are real. Prints only (the numbers are quoted in docs/gpu.md).
 
-Run: ``python benchmarks/comm_cuda_phases.py`` (starts itself under ``mpiexec -n 2``); with ``--cpu``
-the same path runs on host memory (`buffered_devices=("cpu",)`), for machines without a GPU.
+Run: ``python -m benchmarks.experiments.comm_cuda_phases`` (starts itself under ``mpiexec -n 2``); with
+``--cpu`` the same path runs on host memory (`buffered_devices=("cpu",)`), for machines without a GPU.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from _launch import relaunch, under_mpi
+from benchmarks._launch import relaunch, under_mpi
 
 KB = 1024
 SIZES = [KB, 64 * KB, 256 * KB, KB * KB, 4 * KB * KB, 16 * KB * KB]
