@@ -60,7 +60,8 @@ class Cluster:
     """Seconds a training step gains per call of a module on another pipeline stage (its forward
     request and response and its backward's), beyond the module's compute and the p2p transfer: mp's
     pipeline runtime's own cost per remote call. cpu: measured (pipeline_vs_torch.json, overhead
-    section); the GPU presets: 0, not measured on GPUs (pass one with ``with_``)."""
+    section); h200: measured on one H200 (docs/gpu.md); the other GPU presets: 0, not measured there
+    (pass one with ``with_``)."""
     overlaps_comm: bool = True
     """Whether a collective runs beside compute (GPUs: on its own engine; the 2-core CPU host: no,
     benchmarks/results/dp_overlap.md measured the overlapped reduction 1.08x slower there)."""
@@ -166,7 +167,9 @@ PRESETS: dict[str, Cluster] = {
         inter_bandwidth=400e9,
         inter_latency=15e-6,
         offload_bandwidth=50e9,
-        source="H200 SXM data sheet; p5en.48xlarge: NVLink 900 GB/s, 3200 Gb/s EFA",
+        call_overhead=0.672e-3,
+        source="H200 SXM data sheet; p5en.48xlarge: NVLink 900 GB/s, 3200 Gb/s EFA; 0.67 ms per remote "
+        "call (docs/gpu.md: mp's per-call overhead on CUDA tensors, 2 ranks on one H200)",
     ),
     "cpu": Cluster(
         name="cpu",
