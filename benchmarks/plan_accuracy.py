@@ -348,7 +348,8 @@ MEMORY_VARIANTS = {
 def _memory_model() -> tuple[Any, Any]:
     """benchmarks/memory.py's GPT-2, with one sample's ids and labels (its loss is in the model)."""
     import torch
-    from memory import SEQ, _gpt
+
+    from benchmarks.memory import SEQ, _gpt
 
     return (
         _gpt(4, 256),
@@ -378,7 +379,8 @@ def _single_step_s(batch: int, steps: int = 3) -> float:
     """One process, one thread: the fastest of ``steps`` AdamW steps of memory.py's GPT-2 on ``batch``
     sequences (after one warm-up step)."""
     import torch
-    from memory import SEQ, VOCAB, _gpt
+
+    from benchmarks.memory import SEQ, VOCAB, _gpt
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -485,9 +487,9 @@ def _worker(variant: str, out: str, steps: int) -> None:
 
     import torch
     import torch.distributed as dist
-    from memory import SEQ, VOCAB, _gpt, _local, _tensor_bytes
 
     import mp as smp
+    from benchmarks.memory import SEQ, VOCAB, _gpt, _local, _tensor_bytes
 
     tracker = _SavedTracker()
     tracker.install()
@@ -605,7 +607,7 @@ def memory_row(variant: str, calibration: list[float], runs: list[list[dict[str,
     """The prediction for ``variant`` next to its measured runs (kept in the row, so that
     ``--part predict`` can predict again from them)."""
     plan, to_dict, _ = _load()
-    prof = plan.profile_model("plan_accuracy:memory_model", seq_len=128, hidden=256, device="cpu")
+    prof = plan.profile_model("benchmarks.plan_accuracy:memory_model", seq_len=128, hidden=256, device="cpu")
     single = min(calibration)
     rate = _step_flops(prof, 8) / single
     ranks, pins, batch = MEMORY_VARIANTS[variant]
@@ -639,7 +641,7 @@ def memory_row(variant: str, calibration: list[float], runs: list[list[dict[str,
     tp_ops_act = None
     if est.layout.tp > 1:  # mp runs its distributed layer in place of GPT2Block: profile what it runs
         prof_tp = plan.profile_model(
-            "plan_accuracy:memory_model_tp_ops", seq_len=128, hidden=256, device="cpu"
+            "benchmarks.plan_accuracy:memory_model_tp_ops", seq_len=128, hidden=256, device="cpu"
         )
         est_tp = plan.plan(prof_tp, global_batch=batch, cluster=clus, **kwargs).estimates[0]
         tp_ops_act = est_tp.memory.activations / mb
