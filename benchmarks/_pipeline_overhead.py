@@ -176,6 +176,7 @@ def _torch_session(calls: int, kind: str, placement: str, rank: int, device: str
     where = _device(device)  # the stages' device
     if where.type == "cuda":
         stage_cuda_p2p_through_host()
+    stages: list[Any]
     if placement == "remote":
         module = _Stage(net.head, []) if rank == 0 else _Stage(None, list(net.calls))
         stages = [PipelineStage(module, rank, 2, where)]

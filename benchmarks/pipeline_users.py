@@ -207,7 +207,7 @@ class Mp:
 
         @smp.step
         def train_step(model: Any, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-            loss = case.user_loss(model, batch)
+            loss: torch.Tensor = case.user_loss(model, batch)
             model.backward(loss)
             return loss
 
@@ -552,7 +552,8 @@ def main() -> None:
         ref = case.build()
         base = {k: v.clone() for k, v in ref.state_dict().items()}
         batch[name] = int(case.batch[0].shape[0])
-        info = {"describe": case.describe, "torch_split": {}, "mp_partition": {}, "first_step_loss": {}}
+        info: dict[str, Any] = {"describe": case.describe, "torch_split": {}, "mp_partition": {}}
+        info["first_step_loss"] = {}
         run.info[name] = info
         run.say(f"== {name}: {case.describe}")
         for group, m in enumerate(args.microbatches):
