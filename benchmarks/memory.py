@@ -104,6 +104,8 @@ def _worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from mp.zero import sharding_of
+
     variant = args.worker
     torch.manual_seed(0)
     saved = {"bytes": 0}
@@ -224,7 +226,7 @@ def _worker(args: argparse.Namespace) -> None:
     dist.barrier()
     elapsed = time.perf_counter() - start
     params, masters = tensors()
-    zero = getattr(opt, "_mp_zero", None)
+    zero = sharding_of(opt)
     state_of = zero.zero.optim if zero is not None else opt.optim if hasattr(opt, "optim") else opt
     if hasattr(opt, "pairs"):  # the bf16 optimizer: the user's optimizer holds the state
         state_of = opt.optimizer

@@ -163,6 +163,8 @@ def _run(script: Path, out: Path, mode: str, n: int = 2, **extra: str) -> dict[s
     else:
         output, code, _ = run_script(script, n, env={**SMP_ENV, **env}, timeout=300)
         assert code == 0, output[-5000:]
+        # the Trainer steps the optimizer its scheduler was made on: torch gives no order warning
+        assert "Detected call of `lr_scheduler.step()`" not in output, output[-5000:]
     record: dict[str, Any] = json.loads((out / "record.json").read_text())
     return record
 

@@ -15,6 +15,7 @@ import torch
 
 import mp as smp
 from mp.errors import SMPCheckpointError
+from mp.zero import sharding_of
 from mp_memory.zero import state_bytes
 from tests.mp_pipeline.models import batch, build, first_difference, loss_of, make_optimizer, reference
 
@@ -40,7 +41,7 @@ def _train(world: Any, pp: int, shard: bool) -> dict[str, Any]:
         opt.zero_grad()
         sched.step()
     params = {k: v.clone() for k, v in model.state_dict().items()}
-    zero = getattr(opt, "_mp_zero", None)
+    zero = sharding_of(opt)
     mine = state_bytes(zero.zero) if zero is not None else state_bytes(opt)
     # the unsharded state of this stage's parameters: Adam's two fp32 moments and a step per parameter
     local = list(model.local_parameters())
@@ -108,7 +109,7 @@ def _gpt_state(world: Any, pp: int) -> dict[str, Any]:
         opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
         _gpt_step(model, *batch("gpt2", 0, smp.dp_rank()))
         opt.step()
-        zero = getattr(opt, "_mp_zero", None)
+        zero = sharding_of(opt)
         out[str(shard)] = state_bytes(zero.zero) if zero is not None else state_bytes(opt)
         out["params"] = {k: v.clone() for k, v in model.state_dict().items()}
         out["params_" + str(shard)] = out.pop("params")

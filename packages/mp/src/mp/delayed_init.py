@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
-from mp_memory.checkpoint.schema import read_header
-from mp_memory.delayed_init import DelayedInitError, has_meta_parameters, materialize, parameters_on_meta
+from mp.optimizer_chain import OptimizerPart
+from mp_memory import DelayedInitError, has_meta_parameters, materialize, parameters_on_meta, read_header
 from mp_tensor.nn.base import is_distributed_parameter, param_init
 
 __all__ = [
+    "DelayedLoads",
     "check",
-    "defer_optimizer_loads",
     "delay_param_initialization",
     "delayed",
     "prepare",
@@ -138,19 +138,18 @@ def _defer_loads(model: Any) -> None:
     model.load_state_dict = load_state_dict
 
 
-def defer_optimizer_loads(optimizer: Any) -> None:
-    """The optimizer's ``load_state_dict`` before a delayed model is partitioned would move the loaded
-    state onto the meta parameters' device (torch casts state to its parameter's device): replay it right
-    after this rank's parameters are materialized instead."""
-    from mp.state import state
+class DelayedLoads(OptimizerPart):
+    """In the optimizer's chain: a ``load_state_dict`` before a delayed model is partitioned would move
+    the loaded state onto the meta parameters' device (torch casts state to its parameter's device), so
+    the parts below load it right after this rank's parameters are materialized instead."""
 
-    original = optimizer.load_state_dict
+    name = "delayed loads"
 
-    def load_state_dict(state_dict: Any) -> Any:
+    def load_state_dict(self, inner: Callable[[dict[str, Any]], None], state_dict: dict[str, Any]) -> None:
+        from mp.state import state
+
         model = state.model
         if model is None or model.partitioned or not delayed(model.module):
-            return original(state_dict)
-        model.register_post_partition_hook(lambda _m, _opt: original(state_dict))
-        return None
-
-    optimizer.load_state_dict = load_state_dict
+            inner(state_dict)
+            return
+        model.register_post_partition_hook(lambda _m, _opt: inner(state_dict))

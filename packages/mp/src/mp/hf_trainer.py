@@ -18,7 +18,8 @@ what it gets wrong on that path:
   ``smp.resume_from_checkpoint`` for a ``pytorch_model.bin`` it never writes. With several
   data-parallel replicas it gives each its share of the training data (a ``DistributedSampler`` over
   ``args.world_size``, i.e. smp's dp or rdp size, as transformers 4.x did): 5.x gives every replica
-  the same batches.
+  the same batches. Its LR scheduler is made on the optimizer whose ``step()`` the Trainer calls, so
+  torch does not warn that the scheduler stepped first.
 
 Importing this module needs ``transformers`` (and ``accelerate``, which the Trainer needs).
 """
@@ -72,6 +73,17 @@ class SMPTrainer(Trainer):
             # itself calls on this path (local_state_dict when it saves a checkpoint)
             self.optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         return prepared
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        if is_sagemaker_mp_enabled() and optimizer is None:
+            # 5.x makes the scheduler on accelerate's wrapper, whose step() the Trainer no longer calls
+            # (_prepare_for_training): torch's scheduler then warns on every run that it stepped before
+            # the optimizer. Make it on the user's optimizer, whose step() the Trainer calls (under
+            # fp16/bf16 smp's optimizer wraps it: its step() steps the user's)
+            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                optimizer = getattr(optimizer, "optimizer", optimizer)
+        return super().create_scheduler(num_training_steps, optimizer)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         safe = os.path.join(resume_from_checkpoint, "model.safetensors")

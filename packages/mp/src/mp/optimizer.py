@@ -13,20 +13,22 @@ from __future__ import annotations
 
 import types
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mp.delayed_init import defer_optimizer_loads
+from mp.delayed_init import DelayedLoads
 from mp.errors import IncompatibleCheckpointFoundError, SMPValidationError
+from mp.optimizer_chain import OptimizerPart, install, part_of
 from mp.optimizer_state import has_tp_roots, load_named_state, named_state
 from mp.state import state
 from mp.state_dicts import layout_of, local_layout_check
 from mp_comm import GroupKind
-from mp_memory.checkpoint.schema import Header, read_header, write_header
+from mp_memory import Header, read_header, write_header
 
-__all__ = ["DistributedOptimizer", "keep_local_parameters"]
+__all__ = ["DistributedOptimizer", "PlainPart", "keep_local_parameters"]
 
 
 _ALL_PARAMS = "_mp_all_params"
@@ -72,7 +74,7 @@ def _pipelined(model: Any) -> bool:
     return model is not None and model.partitioned and model._pp > 1
 
 
-def _local_state_dict(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> dict[str, Any]:
+def _local_state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
     """This rank's optimizer state, with the names of its parameters and the layout (checked when
     loading: a TP shard's state must not load on another tp_rank)."""
     layout = layout_of(state.model) if state.model is not None else None
@@ -311,6 +313,54 @@ def _loss_args(dynamic_loss_args: dict[str, Any]) -> dict[str, Any]:
     return args
 
 
+class PlainPart(OptimizerPart):
+    """The last part: torch's own step, and smp's state dicts and clipping over this rank's parameters
+    (this module's docstring)."""
+
+    name = "plain"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, step: Callable[[Any], Any]) -> None:
+        self.optimizer = optimizer
+        self._step = step  # the optimizer's step as it was (a scheduler's wrapper, or torch's)
+
+    def step(self, inner: Callable[[Any], Any], closure: Any) -> Any:
+        return self._step(closure)
+
+    def state_dict(self, inner: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        return _state_dict(self.optimizer)
+
+    def local_state_dict(self, inner: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        return _local_state_dict(self.optimizer)
+
+    def load_state_dict(self, inner: Callable[[dict[str, Any]], None], state_dict: dict[str, Any]) -> None:
+        _load_state_dict(self.optimizer, state_dict)
+
+    def clip_master_grads(
+        self, inner: Callable[[float, float], torch.Tensor], max_norm: float, norm_type: float
+    ) -> torch.Tensor:
+        return _clip_master_grads(self.optimizer, max_norm, norm_type)
+
+
+def _parts(optimizer: torch.optim.Optimizer, cfg: Any) -> list[OptimizerPart]:
+    """The optimizer's features, outermost first: each runs before the ones below it and decides
+    whether they run (``mp.optimizer_chain``). Under fp16/bf16 smp's half-precision optimizer is
+    returned over all of them (``DistributedOptimizer``)."""
+    previous = part_of(optimizer, PlainPart)  # DistributedOptimizer called again: the same torch step
+    parts: list[OptimizerPart] = []
+    sharding = getattr(state.model, "_sharded", None)
+    if sharding is not None:  # sharded data parallelism: clips in step(), DCP state dicts, refusals
+        from mp.sharded import ShardedPart
+
+        parts.append(ShardedPart(optimizer, sharding))
+    if cfg.shard_optimizer_state:  # ZeRO-1 over the RDP group: its own step and per-rank state
+        from mp.zero import ZeroPart
+
+        parts.append(ZeroPart(optimizer))
+    parts.append(DelayedLoads())  # a delayed model's parameters are on meta until partitioning
+    parts.append(PlainPart(optimizer, previous._step if previous is not None else optimizer.step))
+    return parts
+
+
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     static_loss_scale: float | None = 1.0,
@@ -328,28 +378,14 @@ def DistributedOptimizer(
         raise SMPValidationError(
             f"smp.DistributedOptimizer needs a torch.optim.Optimizer; got {type(optimizer).__name__}"
         )
-    optimizer.local_state_dict = types.MethodType(_local_state_dict, optimizer)  # type: ignore[attr-defined]
-    optimizer.load_state_dict = types.MethodType(_load_state_dict, optimizer)  # type: ignore[method-assign]
-    optimizer.state_dict = types.MethodType(_state_dict, optimizer)  # type: ignore[method-assign]
-    optimizer.clip_master_grads = types.MethodType(_clip_master_grads, optimizer)  # type: ignore[attr-defined]
-    for name, fn in (
-        ("local_optimizer_state_dict", _local_state_dict),  # smp's extras
+    for name, fn in (  # smp's extras that no part changes
         ("param_name_to_index", _param_name_to_index),
         ("param_index_to_name", _param_index_to_name),
     ):
         setattr(optimizer, name, types.MethodType(fn, optimizer))
+    install(optimizer, _parts(optimizer, cfg))
     registered: Any = optimizer
-    defer_optimizer_loads(optimizer)  # a delayed model's parameters are on meta until partitioning
-    if cfg.shard_optimizer_state:  # ZeRO-1 over the RDP group (fp16/bf16: over the masters, mp.precision)
-        from mp.zero import shard_optimizer_state
-
-        shard_optimizer_state(optimizer)
-    sharding = getattr(state.model, "_sharded", None)
-    if sharding is not None:  # sharded data parallelism: clip in step(), DCP state dicts (mp.sharded)
-        from mp.sharded import shard_optimizer
-
-        shard_optimizer(optimizer, sharding)
-    if cfg.precision != "fp32":
+    if cfg.precision != "fp32":  # smp's face over it all: fp32 masters, loss scaling (mp.precision)
         from mp.precision import bit16_optimizer
 
         registered = bit16_optimizer(

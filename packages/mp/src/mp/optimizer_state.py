@@ -20,7 +20,7 @@ import torch.distributed as dist
 from mp.errors import IncompatibleCheckpointFoundError
 from mp.state import state
 from mp_comm import GroupKind
-from mp_memory.checkpoint.schema import Header, write_header
+from mp_memory import Header, write_header
 from mp_tensor.nn.base import DistributedModule, param_spec
 from mp_tensor.replace import ORIGINAL_ATTR, Replacement
 from mp_tensor.state_dict import distributed_roots

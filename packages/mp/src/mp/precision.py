@@ -38,11 +38,16 @@ from mp.optimizer import clip_by_global_norm
 from mp.state import state
 from mp.zero import sharding_of
 from mp_comm import GroupKind
-from mp_memory.checkpoint.schema import Header, read_header, write_header
-from mp_memory.errors import PrecisionError
-from mp_memory.loss_scaler import make_loss_scaler
-from mp_memory.precision import HALF_DTYPES, Bit16Optimizer
-from mp_memory.sharded import as_like
+from mp_memory import (
+    HALF_DTYPES,
+    Bit16Optimizer,
+    Header,
+    PrecisionError,
+    as_like,
+    make_loss_scaler,
+    read_header,
+    write_header,
+)
 
 __all__ = ["DistributedBit16Optimizer", "bit16_optimizer", "half_dtype"]
 

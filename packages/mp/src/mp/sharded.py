@@ -10,9 +10,7 @@ names, ``local_state_dict()`` this rank's shards.
 
 from __future__ import annotations
 
-import contextlib
-import types
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -20,11 +18,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mp.errors import IncompatibleCheckpointFoundError, SMPUnsupportedError, SMPValidationError
+from mp.optimizer_chain import OptimizerPart, chain_of
 from mp.state import state
 from mp_comm import GroupKind
-from mp_memory.checkpoint.schema import Header, SDPLayout, read_header, write_header
-from mp_memory.precision import HALF_DTYPES, Bit16Optimizer
-from mp_memory.sharded import (
+from mp_memory import (
+    HALF_DTYPES,
+    Bit16Optimizer,
+    Header,
+    SDPLayout,
     ShardedDataParallel,
     ShardingConfig,
     ShardingError,
@@ -33,16 +34,18 @@ from mp_memory.sharded import (
     clip_grad_norm,
     load_local_optimizer_state,
     local_optimizer_state,
+    read_header,
+    write_header,
 )
 
 __all__ = [
+    "ShardedPart",
     "check_layout",
     "clip_sharded",
     "layout_of",
     "partial_file_names",
     "refuse_under_sharding",
     "shard_model",
-    "shard_optimizer",
     "sharding_of",
 ]
 
@@ -214,73 +217,60 @@ def clip_sharded(sharding: ShardedDataParallel, max_norm: float, norm_type: floa
     return clip_grad_norm(params, max_norm, sharding, owners).float()
 
 
-@contextlib.contextmanager
-def _torch_methods(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """torch.distributed.checkpoint calls the optimizer's own ``state_dict``/``load_state_dict``/``step``:
-    hide mp's per-object versions from it meanwhile."""
-    saved = {k: optimizer.__dict__.pop(k) for k in _PATCHED if k in optimizer.__dict__}
-    try:
-        yield
-    finally:
-        optimizer.__dict__.update(saved)
+class ShardedPart(OptimizerPart):
+    """Sharded data parallelism in the optimizer's chain (module docstring): clips by
+    ``sdp_gradient_clipping`` before the parts below step, and saves and loads through
+    torch.distributed.checkpoint (never through the parts below)."""
 
+    name = "sharded"
 
-_PATCHED = ("state_dict", "load_state_dict", "step")
+    def __init__(self, optimizer: torch.optim.Optimizer, sharding: ShardedDataParallel) -> None:
+        live = {id(p) for p in sharding.module.parameters()}
+        stale = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in live]
+        if stale:
+            raise SMPValidationError(
+                f"smp.DistributedOptimizer got an optimizer over {len(stale)} tensors that are not the "
+                "sharded model's parameters (made before smp.DistributedModel, which replaces them by their "
+                "shards under sharded_data_parallel_degree > 1). Fix: build the optimizer after wrapping, on "
+                "model.parameters()"
+            )
+        self.optimizer = optimizer
+        self.sharding = sharding
+        self.max_norm = float(state.require()[0].sdp_gradient_clipping)
 
+    def step(self, inner: Callable[[Any], Any], closure: Any) -> Any:
+        if self.max_norm > 0:  # smp: under sharded data parallelism the library clips, inside step()
+            params, owners = clip_targets(self.sharding)
+            clip_grad_norm(params, self.max_norm, self.sharding, owners)
+        return inner(closure)
 
-def shard_optimizer(optimizer: torch.optim.Optimizer, sharding: ShardedDataParallel) -> None:
-    """Clip in ``step()`` and save/load through torch.distributed.checkpoint (module docstring)."""
-    cfg = state.require()[0]
-    live = {id(p) for p in sharding.module.parameters()}
-    stale = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in live]
-    if stale:
-        raise SMPValidationError(
-            f"smp.DistributedOptimizer got an optimizer over {len(stale)} tensors that are not the sharded "
-            "model's parameters (made before smp.DistributedModel, which replaces them by their shards "
-            "under sharded_data_parallel_degree > 1). Fix: build the optimizer after wrapping, on "
-            "model.parameters()"
-        )
-    step = optimizer.step
-    max_norm = float(cfg.sdp_gradient_clipping)
+    def clip_master_grads(
+        self, inner: Callable[[float, float], torch.Tensor], max_norm: float, norm_type: float
+    ) -> torch.Tensor:
+        return clip_sharded(self.sharding, max_norm, norm_type)
 
-    def sharded_step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
-        if max_norm > 0:  # smp: under sharded data parallelism the library clips, inside step()
-            params, owners = clip_targets(sharding)
-            clip_grad_norm(params, max_norm, sharding, owners)
-        return step(closure)
+    def state_dict(self, inner: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        if self.sharding.tp is not None:
+            return _full_tp_state(self.optimizer)
+        with chain_of(self.optimizer).torch_methods():
+            return self.sharding.full_optimizer_state_dict(self.optimizer)
 
-    def clip_master_grads(self: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> Any:
-        return clip_sharded(sharding, max_norm, norm_type)
+    def local_state_dict(self, inner: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        header = Header(partial=True, sdp_layout=layout_of(self.sharding))
+        return write_header(local_optimizer_state(self.optimizer), header)
 
-    def state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
-        if sharding.tp is not None:
-            return _full_tp_state(self)
-        with _torch_methods(self):
-            return sharding.full_optimizer_state_dict(self)
-
-    def local_state_dict(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        header = Header(partial=True, sdp_layout=layout_of(sharding))
-        return write_header(local_optimizer_state(self), header)
-
-    def load_state_dict(self: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
-        header, sd = read_header(sd)
+    def load_state_dict(self, inner: Callable[[dict[str, Any]], None], state_dict: dict[str, Any]) -> None:
+        header, sd = read_header(state_dict)
         if header.partial:
-            check_layout(sharding, header.sdp_layout, "optimizer")
-            load_local_optimizer_state(self, sd)
+            check_layout(self.sharding, header.sdp_layout, "optimizer")
+            load_local_optimizer_state(self.optimizer, sd)
             return
-        if sharding.tp is not None:
-            _load_full_tp_state(self, sd, header.param_names)
+        if self.sharding.tp is not None:
+            _load_full_tp_state(self.optimizer, sd, header.param_names)
             return
         # a name-keyed state (its header dropped) is what DCP's full state is too
-        with _torch_methods(self):
-            sharding.load_full_optimizer_state_dict(self, sd)
-
-    optimizer.step = types.MethodType(sharded_step, optimizer)  # type: ignore[method-assign]
-    optimizer.clip_master_grads = types.MethodType(clip_master_grads, optimizer)  # type: ignore[attr-defined]
-    optimizer.state_dict = types.MethodType(state_dict, optimizer)  # type: ignore[method-assign]
-    optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
-    for name in ("local_state_dict", "local_optimizer_state_dict"):
-        setattr(optimizer, name, types.MethodType(local_state_dict, optimizer))
+        with chain_of(self.optimizer).torch_methods():
+            self.sharding.load_full_optimizer_state_dict(self.optimizer, sd)
 
 
 class _WholeStates:

@@ -14,26 +14,24 @@ parameters, and loads under the same layout; ``state_dict()`` (the full state) r
 
 from __future__ import annotations
 
-import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from mp.errors import IncompatibleCheckpointFoundError, SMPCheckpointError, SMPValidationError
+from mp.optimizer_chain import OptimizerPart, part_of
 from mp.state import state
 from mp_comm import GroupKind
-from mp_memory.checkpoint.schema import Header, read_header, write_header
-from mp_memory.zero import ZeroSharding
+from mp_memory import Header, ZeroSharding, read_header, write_header
 
-__all__ = ["shard_optimizer_state", "sharding_of"]
-
-_ATTR = "_mp_zero"
+__all__ = ["ZeroPart", "sharding_of"]
 
 
 def sharding_of(optimizer: Any) -> ZeroSharding | None:
     """The ZeRO sharding of an optimizer registered under ``shard_optimizer_state`` (else None)."""
-    found: ZeroSharding | None = getattr(optimizer, _ATTR, None)
-    return found
+    part = part_of(optimizer, ZeroPart)
+    return None if part is None else part.sharding
 
 
 def _ready(sharding: ZeroSharding, what: str) -> None:
@@ -51,59 +49,58 @@ def _names(params: list[torch.Tensor]) -> list[str | None]:
     return [by_id.get(id(p)) for p in params]
 
 
-def shard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Make ``optimizer`` step, save and load through ZeRO over the RDP group (module docstring)."""
-    sharding = ZeroSharding(optimizer, state.process_groups.get(GroupKind.RDP))
-    pending: list[dict[str, Any]] = []
+class ZeroPart(OptimizerPart):
+    """ZeRO-1 in the optimizer's chain (module docstring): steps, saves and loads through the ZeRO
+    optimizer over the RDP group; never calls the parts below, and refuses the full state."""
 
-    def step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
-        _ready(sharding, "step")
-        if sharding.zero is None and pending:  # a state loaded before partitioning
-            sharding.build()
-            _load(pending.pop())
-        return sharding.step(closure)
+    name = "zero"
 
-    def local_state_dict(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        _ready(sharding, "local_state_dict")
-        header = Header(partial=True, zero_param_names=_names(sharding.local_params()))
-        return write_header(sharding.local_state_dict(), header)
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.sharding = ZeroSharding(optimizer, state.process_groups.get(GroupKind.RDP))
+        self._pending: list[dict[str, Any]] = []
 
-    def state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
+    def step(self, inner: Callable[[Any], Any], closure: Any) -> Any:
+        _ready(self.sharding, "step")
+        if self.sharding.zero is None and self._pending:  # a state loaded before partitioning
+            self.sharding.build()
+            self._load(self._pending.pop())
+        return self.sharding.step(closure)
+
+    def local_state_dict(self, inner: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        _ready(self.sharding, "local_state_dict")
+        header = Header(partial=True, zero_param_names=_names(self.sharding.local_params()))
+        return write_header(self.sharding.local_state_dict(), header)
+
+    def state_dict(self, inner: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         raise SMPCheckpointError(
             "optimizer.state_dict() (the full optimizer state) is not supported under "
             "shard_optimizer_state, as in smp: each rank holds only its share. Save "
             "optimizer.local_state_dict() (smp.save(..., partial=True) or smp.save_checkpoint(partial=True))"
         )
 
-    def _load(sd: dict[str, Any]) -> None:
+    def _load(self, sd: dict[str, Any]) -> None:
         header, sd = read_header(sd)
         names = header.zero_param_names
-        running = _names(sharding.local_params())
+        running = _names(self.sharding.local_params())
         if names is None or names != running:
             raise IncompatibleCheckpointFoundError(
                 f"the optimizer state was not saved as this rank's share under shard_optimizer_state with "
                 f"this layout (saved for {str(names)[:200]}, this rank steps {str(running)[:200]}): load "
                 "it with the layout, partition and data-parallel size it was saved with"
             )
-        sharding.load_local(sd)
+        self.sharding.load_local(sd)
 
-    def load_state_dict(self: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
-        if read_header(sd)[0].zero_param_names is None:
+    def load_state_dict(self, inner: Callable[[dict[str, Any]], None], state_dict: dict[str, Any]) -> None:
+        if read_header(state_dict)[0].zero_param_names is None:
             raise IncompatibleCheckpointFoundError(
                 "the optimizer state was not saved under shard_optimizer_state (no per-rank share): "
                 "load a local_state_dict() saved with shard_optimizer_state and this layout"
             )
-        if sharding.zero is not None:
-            _load(sd)
+        if self.sharding.zero is not None:
+            self._load(state_dict)
             return
-        pending[:] = [sd]  # loaded at the first step, once the shards are known
+        self._pending[:] = [state_dict]  # loaded at the first step, once the shards are known
         model = state.model
         if model is None or model._pp == 1 or model.partitioned:
-            sharding.build()
-            _load(pending.pop())
-
-    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
-    optimizer.local_state_dict = types.MethodType(local_state_dict, optimizer)  # type: ignore[attr-defined]
-    optimizer.state_dict = types.MethodType(state_dict, optimizer)  # type: ignore[method-assign]
-    optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
-    setattr(optimizer, _ATTR, sharding)
+            self.sharding.build()
+            self._load(self._pending.pop())
