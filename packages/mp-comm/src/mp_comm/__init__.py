@@ -16,6 +16,7 @@ from mp_comm.errors import (
     WorldError,
 )
 from mp_comm.router import Route, Router, RouterConfig
+from mp_comm.teardown import EXIT_TIMEOUT, Stage, at_exit
 from mp_comm.topology import (
     PLACEMENT_ALIASES,
     GroupKind,
@@ -37,13 +38,15 @@ from mp_comm.transport import (
     UCXConfig,
     ucx_available,
 )
-from mp_comm.world import Launcher, World, WorldInfo, detect_launcher, init_world
+from mp_comm.waits import collective_wait
+from mp_comm.world import Launcher, World, WorldInfo, detect_launcher, init_world, mpi_comm_of
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ANY_SOURCE",
     "ANY_TAG",
+    "EXIT_TIMEOUT",
     "PLACEMENT_ALIASES",
     "CollectiveError",
     "CollectiveHandle",
@@ -63,6 +66,7 @@ __all__ = [
     "Router",
     "RouterConfig",
     "SendHandle",
+    "Stage",
     "Topology",
     "TopologyError",
     "Transport",
@@ -74,10 +78,13 @@ __all__ = [
     "World",
     "WorldError",
     "WorldInfo",
+    "at_exit",
     "build_topology",
+    "collective_wait",
     "collectives",
     "detect_launcher",
     "init_world",
+    "mpi_comm_of",
     "normalize_placement",
     "ucx_available",
 ]

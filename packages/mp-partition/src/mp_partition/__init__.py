@@ -24,6 +24,7 @@ from .errors import (
     TracingError,
     UnknownModulePathError,
 )
+from .factory import load_factory
 from .hf import build_hf_model, partition_hf
 from .manual import clear_partition, get_partition, partition, partition_marks, set_partition
 from .nodes import ModuleNode, build_module_tree
@@ -70,6 +71,7 @@ __all__ = [
     "format_report",
     "get_partition",
     "is_tracing",
+    "load_factory",
     "manual_partition",
     "max_segment_cost",
     "model_fingerprint",

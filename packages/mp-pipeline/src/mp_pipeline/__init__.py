@@ -7,8 +7,8 @@ builds ``smp.step``, ``smp.DistributedModel`` and ``smp.DistributedOptimizer`` o
 ``RECORDER`` is enabled, every rank records its executions, requests and waits (``Timeline``).
 """
 
-from mp_pipeline.context import ExecState, TaskContext, applied, capture, current, task_context
-from mp_pipeline.dp import agree_any, broadcast_tensors, buckets, reduce_gradients
+from mp_pipeline.context import TASK_HOOKS, ExecState, TaskContext, applied, capture, current, task_context
+from mp_pipeline.dp import OverlappedReduction, agree_any, broadcast_tensors, buckets, reduce_gradients
 from mp_pipeline.errors import (
     FlowChangedError,
     InvalidStepOutputError,
@@ -36,6 +36,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "RECORDER",
+    "TASK_HOOKS",
     "Baton",
     "Event",
     "EventKind",
@@ -45,6 +46,7 @@ __all__ = [
     "FlowRecorder",
     "InvalidStepOutputError",
     "NotInStepError",
+    "OverlappedReduction",
     "Phase",
     "PipelineAbortedError",
     "PipelineError",

@@ -15,8 +15,7 @@ import torch.distributed as dist
 from mp.errors import CommGroupConfigError
 from mp.ranks import process_group
 from mp.state import state
-from mp_comm import GroupKind
-from mp_comm.waits import collective_wait
+from mp_comm import GroupKind, collective_wait
 
 
 class CommGroup(enum.Enum):

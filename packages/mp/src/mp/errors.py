@@ -18,8 +18,8 @@ from mp_memory import CheckpointCorruptError, UntrustedCheckpointError
 
 # Raised by the packages below the facade, which cannot import mp; re-exported under smp's names so
 # `except smp.InvalidPartitionIDError` works. They subclass ValueError / RuntimeError as smp's do.
-from mp_partition.errors import InvalidPartitionIDError
-from mp_pipeline.errors import InvalidStepOutputError
+from mp_partition import InvalidPartitionIDError
+from mp_pipeline import InvalidStepOutputError
 from mp_tensor.errors import (
     DistEmbeddingConfigError,
     DistTransformerConfigError,

@@ -18,18 +18,20 @@ from mp.dp_backend import check_engines, world_backend, world_port
 from mp.errors import SMPCheckpointError
 from mp.state import State, state
 from mp_comm import (
+    EXIT_TIMEOUT,
     GroupKind,
     LoopbackTransport,
     Router,
+    Stage,
     Transport,
     TransportConfig,
     World,
     WorldInfo,
+    at_exit,
     build_topology,
     heartbeat,
     init_world,
 )
-from mp_comm.teardown import EXIT_TIMEOUT, Stage, at_exit
 
 log = logging.getLogger(__name__)
 

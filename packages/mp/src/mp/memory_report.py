@@ -21,7 +21,7 @@ from mp.errors import DistributedModelNotWrappedError
 from mp.state import state
 from mp.zero import sharding_of
 from mp_memory import ActivationTracker, MemoryReport, tensor_bytes
-from mp_pipeline.context import TASK_HOOKS
+from mp_pipeline import TASK_HOOKS
 
 __all__ = ["MEMORY_REPORT_ENV", "install_memory_trace", "memory_report"]
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from mp.comm import CommGroup, gather
 from mp.errors import SMPValidationError
 from mp.state import state
-from mp_pipeline.timeline import RECORDER, Timeline
+from mp_pipeline import RECORDER, Timeline
 
 __all__ = ["Recording", "is_recording", "record", "start", "stop"]
 
