@@ -20,6 +20,7 @@ from mp.compat import (
     INSTANCE_ATTRIBUTES,
     NOTES,
     REFUSED_ENGINES,
+    mp_additions,
     registry,
     render_markdown,
     resolves,
@@ -157,3 +158,18 @@ def test_the_docs_build_renders_the_table_into_the_compatibility_page() -> None:
     conf._insert_compat_table(None, "compatibility", source)
     assert conf.COMPAT_MARKER not in source[0]
     assert render_markdown() in source[0]
+
+
+def test_every_facade_name_is_an_smp_row_or_an_mp_addition() -> None:
+    """The compatibility page's rows follow the facade's one table (mp._SOURCES): a name added there
+    appears on the page, as an smp name's row or among the names mp adds."""
+    text = render_markdown()
+    added = dict(mp_additions())
+    for name in smp.__all__:
+        if name in added:
+            assert f"| `smp.{name}` | `{added[name]}` |" in text, name
+        else:
+            # an smp name's row, its patches.checkpoint path, or (smp.nn, smp.amp) rows of its members
+            rows = (f"| `smp.{name}` |", f"`smp.patches.checkpoint.{name}`", f"| `smp.{name}.")
+            assert any(row in text for row in rows), name
+    assert "wait_checkpoint" in added and "DistributedModel" not in added

@@ -36,6 +36,7 @@ __all__ = [
     "REFUSED_ENGINES",
     "Entry",
     "Status",
+    "mp_additions",
     "registry",
     "render_markdown",
     "resolves",
@@ -326,7 +327,33 @@ def render_markdown() -> str:
         for r in (r for r in rows if r.group == group):
             shown = f"`{r.name}`" if group == CONFIG_GROUP else f"`smp.{r.name}`"
             lines.append(f"| {shown} | {r.status or 'NO STATUS'} | {_cell(r.note)} |")
+    added = mp_additions()
+    lines += [
+        "",
+        "## Names mp adds",
+        "",
+        f"{len(added)} names of `import mp as smp` that smp v1 does not have (generated from the facade's "
+        "table, `mp._SOURCES`).",
+        "",
+        "| name | provided by |",
+        "|---|---|",
+    ]
+    lines += [f"| `smp.{name}` | `{module}` |" for name, module in added]
     return "\n".join(lines) + "\n"
+
+
+def mp_additions() -> list[tuple[str, str]]:
+    """(name, module) for each name of mp's facade (``mp._SOURCES``) that is not an smp name."""
+    smp = {name.split("(")[0] for group, name in smp_names() if group != CONFIG_GROUP}
+    smp |= {name.rpartition(".")[2] for name in smp if name.startswith("patches.")}
+    smp |= {name.split(".")[0] for name in smp}  # smp.nn, smp.amp: modules whose members smp lists
+    found = []
+    for module, entries in mp._SOURCES.items():
+        for entry in entries.split():
+            name = entry.partition("=")[0]
+            if name not in smp:
+                found.append((name, module))
+    return sorted(found)
 
 
 if __name__ == "__main__":
