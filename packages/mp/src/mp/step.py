@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, overload
 
 from mp.errors import DistributedModelNotWrappedError, SMPValidationError, TensorSplitError
+from mp.hf_cache import training_without_kv_cache
 from mp.state import state
 from mp_pipeline import (
     SplitError,
@@ -90,7 +91,8 @@ class StepFunction:
                     with task_context(TaskContext(mb, ("<step>",))):
                         results.append(self._func(*a, **k))
             else:
-                results = model._run_step(self._func, inputs)
+                with training_without_kv_cache(model.module, cfg.pipeline_parallel_degree):
+                    results = model._run_step(self._func, inputs)
         finally:
             _ACTIVE.on = False
         return merge_microbatch_results(results, detach=self._detach)
