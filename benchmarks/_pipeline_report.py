@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._pipeline_gpt import GAP_KINDS
-from benchmarks._pipeline_runners import ACTIVE_PLUS3, BOTH_RANKS, Spec
-from benchmarks._pipeline_runners import STAGES as P
+from benchmarks._pipeline_variants import ACTIVE_PLUS3, BOTH_RANKS, Spec
+from benchmarks._pipeline_variants import STAGES as P
 
 __all__ = ["markdown", "replace_overhead", "report", "rerender"]
 

@@ -1,7 +1,8 @@
-"""The variants of benchmarks/pipeline_vs_torch.py and the runners that train them, on each rank.
+"""The runners that train the variants of benchmarks/pipeline_vs_torch.py, on each rank.
 
-A variant (:class:`Spec`) is a system (single process, mp or torch.distributed.pipelining), its schedule
-and the microbatch count; :func:`make_runner` builds its runner. Every runner starts from the same
+A variant (:class:`benchmarks._pipeline_variants.Spec`) is a system (single process, mp or
+torch.distributed.pipelining), its schedule and the microbatch count; :func:`make_runner` builds its
+runner. Every runner starts from the same
 initial weights (``base``), trains on the same global batch with AdamW and is built and closed on both
 ranks (collectively where the system needs it). A step is timed between two :func:`idle_barrier` calls,
 and :class:`CpuMeter` says where each rank's CPU went meanwhile.
@@ -21,71 +22,17 @@ import torch
 
 from benchmarks._launch import on_all_cores
 from benchmarks._pipeline_gpt import GPT, BackStage, GPTConfig, StageProbe
+from benchmarks._pipeline_variants import BOTH_RANKS, Spec
 
 __all__ = [
-    "ACTIVE_PLUS3",
-    "BOTH_RANKS",
-    "STAGES",
     "CpuMeter",
     "CpuSample",
     "MpRunner",
     "Runner",
     "SingleRunner",
-    "Spec",
     "TorchRunner",
     "make_runner",
-    "make_specs",
-    "mp_schedules",
 ]
-
-STAGES = 2
-"""Pipeline stages (ranks) of the benchmark."""
-
-ACTIVE_PLUS3 = "interleaved active 5"
-"""The mp session with the interleaved schedule and ``active_microbatches`` = pp + 3 instead of smp's
-default pp + 2 (run at m = 8; not one of the default-config pairs)."""
-
-BOTH_RANKS = "accumulate, both ranks"
-"""The single-process control run on both ranks at once (each its own copy, no communication): how much
-two processes computing at the same time slow each other down on this host."""
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One variant of the benchmark: a system, its schedule and the microbatch count."""
-
-    system: str
-    """single, mp or torch."""
-    schedule: str
-    """single: full batch / accumulate; mp: simple / interleaved; torch: GPipe / 1F1B."""
-    m: int
-    """Microbatches."""
-    threads: int = 1
-    """torch threads (single process only)."""
-
-    @property
-    def key(self) -> str:
-        return f"{self.system}/{self.schedule}/m{self.m}/t{self.threads}"
-
-
-def mp_schedules(m: int) -> tuple[str, ...]:
-    """The mp sessions run at ``m`` microbatches."""
-    base = ("simple", "interleaved", "simple static", "interleaved static")
-    return (*base, ACTIVE_PLUS3) if m > 5 else base  # where m leaves room for 5 in flight
-
-
-def make_specs(micro: list[int]) -> list[Spec]:
-    """Every variant the benchmark times, in the order of its table."""
-    out = [Spec("single", "full batch", 1, 1), Spec("single", "full batch", 1, 2)]
-    for m in micro:
-        out += [
-            Spec("single", "accumulate", m),
-            Spec("single", BOTH_RANKS, m),
-            *(Spec("mp", s, m) for s in mp_schedules(m)),
-            Spec("torch", "GPipe", m),
-            Spec("torch", "1F1B", m),
-        ]
-    return out
 
 
 class Runner(Protocol):

@@ -170,15 +170,8 @@ def main() -> None:
     from benchmarks._launch import idle_barrier
     from benchmarks._pipeline_gpt import GPT, GPTConfig, analyse, make_batch
     from benchmarks._pipeline_overhead import measure_overhead
-    from benchmarks._pipeline_runners import (
-        BOTH_RANKS,
-        CpuMeter,
-        Runner,
-        Spec,
-        make_runner,
-        make_specs,
-        mp_schedules,
-    )
+    from benchmarks._pipeline_runners import CpuMeter, Runner, make_runner
+    from benchmarks._pipeline_variants import BOTH_RANKS, Spec, make_specs, mp_schedules
     from mp_comm.world import init_world
 
     world = init_world()  # owns torch.distributed's default group; smp.init adopts it
