@@ -157,7 +157,10 @@ class _Stage(nn.Module):
             x = self.head(x)
         for block in self.blocks:
             x = block(x)
-        return x
+        # a view, so that a stage of Identity blocks does not return its received input itself: torch
+        # 2.11's stage then found no gradient for that input ("[1] for chunk 0 has gradients None" on the
+        # H200 machine's torch, CPU and CUDA alike); 2.13 accepts either. One view per stage, no copy.
+        return x.view_as(x)
 
 
 def _loss(x: torch.Tensor) -> torch.Tensor:
