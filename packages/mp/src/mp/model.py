@@ -51,19 +51,19 @@ from mp.state import state
 from mp.step_retry import ShortcutRetry
 from mp.tensor_api import replace_tp_modules
 from mp_comm import GroupKind
-from mp_memory.precision import cast_floats
+from mp_memory import cast_floats
 from mp_partition import PartitionPlan, StepTimer
 from mp_pipeline import (
+    OverlappedReduction,
     PipelineRuntime,
     Scheduler,
     TaskContext,
     capture,
     current,
+    flatten,
     pipelined_backward,
     task_context,
 )
-from mp_pipeline.dp import OverlappedReduction
-from mp_pipeline.structure import flatten
 from mp_tensor import is_distributed_parameter, is_scaled_batch_parameter
 from mp_tensor.nn.base import DistributedModule
 

@@ -18,21 +18,21 @@ from mp.model_extras import reduce_with_hook
 from mp.model_partition import _PLACEHOLDER, PartitionMixin
 from mp.sparse_grads import reduce_sparse_gradients, sparse_grad_parameters
 from mp.state import state
-from mp_comm import GroupKind
-from mp_comm.world import mpi_comm_of
+from mp_comm import GroupKind, mpi_comm_of
 from mp_pipeline import (
+    RECORDER,
+    EventKind,
+    OverlappedReduction,
     PipelineTimeoutError,
     agree_any,
     broadcast_tensors,
     default_timeout,
     reduce_gradients,
 )
-from mp_pipeline.dp import OverlappedReduction
-from mp_pipeline.timeline import RECORDER, EventKind
 from mp_tensor import is_distributed_parameter, is_scaled_batch_parameter
 
 if TYPE_CHECKING:
-    from mp_memory.sharded import ShardedDataParallel
+    from mp_memory import ShardedDataParallel
 
 __all__ = ["DataParallelMixin"]
 

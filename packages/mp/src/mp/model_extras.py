@@ -27,8 +27,7 @@ from torch import nn
 
 from mp.errors import SMPRuntimeError, SMPUnsupportedError, SMPValidationError
 from mp.state import state
-from mp_comm import GroupKind
-from mp_comm.waits import collective_wait
+from mp_comm import GroupKind, collective_wait
 
 if TYPE_CHECKING:
     from mp.model import DistributedModel
@@ -129,7 +128,7 @@ def reduce_with_hook(
     bucket_bytes: int,
 ) -> None:
     """The data-parallel gradient reduction with each bucket's all-reduce replaced by ``hook``."""
-    from mp_pipeline.dp import agree_any
+    from mp_pipeline import agree_any
 
     have = agree_any([p.grad is not None for p in params], group)
     live: list[nn.Parameter] = []

@@ -32,8 +32,7 @@ from mp_partition import (
     manual_partition,
     time_step,
 )
-from mp_pipeline import PipelineRuntime, TaskContext, task_context
-from mp_pipeline.timeline import Timeline
+from mp_pipeline import PipelineRuntime, TaskContext, Timeline, task_context
 
 __all__ = ["PartitionMixin"]
 

@@ -25,10 +25,15 @@ from mp.model_partition import PartitionMixin
 from mp.state import state
 from mp.step_retry import ShortcutRetry, StepSnapshot
 from mp_comm import GroupKind
-from mp_pipeline import FlowChangedError, PipelineRuntime, agree_any, caused_by
-from mp_pipeline.dp import OverlappedReduction
-from mp_pipeline.errors import PipelineTimeoutError
-from mp_pipeline.structure import flatten
+from mp_pipeline import (
+    FlowChangedError,
+    OverlappedReduction,
+    PipelineRuntime,
+    PipelineTimeoutError,
+    agree_any,
+    caused_by,
+    flatten,
+)
 
 __all__ = ["RetryMixin"]
 

@@ -21,11 +21,11 @@ from mp.sharded import local_state_dict as sharded_local_state_dict
 from mp.state import state
 from mp.state_dicts import full_state_dict, layout_of, load_full_state_dict, local_layout_check
 from mp_comm import GroupKind
-from mp_memory.checkpoint.schema import Header, read_header, write_header
+from mp_memory import Header, read_header, write_header
 
 if TYPE_CHECKING:
     from mp.model import DistributedModel
-    from mp_memory.sharded import ShardedDataParallel
+    from mp_memory import ShardedDataParallel
 
 __all__ = ["StateDictMixin"]
 
