@@ -231,7 +231,7 @@ def estimate(
     ``shard_optimizer_state``, reduce each gradient to the rank that steps it (smp's way, its paper's
     Appendix H.1) instead of mp's all-reduce; the parameters' broadcast follows either way.
     """
-    from mp_pipeline.schedule import simulate
+    from mp_pipeline import simulate
     from mp_tensor.atp.search import ModelShape, algorithm_bandwidth, t_comm
 
     if len(stages) != layout.pp:

@@ -185,8 +185,7 @@ def profile_model(
     the model is built and traced (``meta`` allocates nothing; ``cpu`` for models whose forward reads
     values, e.g. a Hugging Face mask check that calls ``.item()``).
     """
-    from mp_partition import build_hf_model, trace_model
-    from mp_partition.factory import load_factory
+    from mp_partition import build_hf_model, load_factory, trace_model
 
     config: Any = None
     module, sep, attr = model.partition(":")

@@ -143,8 +143,7 @@ def render_timeline(est: Estimate, path: str | os.PathLike[str]) -> Path | None:
     except ImportError:
         _log.warning("matplotlib is not installed: no timeline picture (pip install matplotlib)")
         return None
-    from mp_pipeline.timeline import Timeline
-    from mp_pipeline.timeline_record import Event, EventKind
+    from mp_pipeline import Event, EventKind, Timeline
 
     ns = 1e9
     events: list[Event] = []
