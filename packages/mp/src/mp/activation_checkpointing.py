@@ -230,7 +230,7 @@ def checkpoint_attentions(model: Any) -> int:
     """smp's ``checkpoint_attentions`` config key: checkpoint the attention of every distributed
     transformer layer of ``model`` (smp.nn.DistributedTransformerLayer, also those smp's
     tensor_parallelism() swapped in). Returns how many were marked."""
-    from mp_tensor.nn.transformer import DistributedTransformerLayer
+    from mp_tensor import DistributedTransformerLayer
 
     layers = [m for m in model.module.modules() if isinstance(m, DistributedTransformerLayer)]
     for layer in layers:

@@ -19,7 +19,7 @@ from typing import Any
 from mp.errors import IncompatibleCheckpointFoundError
 from mp.state_dicts import local_layout_check
 from mp_memory import read_header
-from mp_tensor.registry import default_registry
+from mp_tensor import default_registry
 
 __all__ = ["load_merged_model", "original_names"]
 

@@ -266,7 +266,7 @@ def check_paths(cfg: ModelParallelConfig, rank: int) -> None:
 
 
 def _check_topology_file(path: str) -> None:
-    from mp_tensor.atp import CommMatrix  # only jobs that ask for a saved topology pay for the import
+    from mp_tensor import CommMatrix  # only jobs that ask for a saved topology pay for the import
 
     allowed = (
         "one of " + ", ".join(repr(c) for c in ATP_TOPOLOGY_CHOICES) + ", or the path of a readable JSON "

@@ -28,7 +28,7 @@ import torch
 
 from mp.optimizer_chain import OptimizerPart
 from mp_memory import DelayedInitError, has_meta_parameters, materialize, parameters_on_meta, read_header
-from mp_tensor.nn.base import is_distributed_parameter, param_init
+from mp_tensor import is_distributed_parameter, param_init
 
 __all__ = [
     "DelayedLoads",

@@ -20,7 +20,7 @@ from mp_memory import CheckpointCorruptError, UntrustedCheckpointError
 # `except smp.InvalidPartitionIDError` works. They subclass ValueError / RuntimeError as smp's do.
 from mp_partition import InvalidPartitionIDError
 from mp_pipeline import InvalidStepOutputError
-from mp_tensor.errors import (
+from mp_tensor import (
     DistEmbeddingConfigError,
     DistTransformerConfigError,
     TPModuleRegisterError,

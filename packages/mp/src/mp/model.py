@@ -64,8 +64,7 @@ from mp_pipeline import (
     pipelined_backward,
     task_context,
 )
-from mp_tensor import is_distributed_parameter, is_scaled_batch_parameter
-from mp_tensor.nn.base import DistributedModule
+from mp_tensor import DistributedModule, is_distributed_parameter, is_scaled_batch_parameter
 
 __all__ = ["DistributedModel"]
 

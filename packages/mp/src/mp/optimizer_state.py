@@ -21,9 +21,7 @@ from mp.errors import IncompatibleCheckpointFoundError
 from mp.state import state
 from mp_comm import GroupKind
 from mp_memory import Header, write_header
-from mp_tensor.nn.base import DistributedModule, param_spec
-from mp_tensor.replace import ORIGINAL_ATTR, Replacement
-from mp_tensor.state_dict import distributed_roots
+from mp_tensor import ORIGINAL_ATTR, DistributedModule, Replacement, distributed_roots, param_spec
 
 if TYPE_CHECKING:
     from mp.model import DistributedModel

@@ -127,9 +127,7 @@ def _tp_values(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
     """A full state (the original model's names, as ``model.state_dict()`` gives it) as this TP rank's
     values under the module's own names: each distributed module's part translated from the original
     layout (when given so) and cut to this rank's TP shard, the rest as it is. No communication."""
-    from mp_tensor.nn.base import param_spec
-    from mp_tensor.replace import ORIGINAL_ATTR, Replacement
-    from mp_tensor.state_dict import distributed_roots
+    from mp_tensor import ORIGINAL_ATTR, Replacement, distributed_roots, param_spec
 
     assert state.model is not None
     roots = list(distributed_roots(state.model.module))

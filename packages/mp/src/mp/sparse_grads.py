@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mp_pipeline import agree_any
-from mp_tensor.nn import DistributedEmbedding
+from mp_tensor import DistributedEmbedding
 
 __all__ = ["reduce_sparse_gradients", "sparse_grad_parameters"]
 

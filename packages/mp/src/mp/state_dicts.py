@@ -25,10 +25,15 @@ from mp.errors import IncompatibleCheckpointFoundError
 from mp.state import state
 from mp_comm import GroupKind
 from mp_memory import TPLayout
-from mp_tensor import gather_state_dict, load_original_state_dict
-from mp_tensor.nn.base import DistributedModule, param_spec
-from mp_tensor.replace import ORIGINAL_ATTR, Replacement
-from mp_tensor.state_dict import distributed_roots
+from mp_tensor import (
+    ORIGINAL_ATTR,
+    DistributedModule,
+    Replacement,
+    distributed_roots,
+    gather_state_dict,
+    load_original_state_dict,
+    param_spec,
+)
 
 if TYPE_CHECKING:
     from mp.model import DistributedModel

@@ -19,15 +19,24 @@ from mp.delayed_init import delay_param_initialization, replacing
 from mp.errors import DistributedModelWrappedError
 from mp.state import state
 from mp_comm import GroupKind
-from mp_tensor.context import TPContext, set_context_provider
-from mp_tensor.enable import set_tensor_parallelism as _set_tensor_parallelism
-from mp_tensor.enable import tensor_parallelism
-from mp_tensor.grads import reduce_gradients
-from mp_tensor.hf.stack import whole_stack_registry
-from mp_tensor.nn.base import DistributedModule, is_distributed_parameter, is_scaled_batch_parameter
-from mp_tensor.registry import default_registry, tp_register, tp_register_with_module
-from mp_tensor.replace import default_dtype, replace_modules
-from mp_tensor.state_dict import gather_state_dict, load_original_state_dict
+from mp_tensor import (
+    DistributedModule,
+    TPContext,
+    default_dtype,
+    default_registry,
+    gather_state_dict,
+    is_distributed_parameter,
+    is_scaled_batch_parameter,
+    load_original_state_dict,
+    reduce_gradients,
+    replace_modules,
+    set_context_provider,
+    tensor_parallelism,
+    tp_register,
+    tp_register_with_module,
+    whole_stack_registry,
+)
+from mp_tensor import set_tensor_parallelism as _set_tensor_parallelism
 
 __all__ = [
     "delay_param_initialization",

@@ -232,7 +232,7 @@ def estimate(
     Appendix H.1) instead of mp's all-reduce; the parameters' broadcast follows either way.
     """
     from mp_pipeline import simulate
-    from mp_tensor.atp.search import ModelShape, algorithm_bandwidth, t_comm
+    from mp_tensor import ModelShape, algorithm_bandwidth, t_comm
 
     if len(stages) != layout.pp:
         raise PlanError(f"{len(stages)} stages given for pp={layout.pp}: expected one per pipeline stage")
