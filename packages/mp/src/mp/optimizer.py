@@ -7,6 +7,9 @@ norm of the whole model's gradient, across pipeline stages). Once the model
 is partitioned its parameter groups keep only the parameters this rank holds; this works whether the
 optimizer was built before or after ``smp.DistributedModel``, on the raw or the wrapped model's
 parameters.
+
+These methods are set once (``mp.optimizer_chain``); each runs the features the config turned on as an
+ordered list of parts, built in :func:`_parts`, ending with :class:`PlainPart` (the behaviour above).
 """
 
 from __future__ import annotations
