@@ -23,6 +23,7 @@ import json
 import os
 import re
 import select
+import shlex
 import shutil
 import signal
 import socket
@@ -693,9 +694,8 @@ class RemoteWatch:
     def __init__(self, folder: Path, launcher: str) -> None:
         self.folder = folder
         self.shim = folder / "remote-launch"
-        self.shim.write_text(
-            f'#!/bin/sh\nexec "{sys.executable}" -I "{REMOTE_LAUNCH}" "{folder}" "{launcher}" "$@"\n'
-        )
+        run = shlex.join([sys.executable, "-I", str(REMOTE_LAUNCH), str(folder), launcher])
+        self.shim.write_text(f'#!/bin/sh\nexec {run} "$@"\n')
         self.shim.chmod(0o700)
 
     def mpiexec_arguments(self) -> list[str]:
