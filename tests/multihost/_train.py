@@ -1,13 +1,14 @@
 """One training script for every launcher of the multi-host tests, started with no edit.
 
-    _train.py OUT [--save DIR] [--resume DIR] [--forever]
+    _train.py OUT [--save DIR] [--resume DIR] [--forever [--save-every N]]
 
 The config comes from MP_CONFIG (as `mp-launch --config` passes it). Trains a small MLP for a few steps,
 each data-parallel replica on its own batch, and checks on every rank that its losses and parameters equal
 plain single-process PyTorch trained on the whole batch. Writes one JSON record per rank to OUT: where the
 rank ran (host, local rank, groups) and what it checked. Exits non-zero on a mismatch. `--save` writes a
 partial checkpoint after the steps; `--resume` loads one first and trains the steps after it (compared
-with plain PyTorch trained through both); `--forever` trains until it is stopped, printing each step.
+with plain PyTorch trained through both); `--forever` trains until it is stopped, printing each step
+(and with `--save-every N`, saving a partial checkpoint into `--save` every N steps).
 """
 
 from __future__ import annotations
@@ -38,12 +39,24 @@ def batch(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :4].argmax(dim=1)
 
 
+def save(folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    smp.save_checkpoint(
+        folder,
+        tag=f"step{step}",
+        partial=True,
+        model=model,
+        optimizer=optimizer,
+        user_content={"next_step": step},
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--save")
     parser.add_argument("--resume")
     parser.add_argument("--forever", action="store_true")
+    parser.add_argument("--save-every", type=int, default=0)
     args = parser.parse_args()
     out = args.out
     smp.init()
@@ -71,15 +84,10 @@ def main() -> None:
             print(f"step {step}", flush=True)
             time.sleep(0.05)
         step += 1
-    if args.save:
-        smp.save_checkpoint(
-            args.save,
-            tag="after",
-            partial=True,
-            model=model,
-            optimizer=optimizer,
-            user_content={"next_step": step},
-        )
+        if args.forever and args.save and args.save_every and step % args.save_every == 0:
+            save(args.save, model, optimizer, step)
+    if args.save and not args.forever:
+        save(args.save, model, optimizer, step)
 
     # Plain PyTorch: the mean loss over every replica's batch (what data parallelism averages).
     ref = build()
@@ -113,6 +121,7 @@ def main() -> None:
         "params": sorted(mine),
         "param_gap": worst,
         "loss_gap": loss_gap,
+        "first_step": first,
         "launcher": smp.state.world.info.launcher.value,
         "address": smp.state.world.network.address,
     }

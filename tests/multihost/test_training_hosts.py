@@ -107,9 +107,9 @@ def test_pipeline_across_hosts_then_resume_on_one_host_and_on_both(
         assert r["param_gap"] <= 1e-5 and r["loss_gap"] <= 1e-5, r
 
 
-def _run_until_step(hosts: SimulatedHosts, tmp_path: Path, step: int) -> subprocess.Popen[str]:
+def _run_until_step(hosts: SimulatedHosts, tmp_path: Path, step: int, *extra: str) -> subprocess.Popen[str]:
     cmd = [str(BIN / "mp-launch"), "-n", "4", "--hosts", "h1:2,h2:2", "--launcher-exec", str(hosts.ssh)]
-    cmd += [str(TRAIN), str(tmp_path), "--forever"]
+    cmd += [str(TRAIN), str(tmp_path), "--forever", *extra]
     env = _env(SPREAD, MP_HEARTBEAT_TIMEOUT="5")
     proc = hosts.popen(hosts.hosts[0], cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert proc.stdout is not None
@@ -136,7 +136,12 @@ def _finish(proc: subprocess.Popen[str], limit: float) -> tuple[str, float]:
 
 
 def test_a_host_whose_processes_are_all_killed_ends_the_job(hosts: SimulatedHosts, tmp_path: Path) -> None:
-    proc = _run_until_step(hosts, tmp_path, 3)
+    ckpt, run, resumed = tmp_path / "ckpt", tmp_path / "run", tmp_path / "resumed"
+    run.mkdir()
+    resumed.mkdir()
+    # A checkpoint every 2 steps into the folder both hosts share; h2 dies after step 5 is printed (the
+    # save of step 6 may be under way).
+    proc = _run_until_step(hosts, run, 5, "--save", str(ckpt), "--save-every", "2")
     h2 = hosts.hosts[1]
     for pid in hosts.pids(h2):  # the ranks and Hydra's proxy: everything of the job on h2
         try:
@@ -148,14 +153,22 @@ def test_a_host_whose_processes_are_all_killed_ends_the_job(hosts: SimulatedHost
     out, took = _finish(proc, 10)
     assert proc.returncode != 0, out[-3000:]
     assert took < 10, f"the job took {took:.1f} s to end:\n{out[-3000:]}"
-    # Whoever notices first reports: a rank on h1 whose gloo peer went away (gloo names it by address,
-    # mp adds which host and ranks that is), or Hydra, whose proxy on h2 died with the rest (its message,
-    # "assert (!closed) failed", names no host; mp-launch's watcher of the ssh it started there does).
-    if "Connection closed by peer" in out:
-        assert f"mp: {h2.address} is host h2 (ranks 2, 3)" in out, out[-3000:]
-    else:
-        assert "assert (!closed)" in out, out[-3000:]
-        assert "host h2 (ranks 2, 3) was lost first" in out, out[-3000:]
+    # Whoever notices first reports, naming the host and its ranks: a rank on h1 whose gloo peer went
+    # away (gloo names it by address, "Connection closed/reset by peer"; mp adds which host and ranks that
+    # is), or Hydra, whose proxy on h2 died with the rest ("assert (!closed) failed", which names no host;
+    # mp-launch's watcher of the ssh it started there does).
+    by_rank = f"mp: {h2.address} is host h2 (ranks 2, 3)" in out
+    by_launcher = "assert (!closed)" in out and "host h2 (ranks 2, 3) was lost first" in out
+    assert by_rank or by_launcher, out[-3000:]
+    # The last complete checkpoint survives: h1 alone resumes from it (step 4, or a later one where the
+    # job ran on before the kill), and the steps after it equal plain PyTorch trained through them.
+    config = {"pipeline_parallel_degree": 2, "microbatches": 2}
+    cmd = [str(BIN / "mpiexec"), "-n", "4", sys.executable, str(TRAIN), str(resumed), "--resume", str(ckpt)]
+    done = hosts.run(hosts.hosts[0], cmd, env=_env(config))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    for r in _records(resumed, 4):
+        assert r["first_step"] >= 4 and r["first_step"] % 2 == 0, r  # a save of the run, at least step 4
+        assert r["param_gap"] <= 1e-5 and r["loss_gap"] <= 1e-5, r
 
 
 def test_a_host_cut_off_the_network_is_named_within_the_heartbeat_timeout(
