@@ -7,11 +7,11 @@ exception`` (SIGABRT). Before the fix, 3 of 20 8-rank jobs (one allreduce, then 
 2-rank jobs of this file's script failed on this host; mp_comm.teardown now destroys the groups
 (joining those threads) from atexit, after the transports and before MPI finalizes.
 
-Cost: each job imports torch on every rank (about 2 s of CPU a rank). Measured on this 2-core host
-while other jobs shared it (load 3-10): the 50 2-rank jobs took 271 s (5.4 s each) and the 5 8-rank
-jobs 52 s (10 s each), 5.5 min for the file (less on a quiet machine). 20 jobs at 8 ranks, as first
-asked for, would add ~2.5 min more, so the default (MP_CLEAN_EXIT_RUNS="2:50,8:5") runs 5 at 8
-ranks; MP_CLEAN_EXIT_RUNS="2:200,8:50" runs more (a soak, not for CI).
+Cost: each job imports torch on every rank (about 2 s of CPU a rank); in the fresh-clone CI run of
+2026-11-28 the 50 2-rank jobs took 368 s (7.4 s each) and the 5 8-rank jobs 71 s, the most of any test
+file. The default (MP_CLEAN_EXIT_RUNS="2:30,8:5") runs 30 jobs at 2 ranks: against the 1-in-12 rate the
+bug had there, 30 jobs miss it with probability (11/12)^30 = 7% (50: 1.3%), and the 8-rank jobs, where
+it struck 3 in 20, add 5 more chances. MP_CLEAN_EXIT_RUNS="2:200,8:50" runs a soak (not for CI).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ TERMINATE = "terminate called"
 
 
 def _runs() -> dict[int, int]:
-    raw = os.environ.get("MP_CLEAN_EXIT_RUNS", "2:50,8:5")
+    raw = os.environ.get("MP_CLEAN_EXIT_RUNS", "2:30,8:5")
     return {int(n): int(k) for n, k in (item.split(":") for item in raw.split(","))}
 
 
