@@ -17,6 +17,7 @@ from mp_pipeline.errors import (
     PipelineError,
     PipelineTimeoutError,
     RemoteExecutionError,
+    SplitBackwardError,
     SplitError,
     caused_by,
 )
@@ -26,6 +27,7 @@ from mp_pipeline.remote import Remote, remote_error
 from mp_pipeline.runtime import PipelineRuntime, StepDriver, default_timeout, pipelined_backward
 from mp_pipeline.schedule import Phase, Scheduler, SimResult, Task, fixed_order, simulate
 from mp_pipeline.server import Server
+from mp_pipeline.split_backward import WeightGrad, backward_input
 from mp_pipeline.static import FlowRecorder, TemplateStore
 from mp_pipeline.step_output import StepOutput, merge_microbatch_results
 from mp_pipeline.structure import Slot, flatten, map_structure, unflatten
@@ -62,6 +64,7 @@ __all__ = [
     "Server",
     "SimResult",
     "Slot",
+    "SplitBackwardError",
     "SplitError",
     "SplitSpec",
     "StepAbort",
@@ -73,11 +76,13 @@ __all__ = [
     "TaskContext",
     "TemplateStore",
     "Timeline",
+    "WeightGrad",
     "WorkerPool",
     "WorkerState",
     "__version__",
     "agree_any",
     "applied",
+    "backward_input",
     "broadcast_tensors",
     "buckets",
     "capture",

@@ -16,6 +16,7 @@ __all__ = [
     "PipelineError",
     "PipelineTimeoutError",
     "RemoteExecutionError",
+    "SplitBackwardError",
     "SplitError",
     "caused_by",
     "collective_mismatch",
@@ -117,6 +118,11 @@ class PipelineTimeoutError(PipelineError):
 
 class SplitError(ValueError):
     """Step inputs cannot be split into microbatches as asked (smp's TensorSplitError)."""
+
+
+class SplitBackwardError(PipelineError):
+    """A split backward (mp_pipeline.split_backward) was used out of order: mismatched outputs and
+    gradients, or a call's weight half run twice."""
 
 
 class InvalidStepOutputError(ValueError):
