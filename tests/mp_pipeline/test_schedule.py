@@ -9,6 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mp_pipeline import Phase, Scheduler, Task, fixed_order, simulate
+from mp_pipeline.schedule import (
+    Action,
+    Op,
+    OrderResult,
+    one_f_one_b_orders,
+    simulate_orders,
+    zero_bubble_orders,
+)
 
 F, B = Phase.FORWARD, Phase.BACKWARD
 
@@ -218,3 +226,51 @@ def test_interleaving_keeps_fewer_microbatches_alive_than_simple() -> None:
     assert inter.makespan == simple.makespan == 33.0  # 8 x 3 units of work + a (4 - 1) x 3 bubble
     # bounding it further trades time for memory
     assert simulate("interleaved", 8, 4, forward_costs=(1.0,) * 4).makespan > simple.makespan
+
+
+# ---------------------------------------------------------------------- per-stage orders: 1F1B vs ZB-H1
+def _run(orders: list[list[Action]], p: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> OrderResult:
+    return simulate_orders(orders, forward_costs=[f] * p, input_costs=[b] * p, weight_costs=[w] * p)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 6, 8])
+@pytest.mark.parametrize("extra", [0, 1, 5, 13])
+def test_zero_bubble_bubble_is_a_third_of_1f1b_at_1f1b_activations(stages: int, extra: int) -> None:
+    """Equal forward, input-half and weight-half costs: ZB-H1's step is 3m + p - 1 (bubble (p-1)/3m of
+    the work), 1F1B's 3(m + p - 1) (bubble (p-1)/m), and no stage holds more microbatches between
+    forward and input gradient than under 1F1B."""
+    m = stages + extra
+    zb = _run(zero_bubble_orders(stages, m), stages)
+    ob = _run(one_f_one_b_orders(stages, m), stages)
+    assert zb.makespan == 3 * m + stages - 1
+    assert ob.makespan == 3 * (m + stages - 1)
+    assert zb.bubble == pytest.approx((stages - 1) / (3 * m))
+    assert ob.bubble == pytest.approx((stages - 1) / m)
+    assert zb.bubble == pytest.approx(ob.bubble / 3)
+    assert zb.peak_activations == ob.peak_activations == [stages - s for s in range(stages)]
+    assert max(zb.peak_pending_weights) <= stages
+
+
+@pytest.mark.parametrize("stages", [2, 4, 8])
+@pytest.mark.parametrize("microbatches", [1, 2, 3, 7])
+@pytest.mark.parametrize("costs", [(1.0, 1.0, 1.0), (1.0, 1.3, 0.7), (1.0, 0.8, 1.2), (0.5, 1.0, 1.0)])
+def test_zero_bubble_orders_are_complete_and_never_slower(
+    stages: int, microbatches: int, costs: tuple[float, float, float]
+) -> None:
+    orders = zero_bubble_orders(stages, microbatches)
+    for s, order in enumerate(orders):
+        for op in (Op.F, Op.B, Op.W):
+            assert sorted(a.microbatch for a in order if a.op is op) == list(range(microbatches)), (s, op)
+        seen = {a: i for i, a in enumerate(order)}
+        assert all(seen[Action(Op.B, k)] < seen[Action(Op.W, k)] for k in range(microbatches))
+    f, b, w = costs
+    zb = _run(orders, stages, f, b, w)
+    ob = _run(one_f_one_b_orders(stages, microbatches), stages, f, b, w)
+    assert zb.makespan <= ob.makespan + 1e-9
+    assert zb.peak_activations == ob.peak_activations
+
+
+def test_orders_that_deadlock_are_named() -> None:
+    orders = [[Action(Op.B, 0), Action(Op.F, 0)], [Action(Op.F, 0), Action(Op.B, 0)]]
+    with pytest.raises(ValueError, match=r"deadlock.*\{0: 'B0', 1: 'F0'\}"):
+        _run(orders, 2)

@@ -18,6 +18,10 @@ server sees then no longer depends on timing (``deterministic_server``).
 
 The scheduler is driven by events (:meth:`Scheduler.backward_ready`, :meth:`Scheduler.finished`) and
 holds no threads or communication; :func:`simulate` drives it over a model of a linear pipeline.
+
+Per-stage orders (:func:`one_f_one_b_orders`, :func:`zero_bubble_orders`) describe a schedule as each
+stage's list of actions, with the backward split into its input and weight halves where the schedule
+splits it; :func:`simulate_orders` runs them.
 """
 
 from __future__ import annotations
@@ -28,7 +32,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["Phase", "Scheduler", "SimResult", "Task", "fixed_order", "simulate"]
+__all__ = [
+    "Action",
+    "Op",
+    "OrderResult",
+    "Phase",
+    "Scheduler",
+    "SimResult",
+    "Task",
+    "fixed_order",
+    "one_f_one_b_orders",
+    "simulate",
+    "simulate_orders",
+    "zero_bubble_orders",
+]
 
 ScheduleKind = Literal["simple", "interleaved"]
 
@@ -320,3 +337,174 @@ def simulate(
             sched.finished(mb)
     result.makespan = max((s.end for s in result.spans), default=0.0)
     return result
+
+
+# ------------------------------------------------------------------------------ per-stage action orders
+class Op(enum.Enum):
+    """One stage's work on one microbatch: its forward, the input half of its backward (``B``), the
+    weight half (``W``, mp_pipeline.split_backward), or both halves at once (``BW``, a full backward)."""
+
+    F = "F"
+    B = "B"
+    W = "W"
+    BW = "BW"
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One entry of a stage's order."""
+
+    op: Op
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.op.value}{self.microbatch}"
+
+
+def one_f_one_b_orders(stages: int, microbatches: int) -> list[list[Action]]:
+    """1F1B's order per stage: ``stages - 1 - s`` warm-up forwards on stage ``s``, then one forward
+    and one full backward alternately, then the remaining backwards."""
+    _check_sizes(stages, microbatches)
+    orders = []
+    for s in range(stages):
+        nf = min(stages - 1 - s, microbatches)
+        order = [Action(Op.F, k) for k in range(nf)]
+        for k in range(microbatches):
+            if nf < microbatches:
+                order.append(Action(Op.F, nf))
+                nf += 1
+            order.append(Action(Op.BW, k))
+        orders.append(order)
+    return orders
+
+
+def zero_bubble_orders(stages: int, microbatches: int) -> list[list[Action]]:
+    """ZB-H1's order per stage (zero-bubble pipeline parallelism, the schedule whose activations stay
+    those of 1F1B): each backward splits into its input half ``B``, which the stage before waits for,
+    and its weight half ``W``, which nothing waits for and which fills the time 1F1B's stages idle.
+
+    The order is what this rule gives with unit costs: a stage runs a ready ``B`` first; else the next
+    forward while fewer than ``stages - s`` of its microbatches are between forward and ``B`` (1F1B's
+    in-flight bound); else a pending ``W``. A ``W`` goes first once ``stages - 1`` are pending, so at
+    most ``stages`` weight halves (and the graphs they keep) wait at once. With equal forward, input-
+    and weight-half costs the step takes ``3m + p - 1`` units against 1F1B's ``3(m + p - 1)``: the
+    bubble falls from ``(p - 1)/m`` of the work to ``(p - 1)/3m``."""
+    _check_sizes(stages, microbatches)
+    m = microbatches
+    orders: list[list[Action]] = [[] for _ in range(stages)]
+    done: dict[tuple[Op, int, int], int] = {}  # (op, stage, microbatch) -> tick it ends
+    nf, nb, nw = [0] * stages, [0] * stages, [0] * stages
+    tick = 0
+    while any(n < m for n in nw):
+        for s in range(stages):
+            if nb[s] < nf[s]:
+                waits_on = (Op.F, s, nb[s]) if s == stages - 1 else (Op.B, s + 1, nb[s])
+                b_ready = done.get(waits_on, tick + 1) <= tick
+            else:
+                b_ready = False
+            f_ready = (
+                nf[s] < m
+                and nf[s] - nb[s] < stages - s
+                and (s == 0 or done.get((Op.F, s - 1, nf[s]), tick + 1) <= tick)
+            )
+            pending = nb[s] - nw[s]
+            if pending >= stages or (pending and not b_ready and not f_ready):
+                action, nw[s] = Action(Op.W, nw[s]), nw[s] + 1
+            elif b_ready:
+                action, nb[s] = Action(Op.B, nb[s]), nb[s] + 1
+            elif f_ready:
+                action, nf[s] = Action(Op.F, nf[s]), nf[s] + 1
+            else:
+                continue
+            orders[s].append(action)
+            done[(action.op, s, action.microbatch)] = tick + 1
+        tick += 1
+    return orders
+
+
+def _check_sizes(stages: int, microbatches: int) -> None:
+    if stages < 1 or microbatches < 1:
+        raise ValueError(f"stages={stages}, microbatches={microbatches}: expected both >= 1")
+
+
+@dataclass
+class OrderResult:
+    """What :func:`simulate_orders` produced: per-stage spans (``(action, start, end)``), the step
+    time, each stage's busy time, the most microbatches between forward and input gradient on each
+    stage (what 1F1B bounds: their activations), and the most weight halves pending on each stage."""
+
+    spans: list[list[tuple[Action, float, float]]]
+    makespan: float
+    busy: list[float]
+    peak_activations: list[int]
+    peak_pending_weights: list[int]
+
+    @property
+    def bubble(self) -> float:
+        """Idle time over all stages as a fraction of the work."""
+        work = sum(self.busy)
+        return (self.makespan * len(self.busy) - work) / work if work else 0.0
+
+
+def simulate_orders(
+    orders: Sequence[Sequence[Action]],
+    *,
+    forward_costs: Sequence[float],
+    input_costs: Sequence[float],
+    weight_costs: Sequence[float],
+) -> OrderResult:
+    """Runs per-stage orders on a linear pipeline without communication cost: each stage runs its
+    actions in order, each as soon as the stage is free and its input is there (a forward waits for
+    the previous stage's forward, an input half or full backward for the next stage's, a weight half
+    for its own input half). ``BW`` costs an input plus a weight half."""
+    stages = len(orders)
+    if not len(forward_costs) == len(input_costs) == len(weight_costs) == stages:
+        raise ValueError(f"{stages} orders: expected that many forward, input and weight costs")
+    end: dict[tuple[Op, int, int], float] = {}
+    free = [0.0] * stages
+    pos = [0] * stages
+    spans: list[list[tuple[Action, float, float]]] = [[] for _ in range(stages)]
+    left = sum(len(o) for o in orders)
+    while left:
+        moved = False
+        for s in range(stages):
+            if pos[s] == len(orders[s]):
+                continue
+            action = orders[s][pos[s]]
+            op, mb = action.op, action.microbatch
+            if op is Op.F:
+                deps = [(Op.F, s - 1, mb)] if s else []
+                cost = forward_costs[s]
+            elif op is Op.W:
+                deps = [(Op.B, s, mb)]
+                cost = weight_costs[s]
+            else:
+                deps = [(Op.F, s, mb)] + ([(Op.B, s + 1, mb)] if s + 1 < stages else [])
+                cost = input_costs[s] + (weight_costs[s] if op is Op.BW else 0.0)
+            if not all(d in end for d in deps):
+                continue
+            start = max([free[s], *(end[d] for d in deps)])
+            free[s] = start + cost
+            end[(Op.B if op is Op.BW else op, s, mb)] = free[s]
+            spans[s].append((action, start, free[s]))
+            pos[s] += 1
+            left -= 1
+            moved = True
+        if not moved:
+            waiting = {s: str(orders[s][pos[s]]) for s in range(stages) if pos[s] < len(orders[s])}
+            raise ValueError(f"the orders deadlock: each stage's next action waits forever ({waiting})")
+    return OrderResult(
+        spans=spans,
+        makespan=max(free),
+        busy=[sum(e - b for _, b, e in sp) for sp in spans],
+        peak_activations=[_peak(sp, {Op.F}, {Op.B, Op.BW}) for sp in spans],
+        peak_pending_weights=[_peak(sp, {Op.B}, {Op.W}) for sp in spans],
+    )
+
+
+def _peak(spans: list[tuple[Action, float, float]], up: set[Op], down: set[Op]) -> int:
+    count = peak = 0
+    for action, _, _ in spans:
+        count += (action.op in up) - (action.op in down)
+        peak = max(peak, count)
+    return peak
