@@ -180,6 +180,8 @@ def tp_dropout(x: Tensor, p: float, training: bool, ctx: TPContext, kind: Layout
         return x
     if not ctx.distributed:
         return torch.nn.functional.dropout(x, p, True)
+    if x.device.type == "meta":  # shapes only (mp-plan traces distributed models on meta): no generator
+        return x * torch.empty_like(x) / (1.0 - p)
     offset = 0 if kind == "replicated" else 1 + ctx.rank
     key = (ctx.seed, x.device.type, offset if x.device.index is None else offset * 1024 + x.device.index)
     gen = _generators.get(key)

@@ -117,7 +117,8 @@ def linear_reduce_scatter(
     n = dist.get_world_size(group)
     flat = [t for pair in pairs for t in pair]
     device = flat[0].device.type
-    if torch.is_autocast_enabled(device):  # cast as autocast casts F.linear's operands; GEMMs write in place
+    # cast as autocast casts F.linear's operands (GEMMs write in place); meta (mp-plan's traces) has none
+    if device != "meta" and torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         flat = [t.to(dtype) for t in flat]
         with torch.autocast(device, enabled=False):
