@@ -33,7 +33,7 @@ from mp.errors import (
 )
 
 KEYS = ModelParallelConfig.all_keys()
-SPECS = ModelParallelConfig._specs
+SPECS = ModelParallelConfig.specs()
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 

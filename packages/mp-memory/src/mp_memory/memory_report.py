@@ -90,7 +90,7 @@ class _Held:
         self.tensor = tensor
 
     def __del__(self) -> None:
-        self.tracker._release(self.key)
+        self.tracker.release(self.key)
 
 
 class ActivationTracker:
@@ -146,7 +146,8 @@ class ActivationTracker:
     def _unpack(held: Any) -> torch.Tensor:
         return held.tensor if isinstance(held, _Held) else held
 
-    def _release(self, key: tuple[str, int]) -> None:
+    def release(self, key: tuple[str, int]) -> None:
+        """Note that the activation ``key`` was freed (from its holder's finalizer; counted later)."""
         self._released.append(key)
 
     def _drain(self) -> None:

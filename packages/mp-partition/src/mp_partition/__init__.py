@@ -28,6 +28,7 @@ from .factory import load_factory
 from .hf import build_hf_model, partition_hf
 from .manual import clear_partition, get_partition, partition, partition_marks, set_partition
 from .nodes import ModuleNode, build_module_tree
+from .placement import PLACEHOLDER_ATTR, Placement, module_path
 from .plan import PartitionPlan, PartitionStats, PlanInputs, PlanNode, model_fingerprint
 from .report import format_report, render_plan
 from .segment import max_segment_cost, optimal_segments
@@ -37,6 +38,7 @@ from .trace import ModuleStats, Tracer, TraceResult, is_tracing, trace_model
 __version__ = "0.1.0"
 
 __all__ = [
+    "PLACEHOLDER_ATTR",
     "CostTotals",
     "InvalidPartitionIDError",
     "ModelTooSmallError",
@@ -46,6 +48,7 @@ __all__ = [
     "PartitionError",
     "PartitionPlan",
     "PartitionStats",
+    "Placement",
     "PlanFormatError",
     "PlanInputs",
     "PlanMismatchError",
@@ -75,6 +78,7 @@ __all__ = [
     "manual_partition",
     "max_segment_cost",
     "model_fingerprint",
+    "module_path",
     "optimal_segments",
     "partition",
     "partition_hf",

@@ -105,7 +105,7 @@ class _TagMode(TorchFunctionMode):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        self._timer._tag(out)
+        self._timer.tag(out)
         return out
 
 
@@ -169,12 +169,13 @@ class StepTimer:
     def _post(self, path: str, output: object) -> None:
         if threading.get_ident() != self._thread or not self._stack:
             return
-        self._tag(output)  # outputs of ops the mode does not see (custom autograd Functions)
+        self.tag(output)  # outputs of ops the mode does not see (custom autograd Functions)
         self._switch(self._forward, self._current())
         while self._stack and self._stack.pop() != path:  # an exception unwound past inner modules
             pass
 
-    def _tag(self, out: object) -> None:
+    def tag(self, out: object) -> None:
+        """Mark the tensors of an op's output with the module running now (on the timed thread)."""
         if threading.get_ident() != self._thread:
             return
         owner = self._current()

@@ -197,8 +197,9 @@ class Tracer:
             self._param_ids.update(id(b) for b in entry.module._buffers.values() if b is not None)
         self._device = _model_device(model)
         self._cuda = self._device == "cuda"
-        self._measure = measure_time and self._device in ("cpu", "cuda")
-        if measure_time and not self._measure:
+        self.measures = measure_time and self._device in ("cpu", "cuda")
+        """Whether this trace measures times (asked for, and the model is on the CPU or CUDA)."""
+        if measure_time and not self.measures:
             _log.info("forward times are not measured on device %r; using module counts", self._device)
         self._handles: list[RemovableHandle] = []
         self._calls: list[_Call] = []
@@ -217,7 +218,7 @@ class Tracer:
 
     # -- hooks -----------------------------------------------------------------------------------------
     def _now(self) -> Any:
-        if not self._measure:
+        if not self.measures:
             return None
         if self._cuda:
             event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -313,7 +314,7 @@ class Tracer:
     ) -> None:
         assert self._exit_stack is not None
         try:
-            if self._cuda and self._measure:
+            if self._cuda and self.measures:
                 torch.cuda.synchronize()
         finally:
             self._exit_stack.close()
@@ -338,7 +339,7 @@ class Tracer:
             raise TracingError("Tracer.result() was called inside the with block: expected after it")
         inclusive: dict[str, float] = {}
         exclusive: dict[str, float] = {}
-        if self._measure:
+        if self.measures:
             durations = [self._duration(c) for c in self._calls]
             for call, dur in zip(self._calls, durations, strict=True):
                 inner = sum(durations[i] for i in call.children)
@@ -351,8 +352,8 @@ class Tracer:
             modules[p] = ModuleStats(
                 calls=self._count.get(p, 0),
                 first_call=self._first.get(p),
-                forward_time_s=(inclusive.get(p, 0.0) if ran else 0.0) if self._measure else None,
-                self_time_s=(exclusive.get(p, 0.0) if ran else 0.0) if self._measure else None,
+                forward_time_s=(inclusive.get(p, 0.0) if ran else 0.0) if self.measures else None,
+                self_time_s=(exclusive.get(p, 0.0) if ran else 0.0) if self.measures else None,
                 saved_bytes=self._saved.get(p, 0),
                 output_bytes=self._outputs.get(p, 0),
             )
@@ -360,7 +361,7 @@ class Tracer:
             modules=MappingProxyType(modules),
             execution_order=MappingProxyType({k: tuple(v) for k, v in self._order.items()}),
             device=self._device,
-            measured_time=self._measure,
+            measured_time=self.measures,
             grad_recorded=self._grad_recorded,
         )
 
@@ -422,7 +423,7 @@ def trace_model(
         raise TracingError(f"trace_model got {type(model).__name__}: expected a torch.nn.Module")
     kwargs = dict(kwargs or {})
     tracer = Tracer(model, measure_time=measure_time)
-    if tracer._measure and warmup > 0:
+    if tracer.measures and warmup > 0:
         with _preserved_state(model), torch.no_grad():
             for _ in range(warmup):
                 model(*args, **kwargs)

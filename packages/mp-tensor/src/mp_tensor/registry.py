@@ -130,10 +130,14 @@ def _check_dist(dist_module: object) -> None:
         )
 
 
+_RECORDS_ARGS_ATTR = "_mp_records_args"
+"""Set on an ``__init__`` that ``_record_init_args`` wrapped already."""
+
+
 def _record_init_args(module_cls: type[nn.Module]) -> None:
     """Wrap ``module_cls.__init__`` (once) so each instance remembers its constructor arguments."""
     own = module_cls.__dict__.get("__init__")
-    if own is not None and getattr(own, "_mp_records_args", False):
+    if own is not None and getattr(own, _RECORDS_ARGS_ATTR, False):
         return
     original = module_cls.__init__
 
@@ -143,7 +147,7 @@ def _record_init_args(module_cls: type[nn.Module]) -> None:
         if type(self) is module_cls and INIT_ARGS_ATTR not in self.__dict__:
             self.__dict__[INIT_ARGS_ATTR] = (args, kwargs)
 
-    __init__._mp_records_args = True  # type: ignore[attr-defined]
+    setattr(__init__, _RECORDS_ARGS_ATTR, True)
     module_cls.__init__ = __init__  # type: ignore[method-assign]
 
 

@@ -45,16 +45,16 @@ def _path(model: Any, module: nn.Module) -> str | None:
 def _owners(model: Any, path: str, module: nn.Module) -> set[int]:
     """The pp_ranks holding ``module`` and its submodules."""
     prefix = f"{path}." if path else ""
-    return {model._module_owner(prefix + sub if sub else path) for sub, _ in module.named_modules()}
+    return {model.placement.module_owner(prefix + sub if sub else path) for sub, _ in module.named_modules()}
 
 
 def _owns(model: Any, path: str, module: nn.Module) -> bool:
     """Whether this rank owns ``module`` and everything inside it."""
-    return _owners(model, path, module) == {int(model._pp_rank)}
+    return _owners(model, path, module) == {int(model.placement.pp_rank)}
 
 
 def _pipelined(model: Any) -> bool:
-    return model is not None and model._pp > 1 and model.partitioned
+    return model is not None and bool(model.placement.pipelined)
 
 
 def _split(model: Any, path: str, owners: set[int]) -> bool:
@@ -117,7 +117,7 @@ def set_activation_checkpointing(
             f"the {type(module).__name__} passed to set_activation_checkpointing is not part of the "
             "DistributedModel's module; pass one of its submodules"
         )
-    if model.partitioned and model._pp > 1:
+    if model.placement.pipelined:
         raise StepFunctionCalledError(
             "set_activation_checkpointing must be called before the first @smp.step (which partitions "
             "the model); call it right after smp.DistributedModel"
@@ -133,7 +133,7 @@ def set_activation_checkpointing(
             strategy,
             preserve_rng_state,
             skip=is_tracing,
-            owner=lambda i: model._module_owner(children[i][0]),
+            owner=lambda i: model.placement.module_owner(children[i][0]),
             local=lambda i: _owns(model, *children[i]),
         )
     else:
@@ -145,7 +145,7 @@ def set_activation_checkpointing(
 @contextlib.contextmanager
 def _checkpointed_remotely(model: Any, path: str) -> Iterator[None]:
     """Calls of module ``path`` made inside ask its owner to run it under a checkpoint."""
-    flagged = model._runtime.remote.checkpointed
+    flagged = model.runtime.remote.checkpointed
     added = path not in flagged
     flagged.add(path)
     try:
@@ -173,7 +173,7 @@ def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True, *
     if path is None:  # not part of the partitioned model: it runs here
         return activation.checkpoint(module, *args, preserve_rng_state=preserve_rng_state, **kwargs)
     owners = _owners(model, path, module)
-    if owners == {int(model._pp_rank)}:
+    if owners == {int(model.placement.pp_rank)}:
         return activation.checkpoint(module, *args, preserve_rng_state=preserve_rng_state, **kwargs)
     if len(owners) == 1:
         with _checkpointed_remotely(model, path):
@@ -214,7 +214,7 @@ def checkpoint_sequential(
     children = [(prefix + name, child) for name, child in sequential_module.named_children()]
     x = input
     for segment in activation.segments(
-        strategy, len(children), lambda i: model._module_owner(children[i][0])
+        strategy, len(children), lambda i: model.placement.module_owner(children[i][0])
     ):
         part = [children[i] for i in segment]
         if len(part) > 1 and all(_owns(model, p, m) for p, m in part):

@@ -158,9 +158,8 @@ def save(  # noqa: PLR0917 - smp's positional signature
                 engine.save_full(obj, path, c.rank, **args)
             return
         if state.initialized and state.model is not None:
-            state.model._enter_collective(
-                "smp.save(partial=True)"
-            )  # not the path: ranks may name files apart
+            # not the path: ranks may name files apart
+            state.model.placement.enter("smp.save(partial=True)")
         kind = GroupKind.WORLD if v3 else GroupKind.MP
         group = _group(kind)
         group_rank = dist.get_rank(group) if group is not None else 0
@@ -450,7 +449,7 @@ def resume_from_checkpoint(  # noqa: PLR0917 - smp's positional signature
     if translate_function is not None:
         sd = translate_function(sd)
     if moved:
-        load_merged_model(model, sd, strict)
+        load_merged_model(model.module, model.placement, sd, strict)
     else:
         model.load_state_dict(sd, strict=strict)
     if opt_sd is not None:
@@ -485,7 +484,7 @@ def _read(
         model_parts = {(p, t): ckpt.load(f"model_{p}_{t}_0.pt") for p in stages for t in tps}
 
         def translate(full: dict[str, Any]) -> dict[str, Any]:
-            return original_names(state.model, full)
+            return original_names(state.model.module, full)
 
         sd = full_model_from_parts(model_parts, len(tps), translate)
         opt_sd = None

@@ -26,6 +26,7 @@ from types import ModuleType
 from typing import Literal
 
 import mp
+from mp import _SOURCES as facade_table  # the facade's one table (this package's own)
 from mp.config_model import ModelParallelConfig
 from mp.config_rules import _NOT_BUILT
 
@@ -348,7 +349,7 @@ def mp_additions() -> list[tuple[str, str]]:
     smp |= {name.rpartition(".")[2] for name in smp if name.startswith("patches.")}
     smp |= {name.split(".")[0] for name in smp}  # smp.nn, smp.amp: modules whose members smp lists
     found = []
-    for module, entries in mp._SOURCES.items():
+    for module, entries in facade_table.items():
         for entry in entries.split():
             name = entry.partition("=")[0]
             if name not in smp:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from types import MappingProxyType
+from typing import Any, Literal
 
 from mp.config_rules import alias_conflict, check_rules, log_resolutions, unknown_key
 from mp.config_schema import KeySpec, check_value, config_error, show
@@ -229,11 +230,8 @@ class ModelParallelConfig:
     """Internal smp key: a JSON file for the partition decision. Global rank 0 writes the decision there
     once the model is partitioned, unless ``load_partition`` reads it from there (mp.partition_file)."""
 
-    _specs: ClassVar[dict[str, tuple[str, KeySpec]]]
-    """Per smp key: the field name and the spec (filled in below the class)."""
-
     def __post_init__(self) -> None:
-        for key, (name, spec) in sorted(self._specs.items()):
+        for key, (name, spec) in sorted(_SPECS.items()):
             value = getattr(self, name)
             normalized = check_value(key, spec, value)
             if normalized is not value:
@@ -323,22 +321,27 @@ class ModelParallelConfig:
 
     # ------------------------------------------------------------------ dict conversion
     @classmethod
+    def specs(cls) -> Mapping[str, tuple[str, KeySpec]]:
+        """Per smp key: the field name and the spec, in declaration order."""
+        return MappingProxyType(_SPECS)
+
+    @classmethod
     def all_keys(cls) -> tuple[str, ...]:
         """Every config key (smp's names, no aliases), in declaration order."""
-        return tuple(cls._specs)
+        return tuple(_SPECS)
 
     @classmethod
     def aliases(cls) -> dict[str, str]:
         """Every other accepted name, mapped to its config key."""
         return {
             alias: key
-            for key, (name, spec) in cls._specs.items()
+            for key, (name, spec) in _SPECS.items()
             for alias in (*spec.aliases, *((name,) if name != key else ()))
         }
 
     def to_dict(self) -> dict[str, object]:
         """The config as a JSON-serializable dict of smp keys (None for keys left to derive)."""
-        return {key: getattr(self, name) for key, (name, _) in self._specs.items()}
+        return {key: getattr(self, name) for key, (name, _) in _SPECS.items()}
 
     @classmethod
     def from_dict(cls, params: Mapping[str, object]) -> ModelParallelConfig:
@@ -359,14 +362,14 @@ class ModelParallelConfig:
             raise config_error(
                 None, raw, " as a config key", "string keys only", f"write the key {show(raw)} as a string"
             )
-        names = {key: key for key in cls._specs} | cls.aliases()
+        names = {key: key for key in _SPECS} | cls.aliases()
         for key in sorted(params):
             if key not in names:
-                raise unknown_key(key, params[key], names, len(cls._specs))
+                raise unknown_key(key, params[key], names, len(_SPECS))
         given: dict[str, list[tuple[str, Any]]] = {}
         for key in sorted(params):
             canonical = names[key]
-            name, spec = cls._specs[canonical]
+            name, spec = _SPECS[canonical]
             given.setdefault(name, []).append((key, check_value(key, spec, params[key])))
         for entries in given.values():
             (key_a, val_a), *rest = entries
@@ -376,8 +379,8 @@ class ModelParallelConfig:
         return cls(**{name: entries[0][1] for name, entries in given.items()})
 
 
-ModelParallelConfig._specs = {
+_SPECS: dict[str, tuple[str, KeySpec]] = {
     (f.metadata[_SPEC].key or f.name): (f.name, f.metadata[_SPEC])
     for f in dataclasses.fields(ModelParallelConfig)
 }
-"""Per smp key: the field name and the spec, in declaration order."""
+"""Per smp key: the field name and the spec, in declaration order (``ModelParallelConfig.specs``)."""

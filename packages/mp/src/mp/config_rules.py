@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from mp.config_combinations import REFUSED, RefusedCombination
 from mp.config_schema import MODEL_KWARGS, UNSUPPORTED_KEYS, WRAPPER_KEYS, config_error, did_you_mean, show
 from mp.errors import ConfigError
 
@@ -68,100 +69,22 @@ def _rule_error(key: str, value: object, problem: str, allowed: str, fix: str) -
 
 # ---------------------------------------------------------------------------- cross-key rules
 def check_rules(c: ModelParallelConfig) -> None:
-    """The rules between keys, in sorted order of the key each is about."""
-    if c.active_microbatches is not None and c.active_microbatches > c.microbatches:
-        raise _rule_error(
-            "active_microbatches",
-            c.active_microbatches,
-            f", more than 'microbatches' ({c.microbatches})",
-            f"an int from 1 to microbatches ({c.microbatches}), or null for min(pp + 2, microbatches)",
-            f"lower 'active_microbatches' to at most {c.microbatches}, raise 'microbatches' to at least "
-            f"{c.active_microbatches}, or leave 'active_microbatches' out",
-        )
-    if c.atp_mesh is not None:
-        _check_atp_mesh(c)
-    if c.atp_topology is not None and c.atp_mesh != "auto":
-        raise _rule_error(
-            "atp_topology",
-            c.atp_topology,
-            f" with 'atp_mesh': {show(c.atp_mesh)}",
-            "atp_topology only together with atp_mesh 'auto' (the topology is what the search runs on)",
-            "set 'atp_mesh' to 'auto', or remove 'atp_topology'",
-        )
-    if not c.auto_partition and c.default_partition is None:
-        raise _rule_error(
-            "auto_partition",
-            False,
-            " without 'default_partition'",
-            "auto_partition false only together with 'default_partition' (the partition of modules "
-            "outside any smp.partition context)",
-            "add 'default_partition': 0 (or another index below pipeline_parallel_degree), or set "
-            "'auto_partition' to true",
-        )
-    if c.bf16 and (c.fp16 or c.fp16_params):
-        other = "fp16" if c.fp16 else "fp16_params"
-        raise _rule_error(
-            "bf16",
-            True,
-            f" together with '{other}': true",
-            "bf16 true only with fp16 false and fp16_params false (one half-precision type per run)",
-            f"choose one: set '{other}' to false (or remove it) to train in bf16, or set 'bf16' to false",
-        )
-    if c.ddp and c.horovod:
-        raise _rule_error(
-            "ddp",
-            True,
-            " together with 'horovod': true",
-            "at most one of ddp and horovod (two data-parallel frameworks)",
-            "remove 'horovod' (mp does data parallelism itself; horovod is smp's TensorFlow option)",
-        )
-    if c.default_partition is not None and c.default_partition >= c.pipeline_parallel_degree:
-        pp = c.pipeline_parallel_degree
-        raise _rule_error(
-            "default_partition",
-            c.default_partition,
-            f", not a partition index for pipeline_parallel_degree {pp}",
-            f"a partition index from 0 to {pp - 1} (below pipeline_parallel_degree)",
-            f"set 'default_partition' below {pp}, or raise 'pipeline_parallel_degree' to at least "
-            f"{c.default_partition + 1}",
-        )
-    if c.load_partition and c.partition_file is None:
-        raise _rule_error(
-            "load_partition",
-            True,
-            " without 'partition_file'",
-            "load_partition true only together with 'partition_file'",
-            "add 'partition_file': the path of the saved partition, or set 'load_partition' to false",
-        )
-    if c.prescaled_batch and c.optimize != "speed":
-        raise _rule_error(
-            "prescaled_batch",
-            True,
-            f" with 'optimize': {c.optimize!r}",
-            "prescaled_batch true only with optimize 'speed'",
-            "add 'optimize': 'speed' (smp's documented default is 'memory'), "
-            "or set 'prescaled_batch' to false",
-        )
-    sdp = c.sharded_data_parallel_degree
-    if c.shard_optimizer_state and sdp > 1:
-        raise _rule_error(
-            "shard_optimizer_state",
-            True,
-            f" together with 'sharded_data_parallel_degree': {sdp}",
-            "shard_optimizer_state true only with sharded_data_parallel_degree 1",
-            "remove 'shard_optimizer_state' (sharded data parallelism shards optimizer state itself), or "
-            "set 'sharded_data_parallel_degree' to 1",
-        )
-    pp = c.pipeline_parallel_degree
-    if sdp > 1 and pp > 1:
-        raise _rule_error(
-            "sharded_data_parallel_degree",
-            sdp,
-            f" together with 'pipeline_parallel_degree': {pp}",
-            "sharded_data_parallel_degree > 1 only with pipeline_parallel_degree 1 (smp's rule)",
-            "set 'pipeline_parallel_degree' to 1 to use sharded data parallelism, or set "
-            "'sharded_data_parallel_degree' to 1",
-        )
+    """The rules between keys, in sorted order of the key each is about: the refused combinations
+    (mp.config_combinations) and the atp_mesh shape."""
+    rules: list[tuple[str, Callable[[ModelParallelConfig], None]]] = [
+        *((row.key, _refusing(row)) for row in REFUSED),
+        ("atp_mesh", _check_atp_mesh),
+    ]
+    for _, rule in sorted(rules, key=lambda r: r[0]):  # stable: a key's rows before its value rule
+        rule(c)
+
+
+def _refusing(row: RefusedCombination) -> Callable[[ModelParallelConfig], None]:
+    def rule(c: ModelParallelConfig) -> None:
+        if row.applies(c):
+            raise row.error(c)
+
+    return rule
 
 
 ATP_PRESETS = ("nvswitch", "dual-nvlink", "pcie")
@@ -176,20 +99,15 @@ def parse_atp_mesh(text: str) -> tuple[int, int] | None:
 
 
 def _check_atp_mesh(c: ModelParallelConfig) -> None:
+    """The mesh shape fits the TP degree (atp_mesh with tensor_parallel_degree 1 is a refused
+    combination, checked before)."""
+    if c.atp_mesh is None:
+        return
     tp = c.tensor_parallel_degree
     shapes = [f"'{d}x{tp // d}'" for d in range(1, tp + 1) if tp % d == 0]
     allowed = "'auto' or 'D1xD2' with D1*D2 = tensor_parallel_degree" + (
         f" ({', '.join(shapes)})" if tp > 1 else ""
     )
-    assert c.atp_mesh is not None
-    if tp < 2:
-        raise _rule_error(
-            "atp_mesh",
-            c.atp_mesh,
-            " with 'tensor_parallel_degree': 1",
-            "atp_mesh only with tensor_parallel_degree > 1 (the mesh arranges each TP group)",
-            "set 'tensor_parallel_degree' to the number of ranks of one mesh, or remove 'atp_mesh'",
-        )
     if c.atp_mesh == "auto":
         return
     shape = parse_atp_mesh(c.atp_mesh)
@@ -243,7 +161,7 @@ def refuse_not_built(c: ModelParallelConfig) -> None:
     compared and documented), but training must not start as if the feature were on."""
     for key, active, does in _NOT_BUILT:
         if active(c):
-            name = c._specs[key][0]
+            name = c.specs()[key][0]
             value = getattr(c, name)
             others = [k for k in not_built(c) if k != key]
             also = f" (also set and not built: {', '.join(others)})" if others else ""

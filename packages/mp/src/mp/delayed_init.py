@@ -110,7 +110,7 @@ def prepare(model: Any) -> None:
     device = real[0].device if real else torch.device("cpu")
 
     def hook(m: Any, _optimizer: Any) -> None:
-        n = materialize(m.module, lambda p: not m._is_remote(p), device, own=_own_draws(m.module))
+        n = materialize(m.module, m.placement.is_local, device, own=_own_draws(m.module))
         log.info("delayed initialization: %d parameter elements materialized on %s", n, device)
 
     model.register_post_partition_hook(hook)
@@ -129,8 +129,8 @@ def _defer_loads(model: Any) -> None:
             return original(state_dict, strict, *args, **kwargs)
         saved_partition = read_header(state_dict)[0].partition if isinstance(state_dict, dict) else None
         same_partition = kwargs.get("same_partition_load", args[1] if len(args) > 1 else True)
-        if saved_partition is not None and same_partition and model._pp > 1:
-            model._pin_partition(saved_partition)
+        if saved_partition is not None and same_partition and model.placement.pp_size > 1:
+            model.pin_partition(saved_partition)
         model.register_post_partition_hook(lambda m, _opt: original(state_dict, strict, *args, **kwargs))
         log.info("delayed initialization: the loaded state is applied after partitioning")
         return None

@@ -49,7 +49,7 @@ def install_memory_trace(model: Any, trace_memory_usage: bool) -> ActivationTrac
     tracker = ActivationTracker()
 
     def hook() -> contextlib.AbstractContextManager[None]:
-        if state.model is not model or not model._in_step:
+        if state.model is not model or not model.in_step:
             return contextlib.nullcontext()
         return tracker.hooks()
 
@@ -116,11 +116,11 @@ def memory_report(model: Any = None) -> MemoryReport:
             "smp.memory_report() reports a DistributedModel's memory; got no model. Call it after "
             "smp.DistributedModel(model)"
         )
-    params: list[torch.Tensor] = list(model._local_params())
+    params: list[torch.Tensor] = model.placement.local_parameters(model.module)
     tracker: ActivationTracker | None = getattr(model, "_memory_trace", None)
     on_cuda = torch.cuda.is_available() and any(p.is_cuda for p in params)
     return MemoryReport(
-        rank=int(model._rank),
+        rank=state.require()[1].rank,
         parameters=tensor_bytes(params),
         gradients=tensor_bytes(p.grad for p in params if p.grad is not None),
         optimizer_state=tensor_bytes(_optimizer_tensors(state.optimizer, params))

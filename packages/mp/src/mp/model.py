@@ -41,7 +41,6 @@ from mp.init import pipeline_transport
 from mp.memory_report import install_memory_trace
 from mp.model_dp import DataParallelMixin
 from mp.model_extras import JoinState, check_constructor_args, join, register_comm_hook
-from mp.model_partition import _PLACEHOLDER
 from mp.model_retry import RetryMixin
 from mp.model_state import StateDictMixin
 from mp.offload import install_offloading
@@ -52,7 +51,7 @@ from mp.step_retry import ShortcutRetry
 from mp.tensor_api import replace_tp_modules
 from mp_comm import GroupKind
 from mp_memory import cast_floats
-from mp_partition import PartitionPlan, StepTimer
+from mp_partition import PartitionPlan, Placement, StepTimer
 from mp_pipeline import (
     OverlappedReduction,
     PipelineRuntime,
@@ -146,8 +145,13 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
         self._average_mb = average_grads_across_microbatches
         self._bucket_bytes = max(1, int(bucket_cap_mb * (1 << 20)))
         self._broadcast_buffers = broadcast_buffers
-        self._partitioned = False
-        self._assignment: dict[str, int] = {}
+        self._placement = Placement(
+            pp_size=self._pp,
+            pp_rank=self._pp_rank,
+            pp_group=state.process_groups.get(GroupKind.PP),
+            enter=self._enter_collective,
+        )
+        """Unpartitioned until the first step replaces it (mp.model_partition)."""
         self.plan: PartitionPlan | None = None
         """The partition plan (on global rank 0, where it is computed; None elsewhere and with pp=1)."""
         self._pinned: dict[str, int] | None = None
@@ -255,7 +259,22 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
     @property
     def partitioned(self) -> bool:
         """False until the first step has partitioned the model."""
-        return self._partitioned
+        return self._placement.partitioned
+
+    @property
+    def in_step(self) -> bool:
+        """Whether a step function is running now."""
+        return self._in_step
+
+    @property
+    def step_count(self) -> int:
+        """The number of steps completed."""
+        return self._step_count
+
+    @property
+    def runtime(self) -> PipelineRuntime | None:
+        """The pipeline runtime (mp_pipeline) installed under pp > 1, else None."""
+        return self._runtime
 
     def get_module(self) -> nn.Module:
         """The user's model inside the wrapper."""
@@ -373,7 +392,7 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
     def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
         """(path, module) for the modules this rank owns (paths relative to the user's model)."""
         self._require_partitioned("local_named_modules")
-        return ((n, m) for n, m in self.module.named_modules() if self._module_owner(n) == self._pp_rank)
+        return self._placement.local_named_modules(self.module)
 
     def local_modules(self) -> Iterator[nn.Module]:
         self._require_partitioned("local_modules")
@@ -453,7 +472,7 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
             with torch.no_grad():
                 tensors = itertools.chain(self.module.named_parameters(), self.module.named_buffers())
                 for key, t in tensors:
-                    if getattr(t, _PLACEHOLDER, False) and key in full:
+                    if not self._placement.is_local(t) and key in full:
                         t.data = full[key].to(dtype=t.dtype)  # still marked: its owner stays remote
         self.module.cpu()
         return self

@@ -9,6 +9,7 @@ import logging
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,8 +24,10 @@ from mp.state import state
 from mp.tensor_api import pin_tp_internals
 from mp_comm import GroupKind
 from mp_partition import (
+    PLACEHOLDER_ATTR,
     ModuleTimes,
     PartitionPlan,
+    Placement,
     StepTimer,
     Tracer,
     auto_partition,
@@ -38,19 +41,7 @@ __all__ = ["PartitionMixin"]
 
 log = logging.getLogger("mp.model")  # the logger these messages always had
 
-_PLACEHOLDER = "_mp_remote_placeholder"
-
-
-def _module_path(key: str) -> str:
-    return key.rsplit(".", 1)[0] if "." in key else ""
-
-
-def _free(t: torch.Tensor) -> None:
-    """Keep the tensor object (the optimizer may hold it) but drop its memory: a zero-stride view."""
-    t.data = torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
-    setattr(t, _PLACEHOLDER, True)
-    if isinstance(t, nn.Parameter):
-        t.grad = None
+_PLACEHOLDER = PLACEHOLDER_ATTR
 
 
 class PartitionMixin(nn.Module):
@@ -61,8 +52,7 @@ class PartitionMixin(nn.Module):
     _rank: int
     _pp: int
     _pp_rank: int
-    _partitioned: bool
-    _assignment: dict[str, int]
+    _placement: Placement
     _pinned: dict[str, int] | None
     _tracing: bool
     _timer: StepTimer | None
@@ -111,9 +101,12 @@ class PartitionMixin(nn.Module):
             kind, value = box[0]
             if kind == "error":
                 raise SMPRuntimeError(f"partitioning the model failed on rank 0:\n{value}")
-            self._assignment = dict(value)
-            self._assignment.update(pin_tp_internals(self.module, self._module_owner))
-            self._apply_assignment()
+            placed = replace(self._placement, assignment=dict(value))
+            assignment = {**placed.assignment, **pin_tp_internals(self.module, placed.module_owner)}
+            self._placement = replace(placed, assignment=assignment, partitioned=True)
+            self._placement.free_remote(self.module)
+            assert self._runtime is not None
+            self._runtime.install(self.module, assignment)
             log.info(
                 "rank %d (pp_rank %d) holds %d of %d parameters after partitioning",
                 world.rank,
@@ -121,10 +114,10 @@ class PartitionMixin(nn.Module):
                 sum(p.numel() for p in self._local_params()),
                 sum(p.numel() for p in self.module.parameters()),
             )
-        self._partitioned = True
+        self._placement = replace(self._placement, partitioned=True)
         optimizer = state.optimizer
         if optimizer is not None:
-            keep_local_parameters(optimizer, self._is_remote)
+            keep_local_parameters(optimizer, self._placement)
         self._run_hooks(self._post_partition_hooks)
 
     def _decide_partition(self, body: Callable[[int], Any]) -> dict[str, int]:
@@ -201,32 +194,34 @@ class PartitionMixin(nn.Module):
         measured = [sum(v) / len(v) if v else None for v in per_stage]
         self.plan = self.plan.with_measured_times(measured)
 
-    def _apply_assignment(self) -> None:
-        for name, p in self.module.named_parameters():
-            if self._owner(name) != self._pp_rank:
-                _free(p)
-        for name, b in self.module.named_buffers():
-            if self._owner(name) != self._pp_rank:
-                _free(b)
-        assert self._runtime is not None
-        self._runtime.install(self.module, self._assignment)
+    @property
+    def placement(self) -> Placement:
+        """Where the model lives: the pp degree and rank, the module -> pp_rank assignment (empty and
+        ``partitioned=False`` until the first step), which tensors this rank holds, the collective entry
+        (mp_partition.Placement). State dicts, optimizer state, checkpoints and the memory features take
+        it instead of asking the model."""
+        return self._placement
+
+    @property
+    def _partitioned(self) -> bool:
+        return self._placement.partitioned
+
+    @property
+    def _assignment(self) -> dict[str, int]:
+        return dict(self._placement.assignment)
 
     def _owner(self, key: str) -> int:
         """The pp_rank holding a parameter, buffer or state-dict entry named ``key``."""
-        return self._module_owner(_module_path(key))
+        return self._placement.owner(key)
 
     def _module_owner(self, path: str) -> int:
-        if not self._assignment:
-            return 0
-        while path not in self._assignment and path:
-            path = _module_path(path)
-        return self._assignment.get(path, 0)
+        return self._placement.module_owner(path)
 
     def _is_remote(self, t: torch.Tensor) -> bool:
-        return bool(getattr(t, _PLACEHOLDER, False))
+        return not self._placement.is_local(t)
 
     def _local_params(self) -> list[nn.Parameter]:
-        return [p for p in self.module.parameters() if not self._is_remote(p)]
+        return self._placement.local_parameters(self.module)
 
     def _require_partitioned(self, what: str) -> None:
         if not self._partitioned:

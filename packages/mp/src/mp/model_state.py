@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,6 @@ from mp_comm import GroupKind
 from mp_memory import Header, read_header, write_header
 
 if TYPE_CHECKING:
-    from mp.model import DistributedModel
     from mp_memory import ShardedDataParallel
 
 __all__ = ["StateDictMixin"]
@@ -46,10 +45,6 @@ class StateDictMixin(PartitionMixin):
 
         def register_post_partition_hook(self, hook: Callable[..., Any]) -> RemovableHandle | None: ...
 
-    def _whole(self) -> DistributedModel:
-        """This object as the DistributedModel it always is (mp.state_dicts reads all of it)."""
-        return cast("DistributedModel", self)
-
     def local_state_dict(self, *args: Any, cast_to_cpu: bool = True, **kwargs: Any) -> dict[str, Any]:
         """This rank's part of the model's state (its stage, its TP shards), with a partial header
         (``mp_memory.checkpoint.schema``): the partition (pp > 1) and, with TP shards, their layout."""
@@ -63,7 +58,7 @@ class StateDictMixin(PartitionMixin):
         # The partition travels with the parts: loaded before the first step of another run, it
         # replaces that run's own partitioning (which could differ: traced times vary).
         partition = dict(self._assignment) if self._pp > 1 and self._assignment else None
-        layout = layout_of(self._whole())
+        layout = layout_of(self.module, self._placement)
         # TP shards: which tp_rank's they are, so no other rank loads them
         header = Header(partial=True, partition=partition, tp_layout=layout if layout.split else None)
         return write_header(out, header)
@@ -87,7 +82,7 @@ class StateDictMixin(PartitionMixin):
             return OrderedDict((prefix + k, v) for k, v in self.module.state_dict(keep_vars=True).items())
         merged: dict[str, Any]
         if self._sharded is None:
-            merged = full_state_dict(self._whole(), cast_to_cpu)
+            merged = full_state_dict(self.module, self._placement, cast_to_cpu)
         else:
             merged = self._sharded.full_state_dict()
         out: dict[str, Any] = destination if destination is not None else OrderedDict()
@@ -122,14 +117,14 @@ class StateDictMixin(PartitionMixin):
                 return load_sharded_local_state_dict(self._sharded, sd, header.sdp_layout)
             return self._sharded.load_full_state_dict(sd, strict)
         if not header.partial:
-            return load_full_state_dict(self._whole(), sd, strict)
-        local_layout_check(self._whole(), header.tp_layout)
+            return load_full_state_dict(self.module, self._placement, sd, strict)
+        local_layout_check(self.module, self._placement, header.tp_layout)
         if not self._partitioned and self._pp > 1:
             if header.partition is not None and same_partition_load:
-                self._pin_partition(header.partition)
+                self.pin_partition(header.partition)
             loaded = set(sd)
             if strict:
-                self.register_post_partition_hook(lambda m, _opt: m._check_partial_keys(loaded, True))
+                self.register_post_partition_hook(lambda _m, _opt: self._check_partial_keys(loaded, True))
             return self.module.load_state_dict(sd, strict=False)
         if strict:
             self._check_partial_keys(set(sd), False)
@@ -139,8 +134,9 @@ class StateDictMixin(PartitionMixin):
         """The paths of the wrapped model's modules (what a partition assigns)."""
         return (name for name, _ in self.module.named_modules())
 
-    def _pin_partition(self, saved: Any) -> None:
-        """Use the partition a partial state was saved with, after checking that it fits this model."""
+    def pin_partition(self, saved: Any) -> None:
+        """Before the first step: partition this model as ``saved`` (a partial state's module path ->
+        pp_rank) instead of computing a partition, after checking that it fits this model."""
         self._pinned = check_assignment(
             saved,
             self._module_paths(),

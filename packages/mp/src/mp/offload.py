@@ -25,12 +25,13 @@ def install_offloading(model: Any) -> Offloader | None:
 
     def task() -> TaskKey | None:
         ctx = current()
-        if ctx is None or state.model is not model or not model._in_step:
+        if ctx is None or state.model is not model or not model.in_step:
             return None
-        return int(model._step_count), int(ctx.microbatch)
+        return int(model.step_count), int(ctx.microbatch)
 
     offloader = Offloader(cfg.activation_loading_horizon, task)
     activate(offloader)
-    if model._runtime is not None:
-        model._runtime.remote.checkpoint_call = activation.checkpoint
+    runtime = model.runtime
+    if runtime is not None:  # a checkpoint call a pipeline rank runs for a remote caller offloads too
+        runtime.remote.checkpoint_call = activation.checkpoint
     return offloader

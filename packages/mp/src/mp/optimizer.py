@@ -30,6 +30,7 @@ from mp.state import state
 from mp.state_dicts import layout_of, local_layout_check
 from mp_comm import GroupKind
 from mp_memory import Header, read_header, write_header
+from mp_partition import Placement
 
 __all__ = ["DistributedOptimizer", "PlainPart", "keep_local_parameters"]
 
@@ -37,17 +38,17 @@ __all__ = ["DistributedOptimizer", "PlainPart", "keep_local_parameters"]
 _ALL_PARAMS = "_mp_all_params"
 
 
-def keep_local_parameters(optimizer: torch.optim.Optimizer, is_remote: Any) -> None:
-    """Drop the parameters ``is_remote(p)`` says another rank holds from every parameter group.
+def keep_local_parameters(optimizer: torch.optim.Optimizer, placement: Placement) -> None:
+    """Drop the parameters another rank holds (by ``placement``) from every parameter group.
 
     The full groups are remembered first: the gathered ``state_dict()`` numbers parameters as the
     unpartitioned optimizer does, so full optimizer states load under any pipeline layout."""
     if not hasattr(optimizer, _ALL_PARAMS):
         setattr(optimizer, _ALL_PARAMS, [list(g["params"]) for g in optimizer.param_groups])
     for group in optimizer.param_groups:
-        kept = [p for p in group["params"] if not is_remote(p)]
+        kept = [p for p in group["params"] if placement.is_local(p)]
         for p in group["params"]:
-            if is_remote(p):
+            if not placement.is_local(p):
                 optimizer.state.pop(p, None)
         group["params"] = kept
 
@@ -74,13 +75,14 @@ def _param_names(optimizer: torch.optim.Optimizer) -> list[list[str | None]]:
 
 
 def _pipelined(model: Any) -> bool:
-    return model is not None and model.partitioned and model._pp > 1
+    return model is not None and bool(model.placement.pipelined)
 
 
 def _local_state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
     """This rank's optimizer state, with the names of its parameters and the layout (checked when
     loading: a TP shard's state must not load on another tp_rank)."""
-    layout = layout_of(state.model) if state.model is not None else None
+    model = state.model
+    layout = layout_of(model.module, model.placement) if model is not None else None
     header = Header(
         partial=True,
         param_names=_param_names(self),
@@ -126,9 +128,10 @@ def _state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
         flat[i]: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
         for i, s in local["state"].items()
     }
-    model._enter_collective("optimizer.state_dict()")
-    parts: list[Any] = [None] * model._pp
-    dist.all_gather_object(parts, mine, group=state.process_groups[GroupKind.PP])
+    placement = model.placement
+    placement.enter("optimizer.state_dict()")
+    parts: list[Any] = [None] * placement.pp_size
+    dist.all_gather_object(parts, mine, group=placement.pp_group)
     merged: dict[int, Any] = {}
     for part in parts:
         merged.update(part)
@@ -187,8 +190,8 @@ def _load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) ->
         load_named_state(self, model, sd, _all_params(self), translate=not header.tp_shards)
         return
     if partial and model is not None:
-        local_layout_check(model, header.tp_layout)
-    if partial and model is not None and not model.partitioned and model._pp > 1:
+        local_layout_check(model.module, model.placement, header.tp_layout)
+    if partial and model is not None and not model.partitioned and model.placement.pp_size > 1:
         model.register_post_partition_hook(lambda _model, _opt: _load_local(self, sd, names))
         return
     if partial:
@@ -281,7 +284,7 @@ def clip_by_global_norm(
 
 def _pp_rank() -> int:
     model = state.model
-    return int(model._pp_rank) if model is not None else 0
+    return int(model.placement.pp_rank) if model is not None else 0
 
 
 def _note_loss_scaling(static: float | None, dynamic: bool, dynamic_args: dict[str, Any]) -> None:
@@ -324,10 +327,10 @@ class PlainPart(OptimizerPart):
 
     def __init__(self, optimizer: torch.optim.Optimizer, step: Callable[[Any], Any]) -> None:
         self.optimizer = optimizer
-        self._step = step  # the optimizer's step as it was (a scheduler's wrapper, or torch's)
+        self.step_fn = step  # the optimizer's step as it was (a scheduler's wrapper, or torch's)
 
     def step(self, inner: Callable[[Any], Any], closure: Any) -> Any:
-        return self._step(closure)
+        return self.step_fn(closure)
 
     def state_dict(self, inner: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return _state_dict(self.optimizer)
@@ -360,7 +363,7 @@ def _parts(optimizer: torch.optim.Optimizer, cfg: Any) -> list[OptimizerPart]:
 
         parts.append(ZeroPart(optimizer))
     parts.append(DelayedLoads())  # a delayed model's parameters are on meta until partitioning
-    parts.append(PlainPart(optimizer, previous._step if previous is not None else optimizer.step))
+    parts.append(PlainPart(optimizer, previous.step_fn if previous is not None else optimizer.step))
     return parts
 
 
@@ -397,5 +400,5 @@ def DistributedOptimizer(
     state.optimizer = registered
     model = state.model
     if model is not None and model.partitioned:
-        keep_local_parameters(registered, model._is_remote)
+        keep_local_parameters(registered, model.placement)
     return registered

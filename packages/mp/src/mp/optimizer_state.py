@@ -18,9 +18,8 @@ import torch
 import torch.distributed as dist
 
 from mp.errors import IncompatibleCheckpointFoundError
-from mp.state import state
-from mp_comm import GroupKind
 from mp_memory import Header, write_header
+from mp_partition import Placement
 from mp_tensor import ORIGINAL_ATTR, DistributedModule, Replacement, distributed_roots, param_spec
 
 if TYPE_CHECKING:
@@ -94,7 +93,7 @@ def named_state(
     by_root: dict[str, dict[str, dict[str, Any]]] = {}
     # A root the pipeline split over stages (the whole GPT-2's LM head) is translated once every stage's
     # part is in: its translation needs the whole module (prefix -> state key -> own name -> tensor).
-    split = _split_roots(model, roots)
+    split = _split_roots(model.placement, roots)
     deferred: dict[str, dict[str, Any]] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -134,10 +133,11 @@ def named_state(
                     mine.setdefault(orig, {})[key] = (
                         value.clone() if isinstance(value, torch.Tensor) else value
                     )
-    if model._partitioned and model._pp > 1:
-        model._enter_collective("optimizer.state_dict()")
-        parts: list[Any] = [None] * model._pp
-        dist.all_gather_object(parts, (mine, deferred), group=state.process_groups[GroupKind.PP])
+    placement = model.placement
+    if placement.pipelined:
+        placement.enter("optimizer.state_dict()")
+        parts: list[Any] = [None] * placement.pp_size
+        dist.all_gather_object(parts, (mine, deferred), group=placement.pp_group)
         deferred = {}
         for part, later in parts:
             mine.update(part)
@@ -168,11 +168,11 @@ def _translate_deferred(
                 mine.setdefault(orig, {})[key] = value.clone() if isinstance(value, torch.Tensor) else value
 
 
-def _split_roots(model: DistributedModel, roots: Roots) -> set[str]:
+def _split_roots(placement: Placement, roots: Roots) -> set[str]:
     """The roots whose parameters lie on several pipeline stages."""
-    if not (model._partitioned and model._pp > 1):
+    if not placement.pipelined:
         return set()
-    return {p for p, root in roots if len({model._owner(p + n) for n, _ in root.named_parameters()}) > 1}
+    return {p for p, root in roots if len({placement.owner(p + n) for n, _ in root.named_parameters()}) > 1}
 
 
 def _named_groups(

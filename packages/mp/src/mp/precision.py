@@ -119,7 +119,7 @@ class DistributedBit16Optimizer(Bit16Optimizer):
         if self.masters_ready:
             return
         model = state.model
-        if model is not None and model._pp > 1 and not model.partitioned:
+        if model is not None and model.placement.pp_size > 1 and not model.partitioned:
             raise SMPValidationError(
                 f"optimizer.{what}() under {self.precision} needs the model partitioned (the fp32 master "
                 "weights are made for this rank's parameters only); call it after the first @smp.step"
@@ -233,12 +233,13 @@ class DistributedBit16Optimizer(Bit16Optimizer):
         refuse_full_half_state_under_tp("optimizer.state_dict()", self.precision)
         sd = self._collect(full=True)
         model = state.model
-        if model is None or model._pp == 1:
+        if model is None or model.placement.pp_size == 1:
             return sd
-        model._enter_collective("optimizer.state_dict()")
-        parts: list[Any] = [None] * model._pp
+        placement = model.placement
+        placement.enter("optimizer.state_dict()")
+        parts: list[Any] = [None] * placement.pp_size
         mine = (sd["param_groups"], sd["state"], sd["fp32_master_params"])
-        dist.all_gather_object(parts, mine, group=state.process_groups[GroupKind.PP])
+        dist.all_gather_object(parts, mine, group=placement.pp_group)
         order = {n: i for i, (n, _) in enumerate(model.module.named_parameters())}
         for gi, group in enumerate(sd["param_groups"]):
             names = {n for groups, _, _ in parts for n in groups[gi]["params"]}
@@ -264,7 +265,7 @@ class DistributedBit16Optimizer(Bit16Optimizer):
         # the scale is needed before the masters exist: the next backward multiplies the loss by it
         self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         model = state.model
-        if model is None or model._pp == 1 or model.partitioned:
+        if model is None or model.placement.pp_size == 1 or model.partitioned:
             self._ready("load_state_dict")
 
     def _apply(self, state_dict: dict[str, Any]) -> None:

@@ -118,7 +118,9 @@ def shard_model(module: nn.Module) -> ShardedDataParallel | None:
     if tp is not None:  # the full state in the original model's names, as without sharding
         from mp.state_dicts import full_state_dict
 
-        sharding.gather_tp_state = lambda: dict(full_state_dict(state.model, True))
+        sharding.gather_tp_state = lambda: dict(
+            full_state_dict(state.model.module, state.model.placement, True)
+        )
         sharding.local_tp_state = _tp_values
     return sharding
 

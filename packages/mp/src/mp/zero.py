@@ -36,7 +36,7 @@ def sharding_of(optimizer: Any) -> ZeroSharding | None:
 
 def _ready(sharding: ZeroSharding, what: str) -> None:
     model = state.model
-    if sharding.zero is None and model is not None and model._pp > 1 and not model.partitioned:
+    if sharding.zero is None and model is not None and model.placement.pp_size > 1 and not model.partitioned:
         raise SMPValidationError(
             f"optimizer.{what}() under shard_optimizer_state needs the model partitioned (the state is "
             "sharded over this stage's parameters); call it after the first @smp.step"
@@ -101,6 +101,6 @@ class ZeroPart(OptimizerPart):
             return
         self._pending[:] = [state_dict]  # loaded at the first step, once the shards are known
         model = state.model
-        if model is None or model._pp == 1 or model.partitioned:
+        if model is None or model.placement.pp_size == 1 or model.partitioned:
             self.sharding.build()
             self._load(self._pending.pop())

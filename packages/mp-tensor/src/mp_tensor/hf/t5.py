@@ -261,11 +261,15 @@ def forward_hook(  # noqa: PLR0917
     return ((hidden_states, mask, position_bias, encoder_hidden_states, enc_mask),), {}
 
 
+_TP_BLOCKS_ATTR = "_mp_tp_blocks"
+"""Set on a Hugging Face cache: the TP blocks it has been passed to (a second pass is decoding)."""
+
+
 def _refuse_decoding(cache: Any, token: object) -> None:
     """A cache is accepted once per block and left empty (T5 models create one even in training, since
     ``use_cache`` defaults to True); the same cache back at the same block is a decoding step."""
     length = getattr(cache, "get_seq_length", None)
-    seen = getattr(cache, "_mp_tp_blocks", None)
+    seen = getattr(cache, _TP_BLOCKS_ATTR, None)
     if (callable(length) and length() > 0) or (seen is not None and token in seen):
         raise TPInputError(
             "a tensor-parallel T5 block got a key/value cache a second time; incremental decoding "
@@ -274,7 +278,7 @@ def _refuse_decoding(cache: Any, token: object) -> None:
         )
     if seen is None:
         seen = set()
-        cache._mp_tp_blocks = seen
+        setattr(cache, _TP_BLOCKS_ATTR, seen)
     seen.add(token)
 
 
