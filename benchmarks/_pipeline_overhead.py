@@ -16,8 +16,10 @@ PyTorch (``plain``, rank 0 alone). The cost per call in a training step (forward
 (step − local step) / calls for mp and (step − plain step) / calls for torch.distributed.pipelining on the
 same chain and the same cut (``remote``: stage 0 the scaling, stage 1 the chain, ScheduleGPipe;
 ``alternating``: stage ``i`` = block ``i`` (stage 0 with the scaling) on rank ``i % 2``, ScheduleLoopedBFS,
-the sum as the loss). Also measured: the raw round trip of the same tensor between the two ranks on
-mpi4py, on mp's MPI transport and on gloo (the floor; one way is half of it).
+the sum as the loss). Also measured, in every repetition between the chain's variants: the raw round
+trip of the same tensor between the two ranks on mpi4py (the floor), on mp's MPI transport and on gloo,
+and of a header-only message (a small control tuple, no tensor) on mp's transport; one way is half of
+it.
 
 Every variant's first step checks the scale parameter's gradient against plain PyTorch. Variants are
 interleaved: each repetition runs every variant once, in a rotating order.
@@ -49,6 +51,10 @@ MP_VARIANTS = ("local", "remote default", "remote full", "alternating default", 
 TORCH_VARIANTS = ("torch remote", "torch alternating")
 WARMUP = 8
 """Steps before timing: fast mode learns in the first step and posts calls from the next ones."""
+WIRE_ITERS = 200
+"""Round trips per timed sample of a raw message."""
+WIRE_SAMPLES = 3
+"""Samples of every raw message per repetition (between the repetition's chain variants)."""
 
 
 def _block(kind: str) -> nn.Module:
@@ -230,53 +236,79 @@ def _repeat(fn: Callable[[], None], n: int) -> Callable[[], None]:
     return run
 
 
-def _wire_round_trips(comm: Any, world: Any, iters: int, reps: int, device: str = "cpu") -> dict[str, float]:
-    """Round trip (µs) of the chain's input tensor: mpi4py on its (host) buffer, mp's MPI transport (a
-    second instance, same code as the pipeline's) and gloo send/recv (a CUDA tensor staged by hand)."""
-    from mp_comm.transport import MPITransport, TransportConfig
+WIRE_VARIANTS = ("mpi4py", "mp_mpi_transport", "mp_mpi_transport_header", "gloo")
+"""The raw messages timed beside the chain: the tensor on mpi4py (the floor), on mp's MPI transport and on
+gloo, and a header-only message (a pipeline-sized control tuple, no tensor) on mp's transport."""
 
-    rank, peer = comm.Get_rank(), 1 - comm.Get_rank()
-    x = torch.ones(1, WIDTH, device=_device(device))
-    host = torch.ones(1, WIDTH)
-    into = torch.empty(1, WIDTH)
-    raw = host.numpy()
-    transport = MPITransport(world.mpi_comm, config=TransportConfig(timeout=120.0).for_world(world))
 
-    def mpi4py() -> None:
-        if rank == 0:
-            comm.Send(raw, peer, 7)
-            comm.Recv(raw, peer, 7)
-        else:
-            comm.Recv(raw, peer, 7)
-            comm.Send(raw, peer, 7)
+class _Wire:
+    """Round trips (µs) between the two ranks of the chain's input tensor: mpi4py on its (host) buffer,
+    mp's MPI transport (a second instance, the pipeline's code) and gloo send/recv (a CUDA tensor staged by
+    hand), and a header-only message on mp's transport. Made once; `sample` times every variant once, in
+    a rotating order, so that the raw messages interleave with the chain's variants."""
 
-    def mp_transport() -> None:
-        if rank == 0:
-            transport.send(x, peer, 11)
-            transport.recv(peer, 11)
-        else:
-            transport.send(transport.recv(peer, 11).obj, peer, 11)
+    def __init__(self, comm: Any, world: Any, device: str = "cpu") -> None:
+        from mp_comm.transport import MPITransport, TransportConfig
 
-    def gloo() -> None:
-        if rank == 0:
-            dist.send(x.cpu(), peer)
-            dist.recv(into, peer)
-            x.copy_(into)
-        else:
-            dist.recv(into, peer)
-            x.copy_(into)
-            dist.send(x.cpu(), peer)
+        self.comm = comm
+        rank, peer = comm.Get_rank(), 1 - comm.Get_rank()
+        x = torch.ones(1, WIDTH, device=_device(device))
+        into = torch.empty(1, WIDTH)
+        raw = torch.ones(1, WIDTH).numpy()
+        control = ("fwd", 3, (0, 7))  # the size of a pipeline's control message: a kind, a call, an id
+        transport = self.transport = MPITransport(
+            world.mpi_comm, config=TransportConfig(timeout=120.0).for_world(world)
+        )
 
-    fns = {"mpi4py": mpi4py, "mp_mpi_transport": mp_transport, "gloo": gloo}
-    out: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():  # warm-up
-        for _ in range(10):
-            fn()
-    for _ in range(reps):
-        for name, fn in fns.items():
-            out[name].append(_timed(comm, _repeat(fn, iters), 1) / iters)
-    transport.close()
-    return {k: statistics.median(v) * 1e6 for k, v in out.items()}
+        def mpi4py() -> None:
+            if rank == 0:
+                comm.Send(raw, peer, 7)
+                comm.Recv(raw, peer, 7)
+            else:
+                comm.Recv(raw, peer, 7)
+                comm.Send(raw, peer, 7)
+
+        def mp_transport(obj: object) -> Callable[[], None]:
+            def run() -> None:
+                if rank == 0:
+                    transport.send(obj, peer, 11)
+                    transport.recv(peer, 11)
+                else:
+                    transport.send(transport.recv(peer, 11).obj, peer, 11)
+
+            return run
+
+        def gloo() -> None:
+            if rank == 0:
+                dist.send(x.cpu(), peer)
+                dist.recv(into, peer)
+                x.copy_(into)
+            else:
+                dist.recv(into, peer)
+                x.copy_(into)
+                dist.send(x.cpu(), peer)
+
+        self.fns: dict[str, Callable[[], None]] = {
+            "mpi4py": mpi4py,
+            "mp_mpi_transport": mp_transport(x),
+            "mp_mpi_transport_header": mp_transport(control),
+            "gloo": gloo,
+        }
+        self.samples: dict[str, list[float]] = {name: [] for name in self.fns}
+        for fn in self.fns.values():  # warm-up
+            for _ in range(10):
+                fn()
+
+    def sample(self, iters: int, rotate: int) -> None:
+        names = list(self.fns)
+        names = names[rotate % len(names) :] + names[: rotate % len(names)]
+        for name in names:
+            self.samples[name].append(_timed(self.comm, _repeat(self.fns[name], iters), 1) / iters)
+
+    def close(self) -> dict[str, float]:
+        """Median round trip per variant, µs."""
+        self.transport.close()
+        return {k: statistics.median(v) * 1e6 for k, v in self.samples.items()}
 
 
 def _max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None:
@@ -304,8 +336,11 @@ def measure_overhead(
     loads: list[float] = []
     import os
 
+    wire = _Wire(comm, world, device)
     for rep in range(reps):
         loads.append(os.getloadavg()[0])
+        for _ in range(WIRE_SAMPLES):
+            wire.sample(WIRE_ITERS, rep)
         for kind in BLOCKS:
             order = names[rep % len(names) :] + names[: rep % len(names)]
             reference: torch.Tensor | None = None
@@ -342,7 +377,7 @@ def measure_overhead(
         }
         for kind in BLOCKS
     }
-    wire = _wire_round_trips(comm, world, iters=200, reps=max(reps, 3), device=device)
+    wire_us = wire.close()
     out = {
         "version": 2,
         "calls_per_step": calls,
@@ -354,7 +389,8 @@ def measure_overhead(
         },
         "per_call_us": per_call_us,
         "scale_grad_max_abs_diff": grad_diff,
-        "wire_round_trip_us": wire,
+        "wire_round_trip_us": wire_us,
+        "wire_samples": WIRE_SAMPLES * reps,
         "load_average_1min": loads,
     }
     if device != "cpu":

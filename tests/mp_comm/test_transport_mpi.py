@@ -309,6 +309,42 @@ def test_self_sends_and_close_leaves_no_threads(worlds: Any) -> None:
     assert worlds.run(2, _self_send_and_reopen, timeout=60) == [[], []]
 
 
+def _doorbell(world: Any) -> dict[str, Any]:
+    # No spinning, and naps of 2 s that only a ring cuts short (the progress thread looks in every 10 s).
+    t = _open(world, spin_time=0.0, poll_min=2.0, poll_max=2.0, poll_busy_idle=10.0)
+    comm = world.mpi_comm
+    out: dict[str, Any] = {}
+    if world.rank == 0:
+        # rank 1 is not receiving (it waits in the barrier): nobody to ring. A send is rung (or not)
+        # before its handle completes.
+        for handle in [t.send(i, 1, tag="quiet") for i in range(5)]:
+            handle.wait()
+        out["quiet"] = (t.bell.rung, t.bell.skipped)
+        comm.Barrier()
+        time.sleep(0.5)  # rank 1 naps in recv by now: this send rings it
+        t.send("wake", 1, tag="wake").wait()
+        out["wake"] = (t.bell.rung, t.bell.skipped)
+    else:
+        comm.Barrier()
+        assert [t.recv(0, "quiet").obj for _ in range(5)] == list(range(5))
+        start = time.monotonic()
+        assert t.recv(0, "wake").obj == "wake"
+        out["waited"] = time.monotonic() - start
+    comm.Barrier()
+    t.close()
+    return out
+
+
+def test_the_doorbell_rings_only_a_rank_that_naps_and_its_ring_ends_the_nap(worlds: Any) -> None:
+    sender, receiver = worlds.run(2, _doorbell, timeout=90)
+    assert sender["quiet"] == (0, 5)  # no system call for a receiver that is not napping
+    rung, skipped = sender["wake"]
+    assert skipped == 5 and rung <= 1
+    # rung 1: the ring ended the 2 s nap at once; rung 0 (a loaded host: the receiver armed after the
+    # send), its last look before the nap found the message. A lost wake-up would wait the 2 s out.
+    assert receiver["waited"] < 1.5, receiver
+
+
 def _cuda_round_trip(world: Any) -> bool:
     t = _open(world)
     peer = 1 - world.rank

@@ -105,15 +105,6 @@ class TensorMeta:
         return cls(tuple(shape), tuple(stride), dtype, device, bool(flags & 1), bool(flags & 2))
 
 
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides: list[int] = []
-    acc = 1
-    for size in reversed(shape):
-        strides.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 def is_dense(t: torch.Tensor) -> bool:
     """True when the tensor's elements fill one gap-free, non-overlapping block of memory."""
     if t.is_contiguous():
@@ -163,10 +154,12 @@ def wire_tensors(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], l
     for t in tensors:
         w = _wire_tensor(t)
         wires.append(w)
-        stride = tuple(w.stride()) if w.numel() else _contiguous_strides(w.shape)
+        # _wire_tensor makes empty tensors fresh and contiguous: their strides are their own too
+        stride = w.stride()
         # `type(t) is ...` first: isinstance on Parameter goes through its metaclass (slow).
-        parameter = type(t) is torch.nn.Parameter or (
-            type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter)
+        kind = type(t)
+        parameter = kind is torch.nn.Parameter or (
+            kind is not torch.Tensor and isinstance(t, torch.nn.Parameter)
         )
         key = (
             tuple(w.shape),
@@ -214,11 +207,10 @@ def allocate(
     default = device_map is default_device_map
     for m in metas:
         device = _CPU if default and m.device == "cpu" else device_map(m)
-        if pool is not None and device.type == "cpu":
-            nbytes = _storage_bytes(m)
-            if nbytes >= pool.min_bytes:  # the pool does not keep smaller buffers
-                out.append(pool.tensor(m.shape, m.stride, m.dtype, nbytes))
-                continue
+        # m.nbytes (0 for meta tensors) first: most messages' tensors are too small for the pool
+        if pool is not None and m.nbytes >= pool.min_bytes and device.type == "cpu":
+            out.append(pool.tensor(m.shape, m.stride, m.dtype, _storage_bytes(m)))
+            continue
         out.append(torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=device))
     return out
 

@@ -147,6 +147,7 @@ class MessageTransport(Transport):
         )
         """Recycled host memory for received CPU tensors (None when TransportConfig turns it off)."""
         self._landing: dict[torch.device, Any] = {}  # per CUDA device: see landing_stream
+        self._cuda = torch.cuda.is_available()  # else CUDA tensors arrive on the CPU (default_device_map)
         self._closed = False
         self.stats: collections.Counter[str] = collections.Counter()
         """Counters for tests and debugging: "sent", "received", "static_hits" and transport-specific ones."""
@@ -170,35 +171,37 @@ class MessageTransport(Transport):
         if self._closed:
             raise TransportClosedError(f"recv on the closed {self.name} transport of rank {self.rank}")
         if source != ANY_SOURCE:
-            self._check_rank(source, "source")
+            self.check_rank(source, "source")
         limit = self.config.timeout if timeout is None else timeout
-        drive = self._drive if self.drives_progress else None
+        drive = self.drive if self.drives_progress else None
         arrival = self.mailbox.take(source, tag, limit, drive=drive, config=self.config)
         return rebuild(arrival, self.rank)
 
     # -- for subclasses and routers ------------------------------------------------------------------
 
-    def _check_rank(self, rank: int, what: str) -> None:
+    def check_rank(self, rank: int, what: str) -> None:
+        """Raise ValueError unless ``rank`` (the argument named ``what``) is a rank of this world."""
         if not isinstance(rank, int) or not 0 <= rank < self.size:
             raise ValueError(
                 f"{what}={rank!r}; expected a rank in [0, {self.size}) on this {self.name} transport"
             )
 
     def _send(self, obj: object, dest: int, tag: Tag, *, static: bool | None, channel: int) -> SendHandle:
-        self._check_send(dest, tag)
+        self.check_send(dest, tag)
         body, tensors = encode_object(obj)
-        return self._send_encoded(body, tensors, dest, tag, static=static, channel=channel)
+        return self.send_encoded(body, tensors, dest, tag, static=static, channel=channel)
 
-    def _check_send(self, dest: int, tag: Tag) -> None:
+    def check_send(self, dest: int, tag: Tag) -> None:
+        """Raise the error a send to ``dest`` with ``tag`` would raise before encoding anything."""
         if self._closed:
             raise TransportClosedError(f"send on the closed {self.name} transport of rank {self.rank}")
-        self._check_rank(dest, "dest")
+        self.check_rank(dest, "dest")
         try:
             hash(tag)
         except TypeError:
             raise ValueError(f"tag={tag!r} is not hashable; use an int, a str or a tuple of those") from None
 
-    def _send_encoded(
+    def send_encoded(
         self,
         body: bytes,
         tensors: list[torch.Tensor],
@@ -229,7 +232,7 @@ class MessageTransport(Transport):
             self.stats["sent"] += 1
             out = Outgoing(dest, tag, order, wire, body, metas, wires, handle, not hit, slot, channel)
             self._submit(out)
-        self._drive()  # post it from this thread when the progress thread is not at it already
+        self.drive()  # post it from this thread when the progress thread is not at it already
         return handle
 
     def register_channel(self, channel: int, sink: Callable[[int, Header, list[torch.Tensor]], None]) -> None:
@@ -250,9 +253,10 @@ class MessageTransport(Transport):
     ) -> None:
         """A message is complete: to its channel's sink, or into the mailbox."""
         done = finish_tensors(tensors, metas)
-        for t in done:
-            if t.is_cuda:  # consumers use it on the default stream: its memory waits for them when freed
-                t.record_stream(torch.cuda.default_stream(t.device))
+        if self._cuda:
+            for t in done:
+                if t.is_cuda:  # consumers use it on the default stream: its memory waits for them when freed
+                    t.record_stream(torch.cuda.default_stream(t.device))
         self.stats["received"] += 1
         if header.channel != 0:
             sink = self._sinks.get(header.channel)
@@ -302,7 +306,7 @@ class MessageTransport(Transport):
         default stream (by a copy on the landing stream, or by UCX), and memory of the default stream
         may still be read by kernels queued there, which only work on that stream waits for.
         """
-        if any(m.device == "cuda" for m in metas) and torch.cuda.is_available():
+        if self._cuda and any(m.device == "cuda" for m in metas):
             with torch.cuda.stream(self.landing_stream(torch.device("cuda", torch.cuda.current_device()))):
                 return allocate(metas, self.device_map, self.pool)
         return allocate(metas, self.device_map, self.pool)
@@ -341,9 +345,9 @@ class MessageTransport(Transport):
         self.mailbox.fail(error)
 
     drives_progress = False
-    """Whether threads waiting in `recv` (and `send`) make progress themselves through `_drive`."""
+    """Whether threads waiting in `recv` (and `send`) make progress themselves through `drive`."""
 
-    def _drive(self) -> bool:
+    def drive(self) -> bool:
         """Make progress from the calling thread if no other thread is; whether any work was done."""
         return False
 

@@ -33,6 +33,10 @@ class Bell(Protocol):
 
     def ring_self(self) -> None: ...
 
+    def arm(self) -> None: ...
+
+    def disarm(self) -> None: ...
+
 
 __all__ = ["ANY_SOURCE", "ANY_TAG", "Arrival", "Mailbox"]
 
@@ -163,7 +167,8 @@ class Mailbox:
         `config.spin_time` after, it polls (yielding the CPU between polls); then it sleeps on the
         mailbox (woken by deliveries), from `config.poll_min` up to `config.poll_max` at a time, driving
         between naps so that it keeps helping. With a `bell` (a transport's doorbell) it naps on the bell
-        instead, which a message sent to this rank or delivered by another thread rings.
+        instead, which a message sent to this rank or delivered by another thread rings (senders ring only
+        while a thread of the rank is armed on its bell: see mp_comm.transport.doorbell).
         """
         now = time.monotonic()
         deadline = now + timeout
@@ -214,14 +219,22 @@ class Mailbox:
                 if not sleep:
                     _pause(config)
                     continue
-                assert bell is not None
+                assert bell is not None and drive is not None
                 # On the bell: a message sent here, or delivered by another thread, ends the nap at once.
+                # Senders ring only while it is armed, so look once more after arming: a message posted
+                # before that was not rung for, and is found here instead of after the nap.
+                bell.arm()
                 try:
+                    bell.drain()  # rings from before: what comes from now on rings again
+                    if drive():
+                        last_work = time.monotonic()
+                        nap = first_nap
+                        continue
                     bell.wait(max(0.0, min(deadline - time.monotonic(), nap)))
                 finally:
+                    bell.disarm()
                     with self._cond:
                         self._bell_sleepers -= 1
-                bell.drain()  # the next drive sees what rang; what comes later rings again
                 nap = min(longest_nap, nap * 2)
         finally:
             waits.leave(token)

@@ -11,8 +11,8 @@ communicator:
 * each non-empty tensor payload follows as raw bytes with tag ``2 + wire % (TAG_UB - 2)``, where `wire`
   counts the sender's messages to that destination, so payloads of different messages never match
   each other's receives;
-* once all are posted, the sender rings the destination's doorbell (:mod:`mp_comm.transport.doorbell`),
-  which ends the nap of a receiver waiting for a message.
+* once all are posted, the sender rings the destination's doorbell (:mod:`mp_comm.transport.doorbell`)
+  if a thread of the destination naps on it, which ends that nap.
 
 The receiving side (matched probes, payloads received straight into the tensors) is in
 :mod:`mp_comm.transport.mpi_receiving`, the import of mpi4py in :mod:`mp_comm.transport.mpi_setup`.
@@ -148,9 +148,10 @@ class MPITransport(MPIReceiving):
             device_map=device_map,
         )
         self._data_tags = int(self._comm.Get_attr(mpi.TAG_UB)) - _FIRST_DATA_TAG
-        self._bell = Doorbell(self._comm)  # collective too; a napping receiver wakes when rung
-        if self.mailbox.bell is None and self._bell.usable:
-            self.mailbox.bell = self._bell
+        self.bell = Doorbell(self._comm)  # collective too; a napping receiver wakes when rung
+        """This rank's doorbell (its `rung` and `skipped` count the rings sent and spared)."""
+        if self.mailbox.bell is None and self.bell.usable:
+            self.mailbox.bell = self.bell
         self._outq: collections.deque[Outgoing] = collections.deque()
         self._wake = threading.Event()
         self._progress = threading.Lock()  # held by whichever thread makes progress: all op state is under it
@@ -188,7 +189,7 @@ class MPITransport(MPIReceiving):
             raise TransportError(
                 f"the MPI transport of rank {self.rank} has failed: {self._error}"
             ) from self._error
-        # No wake-up here: the sending thread posts the message itself right after (`_drive`, called by
+        # No wake-up here: the sending thread posts the message itself right after (`drive`, called by
         # `send`), and only wakes the progress thread when another thread holds the progress lock.
         self._outq.append(out)
 
@@ -220,7 +221,7 @@ class MPITransport(MPIReceiving):
         self._wake.set()
         self._thread.join(self._close_timeout + 5.0)
         if not self._thread.is_alive():
-            self._bell.close()
+            self.bell.close()
         closed = TransportClosedError(f"the MPI transport of rank {self.rank} was closed")
         self._fail_all(self._error or closed)
         if self._thread.is_alive():
@@ -259,7 +260,7 @@ class MPITransport(MPIReceiving):
             if not self._outq:
                 return worked
 
-    def _drive(self) -> bool:
+    def drive(self) -> bool:
         """Progress from the calling thread (see `_progress_once`).
 
         True when it did work or MPI requests are still in flight: a thread waiting in `recv` then
@@ -281,10 +282,14 @@ class MPITransport(MPIReceiving):
                     self._progress_once()
                     continue
                 if self.mailbox.waiters > 0:
-                    # A thread waiting for a message drives progress itself (see Mailbox.take); polling
-                    # here as well would only take the GIL from it. Look in now and then all the same
-                    # (the waiter may be napping, or waiting on another transport of a router).
-                    idle.rest()
+                    # A thread waiting for a message drives progress itself (see Mailbox.take), also
+                    # between its naps; polling here as well would only take the GIL from it, and on a
+                    # loaded host a thread preempted while it holds the GIL stalls the other. Look in
+                    # now and then all the same: every `poll_max` while transfers are in flight (the
+                    # waiter may leave with them unfinished), every `poll_busy_idle` when none is. A
+                    # transfer that stays in flight when posted wakes this thread (`_in_flight_posted`).
+                    cfg = self.config
+                    idle.rest(cfg.poll_max if self._in_flight() else cfg.poll_busy_idle)
                     if self.mailbox.waiters > 0:
                         self._progress_once()
                         continue
@@ -305,9 +310,9 @@ class MPITransport(MPIReceiving):
         error = exc if isinstance(exc, TransportError) else self._wrap_error("progress", exc, None)
         self._error = error
         for op in self._sends:
-            op.out.handle._fail(error)
+            op.out.handle.set_failed(error)
         while self._outq:
-            self._outq.popleft().handle._fail(error)
+            self._outq.popleft().handle.set_failed(error)
         self._fail_all(error)
 
     def _round(self) -> bool:
@@ -337,16 +342,25 @@ class MPITransport(MPIReceiving):
                     if nbytes and i not in inline:
                         keep.append(t)
                         reqs.append(comm.Isend(_buffer(mpi, t, nbytes, readonly=True), out.dest, tag))
-                done = mpi.Request.Testall(reqs)  # small messages leave at once (MPI's eager protocol)
+                # small messages leave at once (MPI's eager protocol)
+                done = reqs[0].Test() if len(reqs) == 1 else mpi.Request.Testall(reqs)
             except mpi.Exception as exc:
-                out.handle._fail(self._wrap_error(f"sending tag {out.tag!r}", exc, out.dest))
+                out.handle.set_failed(self._wrap_error(f"sending tag {out.tag!r}", exc, out.dest))
                 continue
-            self._bell.ring(out.dest)
+            self.bell.ring(out.dest)
             if done:
-                out.handle._complete()
+                out.handle.set_done()
                 continue
             self._sends.append(_SendOp(out, reqs, keep))
+            if out.dest != self.rank:  # a send to itself completes when this rank receives it
+                self._in_flight_posted()
         return worked
+
+    def _in_flight_posted(self) -> None:
+        """A transfer stays in flight (a large payload): make sure the progress thread polls for it, in
+        case the thread that posted it stops driving (it leaves `recv`, or returns from `send`)."""
+        if threading.current_thread() is not self._thread:
+            self._wake.set()
 
     def _finish_sends(self) -> bool:
         if not self._sends:
@@ -357,11 +371,11 @@ class MPITransport(MPIReceiving):
             try:
                 complete = mpi.Request.Testall(op.reqs)
             except mpi.Exception as exc:
-                op.out.handle._fail(self._wrap_error(f"sending tag {op.out.tag!r}", exc, op.out.dest))
+                op.out.handle.set_failed(self._wrap_error(f"sending tag {op.out.tag!r}", exc, op.out.dest))
                 done.append(op)
                 continue
             if complete:
-                op.out.handle._complete()
+                op.out.handle.set_done()
                 done.append(op)
         for op in done:
             self._sends.remove(op)
@@ -417,7 +431,7 @@ class MPITransport(MPIReceiving):
             f"the MPI transport of rank {self.rank} was closed with this send pending"
         )
         for op in self._sends:
-            op.out.handle._fail(error)
+            op.out.handle.set_failed(error)
         while self._outq:
-            self._outq.popleft().handle._fail(error)
+            self._outq.popleft().handle.set_failed(error)
         self._sends.clear()

@@ -10,6 +10,7 @@ UCX transport's).
 
 from __future__ import annotations
 
+import abc
 import collections
 import logging
 from collections.abc import Container
@@ -58,6 +59,10 @@ class MPIReceiving(MessageTransport):
     _data_tags: int
     _headers: dict[int, collections.deque[_HeaderOp]]
     _recvs: list[_RecvOp]
+
+    @abc.abstractmethod
+    def _in_flight_posted(self) -> None:
+        """Called when a receive stays in flight after it was posted (the transport wakes its poller)."""
 
     def _data_tag(self, wire: int) -> int:
         return _FIRST_DATA_TAG + wire % self._data_tags
@@ -111,6 +116,9 @@ class MPIReceiving(MessageTransport):
         if prepared is None:
             return
         metas, tensors = prepared
+        if len(header.inline) == len(metas) or not any(m.nbytes for m in metas):
+            self._arrived(source, header, tensors, metas)  # everything travelled in the header
+            return
         op = _RecvOp(source, header, metas, tensors, [])
         mpi, comm = self._mpi, self._comm
         tag = self._data_tag(header.wire)
@@ -130,6 +138,7 @@ class MPIReceiving(MessageTransport):
             self._arrived(source, header, tensors, metas)
         elif not self._try_finish(op):  # a payload already announced often lands right away
             self._recvs.append(op)
+            self._in_flight_posted()
 
     def _finish_recvs(self) -> bool:
         if not self._recvs:
