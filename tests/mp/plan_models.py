@@ -33,3 +33,19 @@ class Stack(nn.Module):
 def blocks(layers: int = 4, hidden: int = 16, seq: int = 8) -> tuple[nn.Module, tuple[torch.Tensor]]:
     """The model and one sample's input, shape (1, seq, hidden)."""
     return Stack(layers, hidden), (torch.zeros(1, seq, hidden),)
+
+
+class StemStack(Stack):
+    """A ``stem`` (Linear + ReLU) before the blocks of :class:`Stack`: activations before the layers."""
+
+    def __init__(self, layers: int, hidden: int) -> None:
+        super().__init__(layers, hidden)
+        self.stem = nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.stem(x) * 2.0)
+
+
+def stem_blocks(layers: int = 4, hidden: int = 16, seq: int = 8) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """:class:`StemStack` and one sample's input, shape (1, seq, hidden), requiring grad."""
+    return StemStack(layers, hidden), (torch.zeros(1, seq, hidden, requires_grad=True),)

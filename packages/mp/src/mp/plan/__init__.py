@@ -26,6 +26,7 @@ from mp.plan.estimate import Estimate, Layout, MemoryBreakdown, TimeBreakdown, e
 from mp.plan.profile import ModelProfile, profile_model
 from mp.plan.search import SearchSpace, search
 from mp.plan.stages import StageProfile, split_stages
+from mp.plan.tp_profile import TPActivations, profile_tp
 
 __all__ = [
     "PRESETS",
@@ -38,12 +39,14 @@ __all__ = [
     "PlanResult",
     "SearchSpace",
     "StageProfile",
+    "TPActivations",
     "TimeBreakdown",
     "calibrate_cpu",
     "estimate",
     "get_cluster",
     "plan",
     "profile_model",
+    "profile_tp",
     "search",
     "split_stages",
 ]
@@ -117,6 +120,8 @@ def plan(
     hidden: int | None = None,
     overlap_dp: bool | None = None,
     zero1_reduce_scatter: bool = False,
+    optimize: str = "speed",
+    prescaled_batch: bool = True,
 ) -> PlanResult:
     """Plans ``model`` (HF preset/model_type/config path or ``package.module:factory``, or a profile)
     for ``global_batch`` sequences of ``seq_len`` on ``cluster``; any fixed option pins that choice.
@@ -124,13 +129,17 @@ def plan(
     ``precision`` defaults to bf16 on GPU presets and fp32 on ``cpu``. ``overlap_dp`` (None: as mp
     does, see :func:`mp.plan.estimate.estimate`) says whether the data-parallel reduction hides behind
     the last backward; ``zero1_reduce_scatter`` costs ``shard_optimizer_state`` as smp ran it (gradients
-    reduced to their owner) instead of as mp runs it (all-reduced).
+    reduced to their owner) instead of as mp runs it (all-reduced). ``optimize`` and
+    ``prescaled_batch``: mp's settings of those keys for layouts with tp > 1 (what its distributed
+    layers keep per rank, profiled on them: :mod:`mp.plan.tp_profile`).
     """
     clus = get_cluster(cluster, hosts=hosts, devices_per_host=devices_per_host)
     if precision is None:
         precision = "fp32" if clus.name == "cpu" else "bf16"
     if precision not in ("fp32", "fp16", "bf16"):
         raise PlanError(f"precision {precision!r} is invalid: expected 'fp32', 'fp16' or 'bf16'")
+    if optimize not in ("speed", "memory"):
+        raise PlanError(f"optimize {optimize!r} is invalid: expected 'speed' or 'memory'")
     if schedule not in (None, "interleaved", "simple"):
         raise PlanError(f"schedule {schedule!r} is invalid: expected 'interleaved' or 'simple'")
     prof = (
@@ -155,6 +164,8 @@ def plan(
         offload=offload,
         shard_optimizer_state=shard_optimizer_state,
         sdp=sdp,
+        tp_optimize=optimize,  # type: ignore[arg-type]
+        prescaled_batch=prescaled_batch,
     )
     found = search(
         prof,

@@ -25,9 +25,13 @@ overlapped with compute (its traffic is reported, not added).
 Memory per device, for the stage that needs most: parameters, gradients, fp32 master copies (mixed
 precision) and Adam's two states, each divided by ``tp``; the master copies and optimizer state also by
 the data-parallel degree under ``shard_optimizer_state``, everything by it under sharded data
-parallelism; activations of the micro-batches in flight (the simulator's peak), divided by ``tp``, halved
-in fp16/bf16; with checkpointing only each layer's input (``b s h`` elements) per micro-batch plus one
-layer recomputed; with offloading only ``activation_loading_horizon`` micro-batches' checkpoints.
+parallelism; activations of the micro-batches in flight (the simulator's peak), one rank's of mp's
+distributed model when the stages were profiled at the layout's ``tp`` (else the model's divided by
+``tp``), halved in fp16/bf16; with checkpointing only each layer's input (``b s h`` elements) and what
+runs outside the layers per micro-batch, and at the recompute of a layer in backward that layer's
+activations in place of what its micro-batch ran after its layers (freed by then: a head's, a loss's),
+whichever peak is higher; with offloading only ``activation_loading_horizon`` micro-batches'
+checkpoints.
 """
 
 from __future__ import annotations
@@ -68,6 +72,10 @@ class Layout:
     sdp: int = 1
     """sharded_data_parallel_degree (1: off)."""
     activation_loading_horizon: int = 4
+    tp_optimize: Literal["speed", "memory"] = "speed"
+    """mp's ``optimize`` under tensor parallelism (what its distributed layers keep per rank)."""
+    prescaled_batch: bool = True
+    """mp's ``prescaled_batch`` under tensor parallelism (the TP group shares one batch)."""
 
     @property
     def world(self) -> int:
@@ -106,8 +114,8 @@ class Layout:
         if self.active_microbatches is not None:
             cfg["active_microbatches"] = self.active_microbatches
         if self.tp > 1:
-            cfg["prescaled_batch"] = True
-            cfg["optimize"] = "speed"
+            cfg["prescaled_batch"] = self.prescaled_batch
+            cfg["optimize"] = self.tp_optimize
         if self.precision == "fp16":
             cfg["fp16"] = True
         elif self.precision == "bf16":
@@ -342,12 +350,21 @@ def estimate(
         grads_b = p * elt / shard
         master_b = (p * 4 if half else 0.0) / (shard * (layout.rdp if layout.shard_optimizer_state else 1))
         optim_b = p * 4 * _ADAM_STATES / (shard * (layout.rdp if layout.shard_optimizer_state else 1))
-        scale = b * (elt / 4) / tp
+        if st.activation_tp not in (1, tp):
+            raise PlanError(
+                f"stage {st.index} holds activations profiled at tp={st.activation_tp} for a layout with "
+                f"tp={tp}: expected 1 or {tp}; split the stages with that degree's tp_activations"
+            )
+        scale = b * (elt / 4) / (tp if st.activation_tp == 1 else 1)  # per rank already when profiled at tp
         if layout.checkpointing:
             kept = min(in_flight, layout.activation_loading_horizon) if layout.offload else in_flight
             outside = (st.activation_bytes - st.block_activation_bytes) * scale
+            trailing = outside - st.leading_activation_bytes * scale
             ckpt = st.layers * act_bytes
-            acts = kept * (outside + ckpt) + st.max_block_activation_bytes * scale
+            # the peak is either the end of a forward (every micro-batch in flight holds its layers'
+            # inputs and what runs outside them) or the recompute of a layer in a backward: that
+            # micro-batch has freed what ran after its layers and holds one layer's activations again
+            acts = kept * (outside + ckpt) + max(0.0, st.max_block_activation_bytes * scale - trailing)
             if layout.offload:
                 offload_traffic = max(offload_traffic, 2.0 * m * ckpt)
         else:

@@ -28,7 +28,7 @@ from torch.utils.flop_counter import flop_registry
 
 from mp.plan.errors import PlanError
 
-__all__ = ["ModelProfile", "count_flops", "profile_model"]
+__all__ = ["ModelProfile", "block_paths", "count_flops", "profile_model"]
 
 _log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def _own_params(model: nn.Module) -> tuple[dict[str, int], dict[str, int]]:
     return out, tensors
 
 
-def _blocks(model: nn.Module) -> tuple[str, ...]:
+def block_paths(model: nn.Module) -> tuple[str, ...]:
     """Children of every ModuleList with at least two children that hold parameters (the layers)."""
     paths: list[str] = []
     for path, module in model.named_modules():
@@ -185,6 +185,7 @@ def profile_model(
     the model is built and traced (``meta`` allocates nothing; ``cpu`` for models whose forward reads
     values, e.g. a Hugging Face mask check that calls ``.item()``).
     """
+    import mp_tensor  # noqa: F401  (its registrations record constructor arguments of models built after)
     from mp_partition import build_hf_model, load_factory, trace_model
 
     config: Any = None
@@ -216,7 +217,7 @@ def profile_model(
     net.train()
     trace = trace_model(net, args, kwargs)
     flops = count_flops(net, args, kwargs)
-    blocks = _blocks(net)
+    blocks = block_paths(net)
     width = hidden if hidden is not None else _hidden_from(net, config, blocks)
     acts = {p: trace.activation_bytes(p) for p, _ in net.named_modules()}
     params, tensors = _own_params(net)

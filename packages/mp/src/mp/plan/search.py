@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from mp.plan.cluster import Cluster
 from mp.plan.errors import PlanError
 from mp.plan.estimate import Estimate, Layout, Precision, Schedule, estimate
 from mp.plan.profile import ModelProfile
 from mp.plan.stages import StageProfile, split_stages
+from mp.plan.tp_profile import TPActivations, profile_tp
 
 __all__ = ["SearchSpace", "search"]
 
@@ -56,6 +58,10 @@ class SearchSpace:
     sdp: bool | None = None
     active_microbatches: int | None = None
     max_microbatch_choices: int = 6
+    tp_optimize: Literal["speed", "memory"] = "speed"
+    """mp's ``optimize`` for tp > 1 (not searched)."""
+    prescaled_batch: bool = True
+    """mp's ``prescaled_batch`` for tp > 1 (not searched)."""
 
     def layouts(self, cluster: Cluster, global_batch: int, hidden: int, max_pp: int) -> Iterator[Layout]:
         world = cluster.world
@@ -117,6 +123,8 @@ class SearchSpace:
                                         offload=off,
                                         shard_optimizer_state=zero1,
                                         sdp=sdp,
+                                        tp_optimize=self.tp_optimize,
+                                        prescaled_batch=self.prescaled_batch,
                                     )
 
     def _sharding(self, pp: int, rdp: int) -> list[tuple[bool, int]]:
@@ -147,15 +155,21 @@ def search(
     if global_batch < 1:
         raise PlanError(f"global batch {global_batch!r} is invalid: expected an int >= 1")
     max_pp = max(1, min(profile.layers or 1, cluster.world))
-    stages: dict[int, tuple[StageProfile, ...]] = {}
+    stages: dict[tuple[int, int], tuple[StageProfile, ...]] = {}
+    tp_acts: dict[int, TPActivations | None] = {}
     out: list[Estimate] = []
     for layout in space.layouts(cluster, global_batch, profile.hidden, max_pp):
-        if layout.pp not in stages:
-            stages[layout.pp] = split_stages(profile, layout.pp, memory_weight)
+        key = (layout.pp, layout.tp)
+        if key not in stages:
+            if layout.tp > 1 and layout.tp not in tp_acts:  # what mp's distributed model keeps per rank
+                tp_acts[layout.tp] = profile_tp(
+                    profile, layout.tp, optimize=space.tp_optimize, prescaled_batch=space.prescaled_batch
+                )
+            stages[key] = split_stages(profile, layout.pp, memory_weight, tp_acts.get(layout.tp))
         out.append(
             estimate(
                 layout,
-                stages[layout.pp],
+                stages[key],
                 cluster,
                 global_batch=global_batch,
                 seq_len=profile.seq_len,
