@@ -210,13 +210,13 @@ def test_send_handle() -> None:
     assert not h.done()
     with pytest.raises(PeerTimeoutError, match=r"send to rank 1 with tag 't'"):
         h.wait()
-    h._complete()
+    h.set_done()
     h.wait()
     h.wait(timeout=0)
     assert h.done() and h.exception() is None
     failed = SendHandle(2, 0, 1.0)
-    failed._fail(RuntimeError("x"))
-    failed._complete()  # the first outcome wins
+    failed.set_failed(RuntimeError("x"))
+    failed.set_done()  # the first outcome wins
     with pytest.raises(RuntimeError):
         failed.wait()
     assert "failed" in repr(failed)

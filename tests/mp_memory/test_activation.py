@@ -75,7 +75,7 @@ def test_checkpoint_sequential_equals_plain_and_saves_less(strategy: str) -> Non
 def test_checkpoint_of_one_module_call() -> None:
     def forward(net: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
         for block in net:
-            x = activation.checkpoint(block, x)
+            x = activation.checkpoint_module(block, x)
         return x
 
     ckpt = _run(forward)

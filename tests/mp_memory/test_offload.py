@@ -28,7 +28,7 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor, checkpointed: bool) -> torch.Tensor:
         x = x * 2.0
         for b in self.blocks:
-            x = activation.checkpoint(b, x) if checkpointed else b(x)
+            x = activation.checkpoint_module(b, x) if checkpointed else b(x)
         return x.square().mean()
 
 
@@ -133,7 +133,7 @@ def test_offloaded_input_is_released_and_only_inside_a_task() -> None:
     for key in (None, (0, 0)):
         d.key = key
         x = d.inputs[0] * 2.0  # mul by a scalar keeps nothing: only the checkpoint keeps x
-        y = activation.checkpoint(d.net.blocks[0], x)
+        y = activation.checkpoint_module(d.net.blocks[0], x)
         ref = weakref.ref(x)
         del x
         gc.collect()
@@ -149,7 +149,7 @@ def test_parameters_are_never_offloaded() -> None:
     offload.activate(d.offloader)
     d.key = (0, 0)
     w = nn.Parameter(torch.randn(3, 3))
-    activation.checkpoint(lambda t: t.exp(), w).sum().backward()
+    activation.checkpoint_module(lambda t: t.exp(), w).sum().backward()
     assert d.offloader.events == [] and w.grad is not None
 
 

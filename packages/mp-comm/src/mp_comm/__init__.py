@@ -15,6 +15,8 @@ from mp_comm.errors import (
     TransportUnavailableError,
     WorldError,
 )
+from mp_comm.heartbeat import start as start_heartbeat
+from mp_comm.heartbeat import stop as stop_heartbeat
 from mp_comm.router import Route, Router, RouterConfig
 from mp_comm.teardown import EXIT_TIMEOUT, Stage, at_exit
 from mp_comm.topology import (
@@ -86,5 +88,7 @@ __all__ = [
     "init_world",
     "mpi_comm_of",
     "normalize_placement",
+    "start_heartbeat",
+    "stop_heartbeat",
     "ucx_available",
 ]

@@ -119,7 +119,7 @@ class _Call:
         if not self.is_async:
             return handle.wait()
         self.handle = handle
-        return handle._result
+        return handle.pending_result
 
 
 class _AllReduce(torch.autograd.Function):
@@ -286,7 +286,7 @@ def _async(run: Callable[[Tensor, _Call], Tensor], x: Tensor, call: _Call) -> Co
     out = run(x, call)
     if call.handle is None:  # a group of one: nothing to wait for
         return CollectiveHandle(out)
-    return CollectiveHandle(out, call.handle._works, call.handle._finalize, call.handle._what)
+    return call.handle.with_result(out)
 
 
 def all_reduce_async(

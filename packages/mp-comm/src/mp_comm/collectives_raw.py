@@ -123,6 +123,15 @@ class CollectiveHandle:
                 finalize()
         return self._result
 
+    @property
+    def pending_result(self) -> Tensor:
+        """The output tensor, before :meth:`wait` (its values are final only after it)."""
+        return self._result
+
+    def with_result(self, result: Tensor) -> CollectiveHandle:
+        """The same communication in flight, handing back ``result`` from :meth:`wait`."""
+        return CollectiveHandle(result, self._works, self._finalize, self._what)
+
     def is_completed(self) -> bool:
         """True once :meth:`wait` would not block."""
         return all(work.is_completed() for work in self._works)

@@ -188,7 +188,7 @@ class Router(Transport):
         self.stats: Counter[str] = Counter()
         """Messages sent per route ("mpi", "ucx", "loopback")."""
         self._drives: list[Callable[[], bool]] = [
-            t._drive for t in self.transports.values() if t.drives_progress
+            t.drive for t in self.transports.values() if t.drives_progress
         ]
 
     @classmethod
@@ -268,7 +268,7 @@ class Router(Transport):
     ) -> SendHandle:
         """Send over the route the rules choose, or over `route` when given (it must exist)."""
         transport = next(iter(self.transports.values()))
-        transport._check_send(dest, tag)
+        transport.check_send(dest, tag)
         if route is not None and route not in self.transports:
             raise ValueError(f"route={route}; this router has {sorted(r.value for r in self.transports)}")
         body, tensors = encode_object(obj)
@@ -277,14 +277,14 @@ class Router(Transport):
             nbytes = sum(t.numel() * t.element_size() for t in on_device)
             route = self.route({t.device.type for t in tensors}, dest, len(tensors), nbytes)
         self.stats[route.value] += 1
-        return self.transports[route]._send_encoded(body, tensors, dest, tag, static=static)
+        return self.transports[route].send_encoded(body, tensors, dest, tag, static=static)
 
     def recv(self, source: int = ANY_SOURCE, tag: object = ANY_TAG, timeout: float | None = None) -> Received:
         transport = next(iter(self.transports.values()))
         if self._closed or transport.closed:
             raise TransportClosedError(f"recv on the closed router of rank {self.rank}")
         if source != ANY_SOURCE:
-            transport._check_rank(source, "source")
+            transport.check_rank(source, "source")
         limit = self._transport_config.timeout if timeout is None else timeout
         drive = self._drive if self._drives else None
         arrival = self.mailbox.take(source, tag, limit, drive=drive, config=self._transport_config)

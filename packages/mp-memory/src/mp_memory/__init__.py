@@ -18,12 +18,36 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the same names as _SOURCES, for type checkers (tests/mp_memory/test_api.py)
+    from mp_memory.activation import Mark as Mark
+    from mp_memory.activation import checkpoint_module as checkpoint_module
+    from mp_memory.activation import checkpoint_run as checkpoint_run
+    from mp_memory.activation import checkpoint_sequential as checkpoint_sequential
+    from mp_memory.activation import group_size as group_size
+    from mp_memory.activation import mark_module as mark_module
+    from mp_memory.activation import mark_of as mark_of
+    from mp_memory.activation import mark_sequential as mark_sequential
+    from mp_memory.activation import run_children as run_children
+    from mp_memory.activation import segments as segments
+    from mp_memory.checkpoint import BackgroundSave as BackgroundSave
+    from mp_memory.checkpoint import CheckpointFolder as CheckpointFolder
+    from mp_memory.checkpoint import Layout as Layout
+    from mp_memory.checkpoint import is_trusted as is_trusted
+    from mp_memory.checkpoint import load_full as load_full
+    from mp_memory.checkpoint import load_partial as load_partial
+    from mp_memory.checkpoint import read_newest as read_newest
+    from mp_memory.checkpoint import save_folder as save_folder
+    from mp_memory.checkpoint import save_full as save_full
+    from mp_memory.checkpoint import save_partial as save_partial
+    from mp_memory.checkpoint.collective import agree as agree
     from mp_memory.checkpoint.errors import CheckpointCorruptError as CheckpointCorruptError
     from mp_memory.checkpoint.errors import CheckpointError as CheckpointError
     from mp_memory.checkpoint.errors import CheckpointLayoutError as CheckpointLayoutError
     from mp_memory.checkpoint.errors import CheckpointMissingError as CheckpointMissingError
     from mp_memory.checkpoint.errors import CheckpointWriteError as CheckpointWriteError
     from mp_memory.checkpoint.errors import UntrustedCheckpointError as UntrustedCheckpointError
+    from mp_memory.checkpoint.publish import TMP_MARK as TMP_MARK
+    from mp_memory.checkpoint.publish import publish_file as publish_file
+    from mp_memory.checkpoint.publish import tmp_name as tmp_name
     from mp_memory.checkpoint.reshard import full_model_from_parts as full_model_from_parts
     from mp_memory.checkpoint.reshard import full_optimizer_from_parts as full_optimizer_from_parts
     from mp_memory.checkpoint.reshard import merge_model_parts as merge_model_parts
@@ -46,6 +70,9 @@ if TYPE_CHECKING:  # the same names as _SOURCES, for type checkers (tests/mp_mem
     from mp_memory.memory_report import ActivationTracker as ActivationTracker
     from mp_memory.memory_report import MemoryReport as MemoryReport
     from mp_memory.memory_report import tensor_bytes as tensor_bytes
+    from mp_memory.offload import Offloader as Offloader
+    from mp_memory.offload import TaskKey as TaskKey
+    from mp_memory.offload import activate as activate
     from mp_memory.precision import HALF_DTYPES as HALF_DTYPES
     from mp_memory.precision import Bit16Optimizer as Bit16Optimizer
     from mp_memory.precision import cast_floats as cast_floats
@@ -64,6 +91,31 @@ __version__ = "0.1.0"
 
 # module -> the public names it provides (the one list; __all__ and the lazy lookup come from it)
 _SOURCES: dict[str, tuple[str, ...]] = {
+    "mp_memory.activation": (
+        "Mark",
+        "checkpoint_module",
+        "checkpoint_run",
+        "checkpoint_sequential",
+        "group_size",
+        "mark_module",
+        "mark_of",
+        "mark_sequential",
+        "run_children",
+        "segments",
+    ),
+    "mp_memory.checkpoint": (
+        "BackgroundSave",
+        "CheckpointFolder",
+        "Layout",
+        "is_trusted",
+        "load_full",
+        "load_partial",
+        "read_newest",
+        "save_folder",
+        "save_full",
+        "save_partial",
+    ),
+    "mp_memory.checkpoint.collective": ("agree",),
     "mp_memory.checkpoint.errors": (
         "CheckpointCorruptError",
         "CheckpointError",
@@ -72,6 +124,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
         "CheckpointWriteError",
         "UntrustedCheckpointError",
     ),
+    "mp_memory.checkpoint.publish": ("TMP_MARK", "publish_file", "tmp_name"),
     "mp_memory.checkpoint.reshard": (
         "full_model_from_parts",
         "full_optimizer_from_parts",
@@ -88,6 +141,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
     "mp_memory.errors": ("CheckpointArgumentError", "MemorySaverError", "PrecisionError"),
     "mp_memory.loss_scaler": ("DynamicLossScaler", "LossScaler", "make_loss_scaler"),
     "mp_memory.memory_report": ("ActivationTracker", "MemoryReport", "tensor_bytes"),
+    "mp_memory.offload": ("Offloader", "TaskKey", "activate"),
     "mp_memory.precision": ("HALF_DTYPES", "Bit16Optimizer", "cast_floats", "has_overflow"),
     "mp_memory.sharded": (
         "ShardedDataParallel",

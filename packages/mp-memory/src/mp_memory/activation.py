@@ -2,7 +2,7 @@
 
 Built on ``torch.utils.checkpoint`` (non-reentrant), free of mp's other packages. Two forms:
 
-- functional: :func:`checkpoint` runs one module call under a checkpoint, :func:`checkpoint_sequential`
+- functional: :func:`checkpoint_module` runs one module call under a checkpoint, :func:`checkpoint_sequential`
   runs an ``nn.Sequential`` with its children grouped into checkpointed segments by a strategy;
 - marks: :func:`mark_module` and :func:`mark_sequential` replace a module instance's ``forward`` so that
   every later call is checkpointed (smp's ``set_activation_checkpointing``).
@@ -29,7 +29,7 @@ from mp_memory.offload import offloading
 
 __all__ = [
     "Mark",
-    "checkpoint",
+    "checkpoint_module",
     "checkpoint_run",
     "checkpoint_sequential",
     "group_size",
@@ -43,7 +43,7 @@ __all__ = [
 _MARK = "_mp_activation_checkpoint"
 
 
-def checkpoint(
+def checkpoint_module(
     function: Callable[..., Any], *args: Any, preserve_rng_state: bool = True, **kwargs: Any
 ) -> Any:
     """``function(*args, **kwargs)`` with its activations recomputed in backward (non-reentrant
@@ -106,7 +106,7 @@ def checkpoint_sequential(
     if not isinstance(sequential, nn.Sequential):
         raise CheckpointArgumentError(
             f"checkpoint_sequential needs an nn.Sequential; got {type(sequential).__name__}. "
-            "Use checkpoint(module, *args) for other modules"
+            "Use checkpoint_module(module, *args) for other modules"
         )
     children = list(sequential.children())
     x = input
@@ -120,7 +120,9 @@ def checkpoint_run(
 ) -> Any:
     """:func:`run_children` of ``modules`` on ``x`` as one checkpointed unit."""
     args = (x,) if pack_args_as_tuple or not isinstance(x, tuple) else x
-    return checkpoint(_runner(modules, pack_args_as_tuple), *args, preserve_rng_state=preserve_rng_state)
+    return checkpoint_module(
+        _runner(modules, pack_args_as_tuple), *args, preserve_rng_state=preserve_rng_state
+    )
 
 
 def _runner(modules: Sequence[nn.Module], pack: bool) -> Callable[..., Any]:
@@ -173,7 +175,7 @@ def mark_module(
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not _active(mark, skip):
             return original(*args, **kwargs)
-        return checkpoint(original, *args, preserve_rng_state=mark.preserve_rng_state, **kwargs)
+        return checkpoint_module(original, *args, preserve_rng_state=mark.preserve_rng_state, **kwargs)
 
     module.__dict__[_MARK] = mark
     module.forward = forward
@@ -206,7 +208,7 @@ def mark_sequential(
         for segment in segments(strategy, len(children), owner):
             modules = [children[i][1] for i in segment]
             if len(segment) > 1 and all(local(i) for i in segment) and _active(group, skip):
-                x = checkpoint(_in_segment(modules), x, preserve_rng_state=group.preserve_rng_state)
+                x = checkpoint_module(_in_segment(modules), x, preserve_rng_state=group.preserve_rng_state)
             else:
                 for m in modules:
                     x = m(x)

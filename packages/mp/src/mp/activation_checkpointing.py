@@ -26,7 +26,19 @@ from torch import nn
 
 from mp.errors import CheckpointingConfigError, DistributedModelNotWrappedError, StepFunctionCalledError
 from mp.state import state
-from mp_memory import CheckpointArgumentError, activation
+from mp_memory import (
+    CheckpointArgumentError,
+    Mark,
+    checkpoint_module,
+    checkpoint_run,
+    group_size,
+    mark_module,
+    mark_of,
+    mark_sequential,
+    run_children,
+    segments,
+)
+from mp_memory import checkpoint_sequential as checkpoint_segments
 from mp_partition import is_tracing
 
 __all__ = ["checkpoint", "checkpoint_attentions", "checkpoint_sequential", "set_activation_checkpointing"]
@@ -69,13 +81,13 @@ def _split(model: Any, path: str, owners: set[int]) -> bool:
     return False
 
 
-def _check_partition(model: Any, marks: list[activation.Mark]) -> None:
+def _check_partition(model: Any, marks: list[Mark]) -> None:
     """After partitioning: a checkpointed module must lie in one partition (smp's rule)."""
     root = model.module
     for mark in marks:
         module = root.get_submodule(mark.path) if mark.path else root
         owners = _owners(model, mark.path, module)
-        if len(owners) <= 1 or (isinstance(module, nn.Sequential) and activation.mark_of(module) is mark):
+        if len(owners) <= 1 or (isinstance(module, nn.Sequential) and mark_of(module) is mark):
             continue  # a Sequential's segments never span partitions
         mark.enabled = _split(model, mark.path, owners)
 
@@ -108,7 +120,7 @@ def set_activation_checkpointing(
             f"{type(module).__name__} takes strategy='each'"
         )
     try:
-        activation.group_size(strategy)
+        group_size(strategy)
     except CheckpointArgumentError as exc:
         raise _strategy_error(exc) from exc
     path = _path(model, module)
@@ -127,7 +139,7 @@ def set_activation_checkpointing(
     if sequential is not None:
         prefix = f"{path}." if path else ""
         children = [(prefix + name, child) for name, child in sequential.named_children()]
-        marks = activation.mark_sequential(
+        marks = mark_sequential(
             sequential,
             path,
             strategy,
@@ -137,7 +149,7 @@ def set_activation_checkpointing(
             local=lambda i: _owns(model, *children[i]),
         )
     else:
-        marks = [activation.mark_module(module, path, preserve_rng_state, skip=is_tracing)]
+        marks = [mark_module(module, path, preserve_rng_state, skip=is_tracing)]
     if not model.partitioned:
         model.register_post_partition_hook(lambda m, _opt: _check_partition(m, marks))
 
@@ -168,13 +180,13 @@ def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True, *
     if is_tracing():
         return module(*args, **kwargs)  # the partitioner measures the plain call
     if not _pipelined(model):
-        return activation.checkpoint(module, *args, preserve_rng_state=preserve_rng_state, **kwargs)
+        return checkpoint_module(module, *args, preserve_rng_state=preserve_rng_state, **kwargs)
     path = _path(model, module)
     if path is None:  # not part of the partitioned model: it runs here
-        return activation.checkpoint(module, *args, preserve_rng_state=preserve_rng_state, **kwargs)
+        return checkpoint_module(module, *args, preserve_rng_state=preserve_rng_state, **kwargs)
     owners = _owners(model, path, module)
     if owners == {int(model.placement.pp_rank)}:
-        return activation.checkpoint(module, *args, preserve_rng_state=preserve_rng_state, **kwargs)
+        return checkpoint_module(module, *args, preserve_rng_state=preserve_rng_state, **kwargs)
     if len(owners) == 1:
         with _checkpointed_remotely(model, path):
             return module(*args, **kwargs)
@@ -199,26 +211,22 @@ def checkpoint_sequential(
             "Use smp.checkpoint(module, *args) for other modules"
         )
     try:
-        activation.group_size(strategy)
+        group_size(strategy)
     except CheckpointArgumentError as exc:
         raise _strategy_error(exc) from exc
     model = state.model
     path = _path(model, sequential_module) if _pipelined(model) else None
     if is_tracing():
-        return activation.run_children(list(sequential_module), input, pack_args_as_tuple)
+        return run_children(list(sequential_module), input, pack_args_as_tuple)
     if path is None:
-        return activation.checkpoint_sequential(
-            sequential_module, input, strategy, preserve_rng_state, pack_args_as_tuple
-        )
+        return checkpoint_segments(sequential_module, input, strategy, preserve_rng_state, pack_args_as_tuple)
     prefix = f"{path}." if path else ""
     children = [(prefix + name, child) for name, child in sequential_module.named_children()]
     x = input
-    for segment in activation.segments(
-        strategy, len(children), lambda i: model.placement.module_owner(children[i][0])
-    ):
+    for segment in segments(strategy, len(children), lambda i: model.placement.module_owner(children[i][0])):
         part = [children[i] for i in segment]
         if len(part) > 1 and all(_owns(model, p, m) for p, m in part):
-            x = activation.checkpoint_run([m for _, m in part], x, preserve_rng_state, pack_args_as_tuple)
+            x = checkpoint_run([m for _, m in part], x, preserve_rng_state, pack_args_as_tuple)
             continue
         for _, child in part:
             args = (x,) if pack_args_as_tuple or not isinstance(x, tuple) else x

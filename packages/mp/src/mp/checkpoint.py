@@ -36,18 +36,31 @@ from mp.sharded import partial_file_names
 from mp.state import state
 from mp_comm import GroupKind
 from mp_memory import (
+    TMP_MARK,
+    BackgroundSave,
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointFolder,
     CheckpointLayoutError,
     CheckpointMissingError,
+    Layout,
     UntrustedCheckpointError,
+    agree,
     full_model_from_parts,
     full_optimizer_from_parts,
+    is_trusted,
+    load_full,
+    load_partial,
     merge_model_parts,
     merge_optimizer_parts,
+    publish_file,
     read_header,
+    read_newest,
+    save_folder,
+    save_full,
+    save_partial,
+    tmp_name,
 )
-from mp_memory import checkpoint as engine
 
 __all__ = [
     "CorruptCheckpointError",
@@ -62,7 +75,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_background = engine.BackgroundSave()
+_background = BackgroundSave()
 """The ``save_checkpoint(async_save=True)`` in flight, if any, and the host buffers its copies reuse."""
 
 
@@ -90,13 +103,13 @@ def _smp_errors() -> Iterator[None]:
         raise _smp_error(exc) from exc
 
 
-def _layout() -> engine.Layout:
+def _layout() -> Layout:
     """This rank's place in the layout (a single process when smp is not initialized)."""
     if not state.initialized:
-        return engine.Layout()
+        return Layout()
     _, world, topo = state.require()
     r = world.rank
-    return engine.Layout(
+    return Layout(
         r,
         topo.rank_in_group(GroupKind.PP, r),
         topo.rank_in_group(GroupKind.TP, r),
@@ -114,12 +127,12 @@ def _group(kind: GroupKind) -> Any:
 def atomic_write(target: str, write: Callable[[str], object], writer: int) -> None:
     """``write`` a file at a temporary name private to ``writer``, then publish it as ``target``
     durably: writers of the same file never interleave, and a crash leaves no torn file."""
-    tmp = engine.publish.tmp_name(target, writer)
+    tmp = tmp_name(target, writer)
     try:
         write(tmp)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
-        engine.publish.publish_file(tmp, target)
+        publish_file(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -155,7 +168,7 @@ def save(  # noqa: PLR0917 - smp's positional signature
     with _smp_errors():
         if not partial:
             if c.rank == 0:
-                engine.save_full(obj, path, c.rank, **args)
+                save_full(obj, path, c.rank, **args)
             return
         if state.initialized and state.model is not None:
             # not the path: ranks may name files apart
@@ -163,7 +176,7 @@ def save(  # noqa: PLR0917 - smp's positional signature
         kind = GroupKind.WORLD if v3 else GroupKind.MP
         group = _group(kind)
         group_rank = dist.get_rank(group) if group is not None else 0
-        engine.save_partial(obj, path, c, group, group_rank=group_rank, v3=v3, **args)
+        save_partial(obj, path, c, group, group_rank=group_rank, v3=v3, **args)
 
 
 def load(  # noqa: PLR0917 - smp's positional signature
@@ -189,13 +202,13 @@ def load(  # noqa: PLR0917 - smp's positional signature
     if weights_only is None:
         weights_only = args.pop("weights_only", None)
     args.pop("weights_only", None)
-    trusted = engine.is_trusted(None if weights_only is None else not weights_only)
+    trusted = is_trusted(None if weights_only is None else not weights_only)
     with _smp_errors():
         if not partial:
-            return engine.load_full(
+            return load_full(
                 path, trusted=trusted, map_location=map_location, pickle_module=pickle_module, **args
             )
-        return engine.load_partial(
+        return load_partial(
             path,
             _layout(),
             trusted=trusted,
@@ -208,7 +221,7 @@ def load(  # noqa: PLR0917 - smp's positional signature
 
 # --------------------------------------------------------------------------- save_checkpoint / resume
 def _check_tag(tag: object, partial: object = True, async_save: object = False) -> str:
-    if not isinstance(tag, str) or not tag or os.sep in tag or engine.publish.TMP_MARK in tag:
+    if not isinstance(tag, str) or not tag or os.sep in tag or TMP_MARK in tag:
         raise SMPCheckpointError(f"checkpoint tag={tag!r}; expected a non-empty str without {os.sep!r}")
     if not isinstance(async_save, bool):
         raise SMPCheckpointError(f"save_checkpoint(async_save={async_save!r}); expected True or False")
@@ -281,7 +294,7 @@ def _zero() -> bool:
     return state.initialized and state.require()[0].shard_optimizer_state
 
 
-def _partial_names(c: engine.Layout) -> tuple[str, str]:
+def _partial_names(c: Layout) -> tuple[str, str]:
     """(model file, optimizer file) of this rank in a partial checkpoint: smp's
     ``{kind}_{pp}_{tp}_{rdp}.pt``, whose rdp index is 0 except for a ZeRO optimizer share."""
     share = c.rdp_rank if _zero() else 0
@@ -364,7 +377,7 @@ def save_checkpoint(  # noqa: PLR0917 - smp's positional signature
             files[f"user_content_{tag}"] = user_content
     if not async_save:
         with _smp_errors():
-            engine.save_folder(
+            save_folder(
                 path,
                 tag,
                 c,
@@ -385,8 +398,8 @@ def save_checkpoint(  # noqa: PLR0917 - smp's positional signature
 
     def write() -> None:
         # Every rank learns whether every copy was made before any file is written.
-        engine.collective.agree(error, None, group, what, c.rank)
-        engine.save_folder(
+        agree(error, None, group, what, c.rank)
+        save_folder(
             path,
             tag,
             c,
@@ -427,7 +440,7 @@ def resume_from_checkpoint(  # noqa: PLR0917 - smp's positional signature
     if model is None:
         raise SMPCheckpointError("resume_from_checkpoint needs a smp.DistributedModel; create it first")
     wait_checkpoint()  # a background save in flight is published (or has failed) first
-    trusted = engine.is_trusted(trust_file)
+    trusted = is_trusted(trust_file)
     c = _layout()
     what = f"smp.resume_from_checkpoint({path!r}, tag={tag!r})"
     cfg = state.require()[0]
@@ -443,7 +456,7 @@ def resume_from_checkpoint(  # noqa: PLR0917 - smp's positional signature
     except Exception as exc:  # agreed on below: no rank loads anything unless every rank read its parts
         error = exc
     with _smp_errors():
-        engine.collective.agree(error, None, _group(GroupKind.WORLD), what, c.rank)
+        agree(error, None, _group(GroupKind.WORLD), what, c.rank)
     assert loaded is not None
     sd, opt_sd, user, moved = loaded
     if translate_function is not None:
@@ -458,12 +471,12 @@ def resume_from_checkpoint(  # noqa: PLR0917 - smp's positional signature
 
 
 def _read(
-    path: str, tag: str | None, partial: bool, c: engine.Layout, *, load_optimizer: bool, trusted: bool
+    path: str, tag: str | None, partial: bool, c: Layout, *, load_optimizer: bool, trusted: bool
 ) -> Any:
     """(model state, optimizer state or None, user content, whether the partial checkpoint moves to
     another pipeline degree) of the checkpoint, every file checked."""
-    tag = tag if tag is not None else engine.read_newest(path)
-    ckpt = engine.CheckpointFolder(path, tag, partial)
+    tag = tag if tag is not None else read_newest(path)
+    ckpt = CheckpointFolder(path, tag, partial)
     ckpt.check()
     if partial and load_optimizer and _zero():
         _check_zero_layout(ckpt, c)
@@ -521,7 +534,7 @@ def _read(
     return sd, opt_sd, user, False
 
 
-def _check_zero_layout(ckpt: engine.CheckpointFolder, c: engine.Layout) -> None:
+def _check_zero_layout(ckpt: CheckpointFolder, c: Layout) -> None:
     """Under shard_optimizer_state each rdp rank loads its own share: the checkpoint must hold one per
     rdp rank of this job (saved with shard_optimizer_state and the same data-parallel size)."""
     saved = ckpt.manifest.layout if ckpt.manifest is not None else None
@@ -543,7 +556,7 @@ def _check_zero_layout(ckpt: engine.CheckpointFolder, c: engine.Layout) -> None:
         )
 
 
-def _refuse_shares(ckpt: engine.CheckpointFolder, parts: list[dict[str, Any]], c: engine.Layout) -> None:
+def _refuse_shares(ckpt: CheckpointFolder, parts: list[dict[str, Any]], c: Layout) -> None:
     """A ZeRO share (one rdp rank's part of the optimizer state) loads only into the same share: refuse
     it where a whole optimizer state is needed (no shard_optimizer_state, or another pp/tp degree)."""
     if any(read_header(p)[0].zero_param_names is not None for p in parts):
@@ -557,7 +570,7 @@ def _refuse_shares(ckpt: engine.CheckpointFolder, parts: list[dict[str, Any]], c
         )
 
 
-def _partial_layout_change(ckpt: engine.CheckpointFolder, c: engine.Layout) -> str | None:
+def _partial_layout_change(ckpt: CheckpointFolder, c: Layout) -> str | None:
     """None when the partial checkpoint was saved under this job's pp and tp degrees; "pp" when only the
     pipeline degree differs (stages merge at this tp_rank), "tp" when the tensor-parallel degree does
     (every part is read and resharded through the full state)."""

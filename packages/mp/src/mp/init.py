@@ -29,8 +29,9 @@ from mp_comm import (
     WorldInfo,
     at_exit,
     build_topology,
-    heartbeat,
     init_world,
+    start_heartbeat,
+    stop_heartbeat,
 )
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def init(config: ConfigSource = None) -> None:
     state.process_groups, state.created_groups = groups, created
     state.atp_mesh = setup_atp_mesh(cfg, world, topology)
     me = topology.coords(world.rank)
-    heartbeat.start(world, f"pp_rank {me.pp_rank}, tp_rank {me.tp_rank}, rdp_rank {me.rdp_rank}")
+    start_heartbeat(world, f"pp_rank {me.pp_rank}, tp_rank {me.tp_rank}, rdp_rank {me.rdp_rank}")
     log.info("mp initialized: %s", topology.describe(with_groups=False).splitlines()[0])
 
 
@@ -149,12 +150,12 @@ def _release(transport_timeout: float | None = None) -> None:
             # Harmless at exit: usually another rank simply finished later than this one.
             log.info("the pipeline transport did not meet the other ranks at exit: %s", sys.exc_info()[1])
     if state.atp_mesh is not None:
-        from mp_tensor import atp
+        from mp_tensor import destroy_mesh
 
-        atp.destroy_mesh()
+        destroy_mesh()
     for pg in state.created_groups:
         dist.destroy_process_group(pg)
-    heartbeat.stop()  # before the world: its peers stop watching a rank that ends normally
+    stop_heartbeat()  # before the world: its peers stop watching a rank that ends normally
     if world is not None:
         world.shutdown()
     fresh = State()

@@ -8,8 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from mp.state import state
-from mp_memory import activation
-from mp_memory.offload import Offloader, TaskKey, activate
+from mp_memory import Offloader, TaskKey, activate, checkpoint_module
 from mp_pipeline import current
 
 __all__ = ["install_offloading"]
@@ -33,5 +32,5 @@ def install_offloading(model: Any) -> Offloader | None:
     activate(offloader)
     runtime = model.runtime
     if runtime is not None:  # a checkpoint call a pipeline rank runs for a remote caller offloads too
-        runtime.remote.checkpoint_call = activation.checkpoint
+        runtime.remote.checkpoint_call = checkpoint_module
     return offloader

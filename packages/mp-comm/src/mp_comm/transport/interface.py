@@ -79,13 +79,15 @@ class SendHandle:
         if self._error is not None:
             raise self._error
 
-    def _complete(self) -> None:
+    def set_done(self) -> None:
+        """For the transport: the send finished (the first outcome set wins)."""
         with _HANDLES:
             if not self._done:
                 self._done = True
                 self._lock.release()
 
-    def _fail(self, error: BaseException) -> None:
+    def set_failed(self, error: BaseException) -> None:
+        """For the transport: the send failed with ``error`` (the first outcome set wins)."""
         with _HANDLES:
             if not self._done:
                 self._error = error

@@ -50,7 +50,8 @@ class LoopbackHub:
                 ep = self._endpoints[rank] = LoopbackTransport(self, rank, mailbox=mailbox, orders=orders)
             return ep
 
-    def _peer(self, rank: int, sender: int) -> LoopbackTransport:
+    def peer(self, rank: int, sender: int) -> LoopbackTransport:
+        """The open transport of ``rank`` (a send from ``sender`` to a closed one raises)."""
         with self._lock:
             ep = self._endpoints.get(rank)
         if ep is None or ep.closed:
@@ -85,15 +86,16 @@ class LoopbackTransport(MessageTransport):
         return LoopbackHub(1, config=config).transport(0)
 
     def _submit(self, out: Outgoing) -> None:
-        peer = self._hub._peer(out.dest, self.rank)
+        peer = self._hub.peer(out.dest, self.rank)
         try:
-            peer._receive(self.rank, out)
+            peer.deliver(self.rank, out)
         except BaseException as exc:
-            out.handle._fail(exc)
+            out.handle.set_failed(exc)
             raise
-        out.handle._complete()
+        out.handle.set_done()
 
-    def _receive(self, source: int, out: Outgoing) -> None:
+    def deliver(self, source: int, out: Outgoing) -> None:
+        """Receive ``out``, sent by ``source``, into this transport's mailbox."""
         # What a remote progress thread does: parse the header, allocate, land the payloads, deliver.
         raw, inline = out.header(inline_limit=self.config.inline_bytes)
         header = decode_header(raw, source=source)

@@ -118,7 +118,7 @@ def _abort_at_exit() -> None:
     # A transport left open at exit: close its endpoints so that UCX does not report them leaked.
     left = list(_OPEN)
     for transport in left:
-        transport._closing = True  # the others going away now is expected
+        transport.expect_closing()  # the others going away now is expected
     for transport in left:
         try:
             transport.abort()
@@ -338,6 +338,10 @@ class UCXTransport(MessageTransport):
                 waited=limit,
             )
 
+    def expect_closing(self) -> None:
+        """From now on, peers closing their endpoints is expected (not reported as a failure)."""
+        self._closing = True
+
     def abort(self) -> None:
         """Close at once, without meeting the other ranks: they see this rank's endpoints fail."""
         _OPEN.discard(self)
@@ -392,7 +396,7 @@ class UCXTransport(MessageTransport):
         error = exc if isinstance(exc, TransportError) else self._wrap_error("progress", exc, None)
         self._error = error
         for op in [*self._sends, *self._deferred, *self._outq]:
-            op.out.handle._fail(error)
+            op.out.handle.set_failed(error)
         self._fail_all(error)
 
     def _idle(self) -> None:
@@ -465,7 +469,7 @@ class UCXTransport(MessageTransport):
             self.mailbox.fail_peer(rank, error)
             for op in [*self._sends, *self._deferred]:
                 if op.out.dest == rank:
-                    op.out.handle._fail(error)
+                    op.out.handle.set_failed(error)
             for op in self._sends:
                 if op.out.dest == rank:
                     for manager, region in op.regions:
@@ -523,7 +527,7 @@ class UCXTransport(MessageTransport):
                 op.awaiting = True
                 self._awaiting[(out.dest, out.wire & 0xFFFFFF)] = op
         except Exception as exc:
-            out.handle._fail(self._wrap_error(f"sending tag {out.tag!r}", exc, out.dest))
+            out.handle.set_failed(self._wrap_error(f"sending tag {out.tag!r}", exc, out.dest))
             return
         self._sends.append(op)
 
@@ -544,9 +548,9 @@ class UCXTransport(MessageTransport):
                     if error is not None:
                         raise error
             except Exception as exc:
-                op.out.handle._fail(self._wrap_error(f"sending tag {op.out.tag!r}", exc, op.out.dest))
+                op.out.handle.set_failed(self._wrap_error(f"sending tag {op.out.tag!r}", exc, op.out.dest))
             else:
-                op.out.handle._complete()
+                op.out.handle.set_done()
             for manager, region in op.regions:
                 manager.release(region)
             done.append(op)

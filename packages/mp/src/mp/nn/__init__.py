@@ -5,7 +5,7 @@ import torch
 
 import mp.tensor_api  # noqa: F401  (installs the TP context provider)
 from mp.nn import huggingface, utils
-from mp_tensor.nn import (
+from mp_tensor import (
     DistributedAttentionLayer,
     DistributedEmbedding,
     DistributedLayerNorm,

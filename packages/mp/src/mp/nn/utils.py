@@ -1,6 +1,6 @@
 """``smp.nn.utils``: parameter creation scopes and TP collectives for custom distributed modules."""
 
-from mp_tensor.nn.utils import (
+from mp_tensor import (
     bwd_allreduce_for_tp,
     fused_allgather_for_tp,
     fwd_allreduce_for_tp,

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from mp_tensor.hf.translate import bert_from_smp, bert_to_smp
+from mp_tensor import bert_from_smp, bert_to_smp
 
 __all__ = ["translate_hf_state_dict_to_smdistributed_bert", "translate_state_dict_to_hf_bert"]
 

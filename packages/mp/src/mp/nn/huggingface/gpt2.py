@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from mp_tensor.hf.translate import gpt2_from_smp, gpt2_lm_head_kwargs, gpt2_to_smp
+from mp_tensor import gpt2_from_smp, gpt2_lm_head_kwargs, gpt2_to_smp
 
 __all__ = [
     "gpt2_lm_head_kwargs",

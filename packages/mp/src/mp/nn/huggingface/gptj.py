@@ -7,8 +7,7 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from mp_tensor.hf.stack_gpt import gptj_lm_head_kwargs
-from mp_tensor.hf.translate_gpt import gptj_from_smp, gptj_to_smp
+from mp_tensor import gptj_from_smp, gptj_lm_head_kwargs, gptj_to_smp
 
 __all__ = [
     "gptj_lm_head_kwargs",

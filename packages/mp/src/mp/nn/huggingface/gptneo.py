@@ -8,8 +8,7 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from mp_tensor.hf.stack_gpt import gptneo_lm_head_kwargs
-from mp_tensor.hf.translate_gpt import gptneo_from_smp, gptneo_to_smp
+from mp_tensor import gptneo_from_smp, gptneo_lm_head_kwargs, gptneo_to_smp
 
 __all__ = [
     "gptneo_lm_head_kwargs",

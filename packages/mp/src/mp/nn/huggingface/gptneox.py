@@ -9,8 +9,7 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from mp_tensor.hf.stack_gpt import gptneox_lm_head_kwargs
-from mp_tensor.hf.translate_gpt import gptneox_from_smp, gptneox_to_smp
+from mp_tensor import gptneox_from_smp, gptneox_lm_head_kwargs, gptneox_to_smp
 
 __all__ = [
     "gptneox_lm_head_kwargs",
