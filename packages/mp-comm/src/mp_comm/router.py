@@ -190,6 +190,16 @@ class Router(Transport):
         self._drives: list[Callable[[], bool]] = [
             t.drive for t in self.transports.values() if t.drives_progress
         ]
+        # The route of host-memory messages depends on neither the destination nor the tensors: chosen
+        # once, so that most messages skip the routing rules.
+        self._host_route = choose_route(
+            ("cpu",),
+            same_node=True,
+            nvlink=self._nvlink,
+            rdma=self._rdma,
+            available=self.transports.keys(),
+            config=self.config,
+        )
 
     @classmethod
     def create(
@@ -272,7 +282,9 @@ class Router(Transport):
         if route is not None and route not in self.transports:
             raise ValueError(f"route={route}; this router has {sorted(r.value for r in self.transports)}")
         body, tensors = encode_object(obj)
-        if route is None:
+        if route is None and len(tensors) <= _UCX_MAX_TENSORS and all(t.is_cpu for t in tensors):
+            route = self._host_route
+        elif route is None:
             on_device = [t for t in tensors if t.device.type not in ("cpu", "meta")]
             nbytes = sum(t.numel() * t.element_size() for t in on_device)
             route = self.route({t.device.type for t in tensors}, dest, len(tensors), nbytes)

@@ -283,7 +283,8 @@ class MessageTransport(Transport):
         try:
             metas = self.meta_in.resolve(source, header)
             tensors = self._allocate(source, header, metas)
-            land_inline(header, metas, tensors)
+            if header.inline:
+                self._land_inline(header, metas, tensors)
         except Exception as exc:
             error = (
                 exc
@@ -298,6 +299,21 @@ class MessageTransport(Transport):
             self._arrival_failed(source, header, error)
             return None
         return metas, tensors
+
+    def _land_inline(
+        self, header: Header, metas: tuple[TensorMeta, ...], tensors: list[torch.Tensor]
+    ) -> None:
+        """Copy the payloads that travelled in the header. Into CUDA tensors on the landing stream,
+        waited for before delivery: on the default stream the copy would wait for every kernel queued
+        there (a pipeline stage's compute) before the message could be delivered."""
+        device = next((t.device for t in tensors if t.is_cuda), None) if self._cuda else None
+        if device is None:
+            land_inline(header, metas, tensors)
+            return
+        stream = self.landing_stream(device)
+        with torch.cuda.stream(stream):
+            land_inline(header, metas, tensors)
+        stream.synchronize()
 
     def _allocate(self, source: int, header: Header, metas: tuple[TensorMeta, ...]) -> list[torch.Tensor]:
         """The tensors an arriving message lands in (a transport may have made them ahead of time).
