@@ -439,3 +439,28 @@ def test_the_printed_config_runs_unchanged_under_mp_launch(tmp_path: Path, pins:
     assert "trained" in proc.stdout, proc.stdout + proc.stderr
     if pins:
         assert json.loads(cfg.read_text())["pipeline_parallel_degree"] == 2
+
+
+def test_memory_bound_ops_are_counted_and_costed_in_closed_form() -> None:
+    layers, hidden, seq = 3, 16, 8
+    prof = profile_model(
+        FACTORY, seq_len=seq, factory_kwargs={"layers": layers, "hidden": hidden, "seq": seq}
+    )
+    # each block's ReLU reads and writes seq x hidden fp32 values; the Linears are matrix products
+    assert {p: t for p, t in prof.traffic.items() if t} == {
+        f"blocks.{i}": 2 * seq * hidden * 4 for i in range(layers)
+    }
+    (stage,) = split_stages(prof, 1)
+    assert stage.traffic == layers * 2 * seq * hidden * 4
+    bw = 1000.0
+    for ckpt, precision in ((False, "fp32"), (True, "fp32"), (False, "bf16")):
+        layout = Layout(pp=1, tp=2, rdp=1, microbatches=1, checkpointing=ckpt, precision=precision)
+        common = {"global_batch": 4, "seq_len": seq, "hidden": hidden}
+        base = estimate(layout, (stage,), _cluster(), **common)
+        with_mem = estimate(layout, (stage,), _cluster(elementwise_bandwidth=bw), **common)
+        passes = 4 if ckpt else 3  # forward, backward twice it, the recompute
+        scale = 0.5 if precision == "bf16" else 1.0
+        want = passes * 4 * stage.traffic * scale / 2 / bw  # 4 samples, over tp=2
+        assert with_mem.time.memory_bound == pytest.approx(want)
+        assert with_mem.time.compute == pytest.approx(base.time.compute)
+        assert with_mem.step_time - base.step_time == pytest.approx(want)

@@ -10,6 +10,9 @@ run (:func:`calibrate_cpu`), since a shared 2-core host has no data sheet.
 products. It is not a spec: for the GPUs it is 0.5, the order of what Megatron-LM reported for GPT
 models on A100s (Narayanan et al., SC'21: 44-52% of peak across 1.7B-1T parameters, recomputation
 counted as work), an independent published run, not one of the runs the planner is checked against.
+That figure is a whole step's (its elementwise work, bubble and communication included), so as a rate
+of the matrix products alone it is a lower bound. The operations other than matrix products are costed
+apart, by the bytes they move at ``elementwise_bandwidth`` (the data sheet's memory bandwidth).
 """
 
 from __future__ import annotations
@@ -62,6 +65,12 @@ class Cluster:
     pipeline runtime's own cost per remote call. cpu: measured (pipeline_vs_torch.json, overhead
     section); h200: measured on one H200 (docs/gpu.md); the other GPU presets: 0, not measured there
     (pass one with ``with_``)."""
+    elementwise_bandwidth: float = 0.0
+    """Bytes/s at which a step's operations other than matrix products (elementwise, norms, softmax,
+    dropout) move their data: each reads its inputs and writes its outputs in device memory, unfused, as
+    eager PyTorch runs them (``ModelProfile.traffic``). GPU presets: the data sheet's memory bandwidth.
+    0: not costed apart from ``compute_efficiency`` (the ``cpu`` preset's FLOP/s is calibrated on whole
+    steps, which hold that work already)."""
     overlaps_comm: bool = True
     """Whether a collective runs beside compute (GPUs: on its own engine; the 2-core CPU host: no,
     benchmarks/results/dp_overlap.md measured the overlapped reduction 1.08x slower there)."""
@@ -72,7 +81,7 @@ class Cluster:
             value = getattr(self, f.name)
             if f.name in ("name", "source", "overlaps_comm"):
                 continue
-            if f.name in ("call_overhead", "c10d_latency", "c10d_bandwidth"):
+            if f.name in ("call_overhead", "c10d_latency", "c10d_bandwidth", "elementwise_bandwidth"):
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                     raise PlanError(
                         f"Cluster.{f.name}={value!r} is invalid: expected a number >= 0 (0: see the field)"
@@ -114,6 +123,7 @@ PRESETS: dict[str, Cluster] = {
         peak_flops_fp32=156e12,
         compute_efficiency=0.5,
         memory_bandwidth=1.555e12,
+        elementwise_bandwidth=1.555e12,
         intra_bandwidth=300e9,
         intra_latency=5e-6,
         inter_bandwidth=50e9,
@@ -130,6 +140,7 @@ PRESETS: dict[str, Cluster] = {
         peak_flops_fp32=156e12,
         compute_efficiency=0.5,
         memory_bandwidth=2.039e12,
+        elementwise_bandwidth=2.039e12,
         intra_bandwidth=300e9,
         intra_latency=5e-6,
         inter_bandwidth=50e9,
@@ -146,6 +157,7 @@ PRESETS: dict[str, Cluster] = {
         peak_flops_fp32=494e12,
         compute_efficiency=0.5,
         memory_bandwidth=3.35e12,
+        elementwise_bandwidth=3.35e12,
         intra_bandwidth=450e9,
         intra_latency=5e-6,
         inter_bandwidth=400e9,
@@ -162,6 +174,7 @@ PRESETS: dict[str, Cluster] = {
         peak_flops_fp32=494e12,
         compute_efficiency=0.5,
         memory_bandwidth=4.8e12,
+        elementwise_bandwidth=4.8e12,
         intra_bandwidth=450e9,
         intra_latency=5e-6,
         inter_bandwidth=400e9,

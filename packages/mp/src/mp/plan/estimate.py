@@ -3,7 +3,9 @@
 Per micro-batch of ``b`` samples, stage ``s`` (holding ``L_s`` layers, forward FLOPs ``F_s`` per sample):
 
 * compute: forward ``b F_s / (tp R)``, backward twice that, plus one more forward when activation
-  checkpointing recomputes it (``R``: the cluster's sustained FLOP/s);
+  checkpointing recomputes it (``R``: the cluster's sustained FLOP/s); the operations other than matrix
+  products add their bytes moved (``b M_s / tp`` forward, in the step's precision) at the cluster's
+  ``elementwise_bandwidth``, with the same factors;
 * tensor parallelism: the collectives of ATP's equation 2 for a 1-D mesh of ``tp`` devices
   (:func:`mp_tensor.atp.search.t_comm`: two all-reduces of ``b s h`` elements per layer forward, two
   backward, two more when the forward is recomputed), plus ``2 (tp - 1)`` latencies per all-reduce;
@@ -158,11 +160,13 @@ class TimeBreakdown:
     optimizer: float
     calls: float = 0.0
     """mp's pipeline runtime's cost of the remote calls (``Cluster.call_overhead`` each)."""
+    memory_bound: float = 0.0
+    """The operations other than matrix products, at ``Cluster.elementwise_bandwidth``."""
 
     @property
     def total(self) -> float:
         parts = (self.compute, self.tp_comm, self.p2p, self.calls, self.bubble, self.dp_comm, self.optimizer)
-        return sum(parts)
+        return sum(parts) + self.memory_bound
 
     def bottleneck(self) -> str:
         parts = {
@@ -173,6 +177,7 @@ class TimeBreakdown:
             "DP all-reduce": self.dp_comm,
             "optimizer step": self.optimizer,
             "pipeline calls": self.calls,
+            "memory-bound ops": self.memory_bound,
         }
         return max(parts, key=lambda k: parts[k])
 
@@ -263,11 +268,18 @@ def estimate(
     fwd: list[float] = []
     bwd: list[float] = []
     comp: list[float] = []
+    mem_bound: list[float] = []
     tpc: list[float] = []
     p2ps: list[float] = []
     callc: list[float] = []
     for st in stages:
         f = b * st.flops / tp / rate
+        f_mem = 0.0
+        if cluster.elementwise_bandwidth > 0:  # memory-bound ops, divided over tp as the FLOPs are
+            f_mem = b * st.traffic * (elt / 4) / tp / cluster.elementwise_bandwidth
+        passes = 3 + (1 if layout.checkpointing else 0)  # forward, backward twice it, a recompute
+        mem_bound.append(passes * f_mem)
+        f += f_mem
         back = 2 * f + (f if layout.checkpointing else 0.0)
         t_tp = 0.0
         if tp > 1 and st.layers:
@@ -285,7 +297,7 @@ def estimate(
         fwd.append(f + t_tp_f + send_f + calls / 2)
         bwd.append(back + (t_tp - t_tp_f) + send_b + calls / 2)
         callc.append(calls)
-        comp.append(f + back)
+        comp.append(f + back - mem_bound[-1])
         tpc.append(t_tp)
         p2ps.append(send_f + send_b)
 
@@ -376,6 +388,7 @@ def estimate(
     compute = m * comp[crit]
     time = TimeBreakdown(
         compute=compute,
+        memory_bound=m * mem_bound[crit],
         tp_comm=m * tpc[crit],
         p2p=m * p2ps[crit],
         calls=m * callc[crit],

@@ -8,7 +8,9 @@ The model is built on the meta device (nothing is allocated; T5-11B and GPT-3 17
 * activation memory: what autograd saves for backward while the module is the innermost one running,
   from the partitioner's trace (:func:`mp_partition.trace_model`);
 * forward FLOPs: every matrix product and attention op the module runs itself, counted by torch's
-  FLOP formulas (``torch.utils.flop_counter``) on shapes alone.
+  FLOP formulas (``torch.utils.flop_counter``) on shapes alone;
+* forward memory traffic: the bytes every other op it runs itself reads and writes (elementwise ops,
+  norms, softmax, dropout), memory-bound work that FLOPs do not count.
 
 Both grow linearly with the number of samples, so one profile serves every micro-batch size.
 """
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from mp.plan.errors import PlanError
@@ -34,12 +37,14 @@ _log = logging.getLogger(__name__)
 
 
 class _FlopMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Adds each op's FLOPs to the innermost running module (forward hooks keep the stack)."""
+    """Adds each op's FLOPs to the innermost running module (forward hooks keep the stack), and the bytes
+    that every other op (elementwise, norms, softmax, dropout, ...) reads and writes."""
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.stack: list[str] = [""]
         self.flops: dict[str, float] = {}
+        self.traffic: dict[str, float] = {}
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -47,14 +52,26 @@ class _FlopMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         counter = flop_registry.get(func._overloadpacket)
+        path = self.stack[-1]
         if counter is not None:
-            path = self.stack[-1]
             self.flops[path] = self.flops.get(path, 0.0) + float(counter(*args, **kwargs, out_val=out))
+        elif not getattr(func, "is_view", False):  # a view moves nothing
+            moved = sum(
+                t.numel() * t.element_size()
+                for t in tree_leaves((args, kwargs, out))
+                if isinstance(t, torch.Tensor)
+            )
+            self.traffic[path] = self.traffic.get(path, 0.0) + float(moved)
         return out
 
 
 def count_flops(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, float]:
     """Forward FLOPs of one call of ``model``, per module path (exclusive of submodules)."""
+    return _count(model, args, kwargs).flops
+
+
+def _count(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> _FlopMode:
+    """One forward of ``model`` under :class:`_FlopMode`: FLOPs and other ops' bytes per module path."""
     mode = _FlopMode()
     handles = []
     for path, module in model.named_modules():
@@ -74,7 +91,7 @@ def count_flops(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, An
     finally:
         for h in handles:
             h.remove()
-    return mode.flops
+    return mode
 
 
 @dataclass(frozen=True)
@@ -98,6 +115,10 @@ class ModelProfile:
     """Parameter tensors per module path (each is one broadcast of torch's ZeroRedundancyOptimizer)."""
     activation_bytes: dict[str, int] = field(default_factory=dict)
     flops: dict[str, float] = field(default_factory=dict)
+    traffic: dict[str, float] = field(default_factory=dict)
+    """Bytes that the forward's operations other than matrix products read and write (each op reads its
+    inputs and writes its outputs in device memory, unfused, as eager PyTorch runs them; views move
+    nothing), as built (fp32)."""
     trace: Any = None
     """The partitioner's :class:`mp_partition.TraceResult` (reused for every pipeline degree)."""
 
@@ -216,7 +237,7 @@ def profile_model(
         net, args, kwargs, config = built.model, (), dict(built.example_kwargs), built.config
     net.train()
     trace = trace_model(net, args, kwargs)
-    flops = count_flops(net, args, kwargs)
+    counted = _count(net, args, kwargs)
     blocks = block_paths(net)
     width = hidden if hidden is not None else _hidden_from(net, config, blocks)
     acts = {p: trace.activation_bytes(p) for p, _ in net.named_modules()}
@@ -233,7 +254,8 @@ def profile_model(
         params=params,
         param_tensors=tensors,
         activation_bytes=acts,
-        flops=flops,
+        flops=counted.flops,
+        traffic=counted.traffic,
         trace=trace,
     )
     _log.info(

@@ -119,6 +119,7 @@ def to_dict(est: Estimate) -> dict[str, Any]:
             "dp_comm": t.dp_comm,
             "optimizer": t.optimizer,
             "calls": t.calls,
+            "memory_bound": t.memory_bound,
         },
         "memory_bytes": {
             "stage": m.stage,

@@ -42,6 +42,8 @@ class StageProfile:
     """The part of ``activation_bytes`` outside layers that runs before the stage's first layer (an
     embedding's); the rest outside layers (a head's, a loss's) has been freed by its backward when the
     stage's layers are recomputed."""
+    traffic: float = 0.0
+    """Forward bytes read and written by operations other than matrix products (fp32, as profiled)."""
     activation_tp: int = 1
     """The activation fields are those of one rank of a TP group of this size, profiled on mp's
     distributed model (:func:`mp.plan.tp_profile.profile_tp`); 1: the model as built (the estimate
@@ -161,6 +163,7 @@ def split_stages(
                     acts.get(p, 0) for p in paths if p in leading and p not in block_of
                 ),
                 flops=sum(profile.flops.get(p, 0.0) for p in paths),
+                traffic=sum(profile.traffic.get(p, 0.0) for p in paths),
                 layers=sum(1 for b in profile.block_paths if assignment.get(b) == s),
                 remote_calls=calls[s],
                 activation_tp=tp_activations.tp if tp_activations is not None else 1,
