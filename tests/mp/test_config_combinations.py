@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from mp.config_combinations import REFUSED
+from mp.config_combinations import REFUSED, REFUSED_USES
 from mp.config_model import ModelParallelConfig
-from mp.errors import ConfigError
+from mp.errors import ConfigError, SMPUnsupportedError, SMPValidationError
 
 # One config per row that asks for that combination and nothing else refused (row key -> smp keys).
 EXAMPLES: dict[str, dict[str, Any]] = {
@@ -62,8 +62,18 @@ def test_each_row_raises_its_error_naming_the_keys(row: Any) -> None:
 
 def test_docs_list_every_row() -> None:
     text = (ROOT / "docs" / "config.md").read_text()
-    missing = [row.combination for row in REFUSED if f"| {row.combination} |" not in text]
-    assert not missing, f"docs/config.md's 'Refused combinations' table lacks {missing}"
+    rows = [row.combination for row in REFUSED] + [use.combination for use in REFUSED_USES.values()]
+    missing = [combination for combination in rows if f"| {combination} |" not in text]
+    assert not missing, f"docs/config.md's refused-combination tables lack {missing}"
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_USES))
+def test_each_refused_use_names_the_call_why_and_the_fix(name: str) -> None:
+    use = REFUSED_USES[name]
+    error = use.refusal("the call under the settings")
+    assert isinstance(error, use.error) and isinstance(error, SMPUnsupportedError | SMPValidationError)
+    assert str(error) == f"the call under the settings: {use.why}. Fix: {use.fix}"
+    assert use.keys and all(key in ModelParallelConfig.specs() for key in use.keys), use.keys
 
 
 def _unchecked(params: dict[str, Any]) -> ModelParallelConfig:

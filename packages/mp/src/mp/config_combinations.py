@@ -1,10 +1,16 @@
-"""The feature combinations a config may not ask for: one table, one row per refusal.
+"""The feature combinations mp refuses: one table per kind, one row per refusal.
 
-Each row names the combination (the key the error is about, and the other keys involved), says why it
-is refused and how to fix it. ``mp.config_rules.check_rules`` raises the first row that applies (rows in
-sorted order of their key, as every other rule, so that every rank raises the same first error); the
-error is a :class:`~mp.errors.ConfigError` whose message names the keys and values, what is allowed and
-the fix. docs/config.md lists the rows (a test keeps the list complete).
+``REFUSED``: combinations of config keys a config may not ask for. Each row names the combination (the
+key the error is about, and the other keys involved), says why it is refused and how to fix it.
+``mp.config_rules.check_rules`` raises the first row that applies (rows in sorted order of their key, as
+every other rule, so that every rank raises the same first error); the error is a
+:class:`~mp.errors.ConfigError` whose message names the keys and values, what is allowed and the fix.
+
+``REFUSED_USES``: calls that a valid config does not support (the full fp16/bf16 optimizer state under
+tensor parallelism, DDP's join under sharded data parallelism, ...), raised where the call runs, from
+its row (the combination, why, the fix, the error class scripts catch).
+
+docs/config.md lists the rows of both (a test keeps the lists complete).
 """
 
 from __future__ import annotations
@@ -14,12 +20,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mp.config_schema import config_error, show
-from mp.errors import ConfigError
+from mp.errors import (
+    ConfigError,
+    FullHalfStateUnderTPError,
+    SMPCheckpointError,
+    SMPUnsupportedError,
+)
 
 if TYPE_CHECKING:
     from mp.config_model import ModelParallelConfig
 
-__all__ = ["REFUSED", "RefusedCombination"]
+__all__ = ["REFUSED", "REFUSED_USES", "RefusedCombination", "RefusedUse"]
 
 Text = Callable[["ModelParallelConfig"], str]
 
@@ -194,3 +205,75 @@ REFUSED: tuple[RefusedCombination, ...] = (
     ),
 )
 """Every refused combination, in sorted order of ``key`` (rows of one key in the order they are checked)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefusedUse:
+    """A call refused under a combination of settings that is itself valid."""
+
+    combination: str
+    """The call and the settings, in words (the docs' table)."""
+    keys: tuple[str, ...]
+    """The config keys involved."""
+    why: str
+    """Why the call is refused under them."""
+    fix: str
+    """What to do instead."""
+    error: type[Exception]
+    """The exception raised (smp's class, where scripts catch one)."""
+
+    def refusal(self, subject: str) -> Exception:
+        """The error for ``subject`` (the call and the values that make this row apply, e.g.
+        ``"optimizer.state_dict() under bf16 with tensor_parallel_degree 2"``)."""
+        return self.error(f"{subject}: {self.why}. Fix: {self.fix}")
+
+
+REFUSED_USES: dict[str, RefusedUse] = {
+    "full_half_state_under_tp": RefusedUse(
+        combination="the full fp16/bf16 optimizer state under tensor parallelism",
+        keys=("fp16", "bf16", "tensor_parallel_degree"),
+        why=(
+            "the fp32 masters and their optimizer state are this TP rank's shards, not translated to the "
+            "original model's names (smp refused the full optimizer state under tensor parallelism too), so "
+            "a full checkpoint would load TP rank 0's shards on every TP rank"
+        ),
+        fix=(
+            "save and load optimizer.local_state_dict() (smp.save_checkpoint(partial=True), "
+            "smp.save(..., partial=True)); model.state_dict() gives the full weights"
+        ),
+        error=FullHalfStateUnderTPError,
+    ),
+    "full_half_state_under_zero": RefusedUse(
+        combination="the full fp16/bf16 optimizer state under shard_optimizer_state",
+        keys=("fp16", "bf16", "shard_optimizer_state"),
+        why="each rank holds only its share of the optimizer state, as in smp",
+        fix=(
+            "save optimizer.local_state_dict() (smp.save(..., partial=True) or "
+            "smp.save_checkpoint(partial=True))"
+        ),
+        error=SMPCheckpointError,
+    ),
+    "ddp_feature_under_sdp": RefusedUse(
+        combination="model.join() or model.register_comm_hook() under sharded data parallelism",
+        keys=("sharded_data_parallel_degree",),
+        why=(
+            "mp's sharded data parallelism (FSDP2) reduce-scatters gradients itself and runs neither DDP's "
+            "join nor a communication hook"
+        ),
+        fix=(
+            "remove the call, or set 'sharded_data_parallel_degree' to 1 (plain data parallelism supports it)"
+        ),
+        error=SMPUnsupportedError,
+    ),
+    "comm_hook_under_tp": RefusedUse(
+        combination="model.register_comm_hook() under tensor parallelism",
+        keys=("tensor_parallel_degree",),
+        why=(
+            "mp applies a communication hook to the data-parallel reduction of tensor_parallel_degree 1 only "
+            "(with TP, shards are reduced over another group)"
+        ),
+        fix="drop the hook, or set 'tensor_parallel_degree' to 1",
+        error=SMPUnsupportedError,
+    ),
+}
+"""Every refused call, by name (callers raise ``REFUSED_USES[name].refusal(subject)``)."""

@@ -138,7 +138,7 @@ def _release(transport_timeout: float | None = None) -> None:
 
     failed = finish_background()  # a background checkpoint save ends before its group goes
     world = state.world
-    runtime = getattr(state.model, "_runtime", None)
+    runtime = state.model.runtime if state.model is not None else None
     if runtime is not None:
         runtime.close()  # stop the pipeline's worker threads now, not when they notice the closed transport
     if state.transport is not None:

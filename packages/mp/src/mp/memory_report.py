@@ -117,7 +117,7 @@ def memory_report(model: Any = None) -> MemoryReport:
             "smp.DistributedModel(model)"
         )
     params: list[torch.Tensor] = model.placement.local_parameters(model.module)
-    tracker: ActivationTracker | None = getattr(model, "_memory_trace", None)
+    tracker: ActivationTracker | None = model.memory_trace
     on_cuda = torch.cuda.is_available() and any(p.is_cuda for p in params)
     return MemoryReport(
         rank=state.require()[1].rank,

@@ -22,7 +22,7 @@ import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -64,6 +64,9 @@ from mp_pipeline import (
     task_context,
 )
 from mp_tensor import DistributedModule, is_distributed_parameter, is_scaled_batch_parameter
+
+if TYPE_CHECKING:
+    from mp_memory import ActivationTracker, ShardedDataParallel
 
 __all__ = ["DistributedModel"]
 
@@ -275,6 +278,16 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
     def runtime(self) -> PipelineRuntime | None:
         """The pipeline runtime (mp_pipeline) installed under pp > 1, else None."""
         return self._runtime
+
+    @property
+    def sharding(self) -> ShardedDataParallel | None:
+        """The model's sharded data parallelism (mp_memory, under sharded_data_parallel_degree > 1)."""
+        return self._sharded
+
+    @property
+    def memory_trace(self) -> ActivationTracker | None:
+        """The activation tracker of ``trace_memory_usage`` (mp.memory_report), else None."""
+        return self._memory_trace
 
     def get_module(self) -> nn.Module:
         """The user's model inside the wrapper."""

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mp.config_combinations import REFUSED_USES
 from mp.errors import SMPRuntimeError, SMPUnsupportedError, SMPValidationError
 from mp.state import state
 from mp_comm import GroupKind, collective_wait
@@ -172,10 +173,8 @@ def register_comm_hook(model: DistributedModel, hook_state: object, hook: Callab
             "DDP does). Fix: register the hook once, before the first step"
         )
     if cfg.tp > 1:
-        raise SMPUnsupportedError(
-            f"register_comm_hook with tensor_parallel_degree={cfg.tp}: mp applies a comm hook to the "
-            "data-parallel reduction of tensor_parallel_degree 1 only (with TP, shards are reduced over "
-            "another group). Expected tensor_parallel_degree 1. Fix: drop the hook, or the TP degree"
+        raise REFUSED_USES["comm_hook_under_tp"].refusal(
+            f"register_comm_hook with tensor_parallel_degree={cfg.tp}"
         )
     model._comm_hook = (hook, hook_state)
     if model._dp_size == 1:

@@ -353,7 +353,7 @@ def _parts(optimizer: torch.optim.Optimizer, cfg: Any) -> list[OptimizerPart]:
     returned over all of them (``DistributedOptimizer``)."""
     previous = part_of(optimizer, PlainPart)  # DistributedOptimizer called again: the same torch step
     parts: list[OptimizerPart] = []
-    sharding = getattr(state.model, "_sharded", None)
+    sharding = state.model.sharding if state.model is not None else None
     if sharding is not None:  # sharded data parallelism: clips in step(), DCP state dicts, refusals
         from mp.sharded import ShardedPart
 

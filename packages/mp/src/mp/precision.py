@@ -28,10 +28,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from mp.config_combinations import REFUSED_USES
 from mp.errors import (
-    FullHalfStateUnderTPError,
     IncompatibleCheckpointFoundError,
-    SMPCheckpointError,
     SMPValidationError,
 )
 from mp.optimizer import clip_by_global_norm
@@ -83,7 +82,7 @@ def _gathered(v: Any) -> Any:
 
 def _model_sharding() -> Any:
     """The model's sharded data parallelism (mp.sharded), or None."""
-    return getattr(state.model, "_sharded", None)
+    return state.model.sharding if state.model is not None else None
 
 
 def refuse_full_half_state_under_tp(what: str, precision: str) -> None:
@@ -96,13 +95,8 @@ def refuse_full_half_state_under_tp(what: str, precision: str) -> None:
     tp = dist.get_world_size(group) if group is not None else 1
     sharding = _model_sharding()
     if (tp > 1 and has_tp_roots(state.model)) or (sharding is not None and sharding.tp is not None):
-        raise FullHalfStateUnderTPError(
-            f"{what} under {precision} with tensor_parallel_degree {tp}: the fp32 masters and their "
-            "optimizer state are this TP rank's shards, not translated to the original model's names (smp "
-            "refused the full optimizer state under tensor parallelism too), so a full checkpoint would "
-            "load TP rank 0's shards on every TP rank. Fix: save and load optimizer.local_state_dict() "
-            "(smp.save_checkpoint(partial=True), smp.save(..., partial=True)); model.state_dict() gives "
-            "the full weights"
+        raise REFUSED_USES["full_half_state_under_tp"].refusal(
+            f"{what} under {precision} with tensor_parallel_degree {tp}"
         )
 
 
@@ -224,11 +218,9 @@ class DistributedBit16Optimizer(Bit16Optimizer):
         """The whole model's (gathered over the pipeline: call it on every rank of the pipeline)."""
         self._ready("state_dict")
         if sharding_of(self.optimizer) is not None:
-            raise SMPCheckpointError(
-                "optimizer.state_dict() (the full optimizer state) is not supported under "
-                f"shard_optimizer_state with {self.precision}, as in smp: each rank holds only its share. "
-                "Save optimizer.local_state_dict() (smp.save(..., partial=True) or "
-                "smp.save_checkpoint(partial=True))"
+            raise REFUSED_USES["full_half_state_under_zero"].refusal(
+                f"optimizer.state_dict() (the full optimizer state) under shard_optimizer_state with "
+                f"{self.precision}"
             )
         refuse_full_half_state_under_tp("optimizer.state_dict()", self.precision)
         sd = self._collect(full=True)

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from mp.errors import IncompatibleCheckpointFoundError, SMPUnsupportedError, SMPValidationError
+from mp.config_combinations import REFUSED_USES
+from mp.errors import IncompatibleCheckpointFoundError, SMPValidationError
 from mp.optimizer_chain import OptimizerPart, chain_of
 from mp.state import state
 from mp_comm import GroupKind
@@ -52,7 +53,7 @@ __all__ = [
 
 def sharding_of(model: Any) -> ShardedDataParallel | None:
     """The sharding of a DistributedModel under sharded data parallelism (else None)."""
-    found: ShardedDataParallel | None = getattr(model, "_sharded", None)
+    found: ShardedDataParallel | None = getattr(model, "sharding", None)
     return found
 
 
@@ -337,8 +338,6 @@ def _load_full_tp_state(
 def refuse_under_sharding(model: Any, what: str) -> None:
     """DDP-side features that the FSDP2 path does not run: an error instead of a silent no-op."""
     if sharding_of(model) is not None:
-        raise SMPUnsupportedError(
-            f"model.{what}() under sharded_data_parallel_degree > 1: mp's sharded data parallelism (FSDP2) "
-            f"reduce-scatters gradients itself and does not run {what}. Fix: remove the {what} call, or "
-            "set 'sharded_data_parallel_degree' to 1 (plain data parallelism supports it)"
+        raise REFUSED_USES["ddp_feature_under_sdp"].refusal(
+            f"model.{what}() under sharded_data_parallel_degree > 1"
         )
