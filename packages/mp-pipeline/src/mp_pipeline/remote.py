@@ -33,8 +33,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -49,6 +49,7 @@ from mp_pipeline.link import Link, Received, RemoteFunction, Unpack, raise_failu
 from mp_pipeline.messages import Ref, Request, Response, StepId
 from mp_pipeline.posted import Predictions
 from mp_pipeline.schedule import Phase
+from mp_pipeline.split_backward import WeightQueue, backward_input
 from mp_pipeline.structure import flatten, unflatten
 from mp_pipeline.timeline import RECORDER, EventKind
 
@@ -73,6 +74,11 @@ class _Saved:
     """Per output that requires grad: the tensor, while a shortcut may still refer to it, else None."""
     routes: list[Ref | None]
     """Per input: the handed-off output it was (its gradient goes back to the producer), or None."""
+    inputs: list[GradientEdge] = field(default_factory=list)
+    """Split backward (``weights``): per input that requires grad, its gradient edge."""
+    params: list[nn.Parameter] | None = None
+    """Split backward: the module's parameters; None when the call's backward runs whole (no split, or
+    a checkpointed call, whose recomputation serves one backward pass)."""
 
 
 class _Produced(NamedTuple):
@@ -106,6 +112,11 @@ class Remote:
         self.checkpointed: set[str] = set()
         """Module paths whose forward runs under activation checkpointing on their owner."""
         self.checkpoint_call: Callable[..., Any] = _checkpoint
+        self.weights: WeightQueue | None = None
+        """``"pipeline": "zero_bubble"``: a call's backward sends its input gradients first and defers its
+        weight half here (mp_pipeline.split_backward); None: whole backwards."""
+        self.remote_calls = 0
+        """Calls this rank sent to other ranks (a call that made one runs its backward whole)."""
         """How an owner runs such a module: ``checkpoint_call(forward, *args, **kwargs)`` (the umbrella
         sets mp_memory's, which also offloads the inputs with ``offload_activations``)."""
         self._installed: list[nn.Module] = []
@@ -318,7 +329,10 @@ class Remote:
         tensors: list[Any] = []
         grads: list[torch.Tensor | None] = []
         routes: list[Ref | None] = []
+        inputs: list[GradientEdge] = []
         anchor = torch.empty(0, requires_grad=True)
+        if self.weights is not None:
+            self.weights.make_room(request.microbatch)
         by_slot = {ref.slot: ref for ref in request.refs}
         held = {
             ref.slot: self._kept_output(request, ref.forward_id, ref.kept_index, ref.handoff)
@@ -339,11 +353,13 @@ class Remote:
             if r:
                 with torch.enable_grad():  # r says the requester's mode records it (this thread may not)
                     t = Received.apply(grads, len(grads), anchor, t)  # type: ignore[no-untyped-call]
+                    inputs.append(get_gradient_edge(t))
                 grads.append(None)
                 routes.append(ref if ref is not None and ref.handoff else None)
             tensors.append(t)
         args, kwargs = unflatten(request.payload, tensors)
         task = TaskContext(request.microbatch, request.position)
+        calls_before = self.remote_calls
         with (
             self._recorded(EventKind.FWD, request),
             task_context(task),
@@ -368,7 +384,16 @@ class Remote:
             edges = [get_gradient_edge(t) for t in kept]
             # Without shortcuts no later request refers to an output: the edges are all the backward needs.
             holding: list[torch.Tensor | None] = list(kept) if self.shortcut else [None] * len(kept)
-            self.saved[(request.requester, request.request_id)] = _Saved(grads, edges, holding, routes)
+            # whole backward for a checkpointed call (its recomputation serves one pass) and for one that
+            # called other ranks (their backward requests must go out in this call's backward)
+            split = (
+                self.weights is not None
+                and not (request.checkpoint and request.state.grad_enabled)
+                and self.remote_calls == calls_before
+            )
+            self.saved[(request.requester, request.request_id)] = _Saved(
+                grads, edges, holding, routes, inputs, list(module.parameters()) if split else None
+            )
             if self.shortcut:
                 self._forwarded.add((request.requester, request.request_id))
                 self.server.wake(("fwd", request.requester, request.request_id, 0))
@@ -440,7 +465,15 @@ class Remote:
             given[k] = self.server.take(("grad", request.requester, request.forward_id, k))
         pairs = [(e, g) for e, g in zip(saved.edges, given, strict=True) if g is not None]
         task = TaskContext(request.microbatch, request.position)
-        if pairs:
+        if pairs and saved.params is not None and self.weights is not None:
+            with self._recorded(EventKind.BWD, request), task_context(task), applied(request.state):
+                found, half = backward_input(
+                    [e for e, _ in pairs], [g for _, g in pairs], saved.inputs, saved.params
+                )
+            saved.grads[:] = found
+            state = request.state
+            self.weights.add(request.microbatch, half, lambda: _weight_context(task, state))
+        elif pairs:
             with self._recorded(EventKind.BWD, request), task_context(task), applied(request.state):
                 torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
         grads: list[torch.Tensor | None] = []
@@ -454,6 +487,13 @@ class Remote:
         return Response(request.step, request.request_id, self.rank, tensors=grads)
 
 
+@contextlib.contextmanager
+def _weight_context(task: TaskContext, state: Any) -> Iterator[None]:
+    """A deferred weight half runs as its call's backward did: task context, grad mode, autocast."""
+    with task_context(task), applied(state):
+        yield
+
+
 def _make_forward(
     remote: weakref.ReferenceType[Remote], path: str, owner: int, original: Callable[..., Any]
 ) -> Callable[..., Any]:
@@ -461,6 +501,7 @@ def _make_forward(
         r = remote()
         if r is None or owner == r.pp_rank:
             return original(*args, **kwargs)
+        r.remote_calls += 1
         return r.call(path, owner, args, kwargs)
 
     forward.__wrapped__ = original  # type: ignore[attr-defined]

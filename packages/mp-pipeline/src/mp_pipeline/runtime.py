@@ -30,6 +30,7 @@ from mp_pipeline.posted import Predictions
 from mp_pipeline.remote import Remote
 from mp_pipeline.schedule import Phase, Scheduler, Task
 from mp_pipeline.server import Server
+from mp_pipeline.split_backward import WeightQueue
 from mp_pipeline.static import FlowRecorder, TemplateStore, default_record_steps
 from mp_pipeline.structure import flatten, map_structure
 from mp_pipeline.timeline import RECORDER, STEP_MODULE, EventKind
@@ -186,13 +187,17 @@ class PipelineRuntime:
         record_steps: int | None = None,
         tp_group: tuple[int, ...] = (),
         retry: bool = False,
+        split_backward: bool = False,
     ) -> None:
         """``tp_group``: the global ranks of this rank's tensor-parallel group, whose servers then run in
         lockstep (mp_pipeline.sequence). ``static``: static mode (see mp_pipeline.static), recording
         ``record_steps`` steps (default MP_PIPELINE_STATIC_STEPS or 5) before replaying; ``strict``
         (fast mode, implies static): a flow that changes after the recording raises FlowChangedError
         instead of falling back. ``retry`` (with ``strict``, mp's default): the caller runs a step that
-        failed under the shortcut again after :meth:`relearn` (see :attr:`shortcut_step`)."""
+        failed under the shortcut again after :meth:`relearn` (see :attr:`shortcut_step`).
+        ``split_backward`` (``"pipeline": "zero_bubble"``): the owner of a remote call sends its input
+        gradients first and defers the weight half (mp_pipeline.split_backward) to when it would wait;
+        every deferred half runs before the step returns."""
         self.transport = transport
         self.rank = rank
         self.peers = peers
@@ -202,6 +207,14 @@ class PipelineRuntime:
         self.timeout = default_timeout() if timeout is None else timeout
         self.remote = Remote(rank, peers)
         self.remote.shortcut = strict  # fast mode's child-to-child shortcut (mp_pipeline.remote)
+        if split_backward:
+            if len(tp_group) > 1:
+                raise PipelineError(
+                    f"split_backward with a tensor-parallel group {list(tp_group)}: the zero_bubble "
+                    "schedule runs without tensor parallelism so far; use 'pipeline': 'interleaved' with "
+                    "tensor_parallel_degree > 1"
+                )
+            self.remote.weights = WeightQueue(len(peers))
         self._early: list[Any] = []
         self._step = 0
         self.last_stats: dict[str, int] = {}
@@ -357,6 +370,7 @@ class PipelineRuntime:
         else:
             self._started += 1
         step = StepId(self.model_id, self._step, name)
+        weights = self.remote.weights
         server = Server(
             transport=self.transport,
             rank=self.rank,
@@ -370,6 +384,7 @@ class PipelineRuntime:
             templates=self.templates,
             group=self.tp_group,
             entered=self._entered,
+            idle=weights.run_one if weights is not None else None,
         )
         self.remote.server = server
         self.remote.begin_step(step)
@@ -383,6 +398,7 @@ class PipelineRuntime:
         # script runs its own code, and what arrives early waits for this step's server, which drives
         # progress itself from its first wait.
         self.transport.set_busy(False)
+        ran = (weights.ran_idle, weights.ran_early, weights.ran_at_end) if weights is not None else (0, 0, 0)
         try:
             with recorded:
                 if self.pp_rank == 0:
@@ -393,6 +409,8 @@ class PipelineRuntime:
                     log.debug("step %d: schedule %s", self._step, " ".join(map(str, scheduler.issued)))
                 else:
                     results = list(server.serve(None))
+                if weights is not None:  # before the step's gradients are reduced
+                    weights.drain()
             completed = True
             self._completed += 0 if hold else 1
         finally:
@@ -403,6 +421,12 @@ class PipelineRuntime:
             self.remote.saved.clear()
             self.last_stats = dict(server.stats)
             self.last_sent = dict(server.sent)
+            if weights is not None:
+                weights.discard()  # left only by a failed step
+                now = (weights.ran_idle, weights.ran_early, weights.ran_at_end)
+                names = ("weights_idle", "weights_early", "weights_end")
+                for key, before, after in zip(names, ran, now, strict=True):
+                    self.last_stats[key] = after - before
             self.transport.set_busy(True)
             if hold:
                 self.remote.shortcut = True

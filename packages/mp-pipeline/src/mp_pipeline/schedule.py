@@ -9,7 +9,10 @@ control and nothing else is waiting:
   every forward in flight has reached its backward (with ``eager_backward``: each as soon as its own
   forward has, see :class:`Scheduler`);
 * "interleaved": a microbatch that is ready for its backward goes first; otherwise the next forward,
-  while fewer than ``active_microbatches`` microbatches are in flight.
+  while fewer than ``active_microbatches`` microbatches are in flight;
+* "zero_bubble": pp_rank 0 starts its tasks as "interleaved" does; the owners of remote calls split
+  each backward and defer its weight half (mp_pipeline.split_backward, PipelineRuntime's
+  ``split_backward``), ZB-H1's idea (:func:`zero_bubble_orders`) on the runtime's tasks.
 
 With ``deterministic`` the interleaved schedule starts its tasks in a fixed order (``active`` warm-up
 forwards, then one backward and one forward alternately, then the remaining backwards), waiting for
@@ -47,7 +50,7 @@ __all__ = [
     "zero_bubble_orders",
 ]
 
-ScheduleKind = Literal["simple", "interleaved"]
+ScheduleKind = Literal["simple", "interleaved", "zero_bubble"]
 
 
 class Phase(enum.Enum):
@@ -101,8 +104,8 @@ class Scheduler:
         backward, and starts that backward without waiting for its last forward's output to travel to
         pp_rank 0 and the request back. With more stages it could overtake a forward still in an earlier
         stage (``simulate``, 3 stages, 4 microbatches: 21 time units instead of 18)."""
-        if kind not in ("simple", "interleaved"):
-            raise ValueError(f"schedule {kind!r}: expected 'simple' or 'interleaved'")
+        if kind not in ("simple", "interleaved", "zero_bubble"):
+            raise ValueError(f"schedule {kind!r}: expected 'simple', 'interleaved' or 'zero_bubble'")
         if microbatches < 1:
             raise ValueError(f"microbatches={microbatches}: expected >= 1")
         active = microbatches if active_microbatches is None else active_microbatches
@@ -111,7 +114,7 @@ class Scheduler:
         self.kind: ScheduleKind = kind
         self.microbatches = microbatches
         self.active = active
-        self.deterministic = deterministic and kind == "interleaved"
+        self.deterministic = deterministic and kind != "simple"
         self.eager_backward = eager_backward and kind == "simple"
         self._next_forward = 0
         self._ready: list[int] = []  # microbatches waiting for their backward, in order of readiness
@@ -206,7 +209,7 @@ class Scheduler:
         return self._decision
 
     def _decide_free(self) -> Task | None:
-        if self.kind == "interleaved":
+        if self.kind != "simple":
             if self._ready:
                 return Task(self._ready[0], Phase.BACKWARD)
             if self._can_forward():

@@ -82,11 +82,14 @@ class ServerBase:
         templates: TemplateStore | None = None,
         group: tuple[int, ...] = (),
         entered: dict[int, list[Entered]] | None = None,
+        idle: Callable[[], bool] | None = None,
     ) -> None:
         """``group``: the global ranks of this rank's tensor-parallel group (tp_rank order), whose
         servers must run in lockstep (:mod:`mp_pipeline.sequence`); empty or just this rank: no TP.
         ``entered``: where to keep the :class:`Entered` messages of ranks that finished the step first
-        (PipelineRuntime.enter takes them from there)."""
+        (PipelineRuntime.enter takes them from there). ``idle``: work for the time this rank would wait
+        for a message (zero_bubble's deferred weight halves), one piece per call, False when none is left."""
+        self.idle = idle
         self.transport = transport
         self.rank = rank
         self.peers = peers

@@ -27,6 +27,8 @@ without touching an input.
 
 from __future__ import annotations
 
+import contextlib
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -35,7 +37,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from mp_pipeline.errors import SplitBackwardError
 
-__all__ = ["WeightGrad", "backward_input"]
+__all__ = ["WeightGrad", "WeightQueue", "backward_input"]
 
 Grads = tuple[torch.Tensor | None, ...]
 
@@ -279,3 +281,70 @@ def _post_order(roots: list[Node], stop: set[Node]) -> list[Node]:
             if kid is not None and kid not in done:
                 stack.append((kid, False))
     return order
+
+
+class WeightQueue:
+    """The weight halves a rank deferred (``"pipeline": "zero_bubble"``), oldest first.
+
+    The server runs one whenever the rank would otherwise wait for a message (:meth:`run_one`); before
+    a forward, the oldest run while ``limit`` microbatches or more have halves pending (:meth:`make_room`,
+    ZB-H1's bound: each pending half keeps its call's graph); the step drains the rest before its
+    gradients are reduced (:meth:`drain`), or drops them when it fails (:meth:`discard`). ``context``
+    gives the context each half runs in (the call's grad mode and autocast)."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise SplitBackwardError(f"WeightQueue limit={limit}: expected >= 1 (microbatches pending)")
+        self.limit = limit
+        self._items: deque[tuple[int, WeightGrad, Callable[[], contextlib.AbstractContextManager[object]]]]
+        self._items = deque()
+        self.ran_idle = 0
+        """Halves run while the rank waited (the bubble they filled), over the queue's life."""
+        self.ran_early = 0
+        """Halves run before a forward to respect ``limit``."""
+        self.ran_at_end = 0
+        """Halves run when the step drained the queue."""
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(
+        self,
+        microbatch: int,
+        half: WeightGrad,
+        context: Callable[[], contextlib.AbstractContextManager[object]],
+    ) -> None:
+        """Defers ``half`` (of a call of ``microbatch``), to run in ``context()``."""
+        if not half.empty:
+            self._items.append((microbatch, half, context))
+
+    def run_one(self) -> bool:
+        """Runs the oldest pending half; False if none was pending."""
+        if not self._items:
+            return False
+        self._run()
+        self.ran_idle += 1
+        return True
+
+    def make_room(self, microbatch: int) -> None:
+        """Before a forward of ``microbatch``: run the oldest halves while ``limit`` other microbatches
+        or more have halves pending."""
+        while len({m for m, _, _ in self._items if m != microbatch}) >= self.limit:
+            self._run()
+            self.ran_early += 1
+
+    def drain(self) -> None:
+        """Runs every pending half, oldest first."""
+        while self._items:
+            self._run()
+            self.ran_at_end += 1
+
+    def discard(self) -> None:
+        """Drops every pending half without computing it (the step failed)."""
+        while self._items:
+            self._items.popleft()[1].discard()
+
+    def _run(self) -> None:
+        _, half, context = self._items.popleft()
+        with context():
+            half.run()

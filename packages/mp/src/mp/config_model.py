@@ -51,12 +51,16 @@ class ModelParallelConfig:
     """Microbatches per step; 1 means no pipelining. The batch size must be divisible by it, so it is at
     most 2**20 (1048576): each microbatch holds at least one sample, and the per-step bookkeeping of a
     larger count would exhaust memory before the first step."""
-    pipeline: Literal["interleaved", "simple"] = _key(
-        "interleaved", KeySpec(kind="str", choices=("interleaved", "simple"), example='"interleaved"')
+    pipeline: Literal["interleaved", "simple", "zero_bubble"] = _key(
+        "interleaved",
+        KeySpec(kind="str", choices=("interleaved", "simple", "zero_bubble"), example='"interleaved"'),
     )
     """Pipeline schedule. "simple" runs all forwards then all backwards; when an explicit
     ``active_microbatches`` is below ``microbatches`` the schedule is forced to "interleaved" (smp's
-    rule, logged at info level; see :attr:`resolved_pipeline`)."""
+    rule, logged at info level; see :attr:`resolved_pipeline`). "zero_bubble" (mp's addition, not in
+    smp): "interleaved" with each remote call's backward split, its input gradients sent at once and its
+    weight gradients computed when the rank would otherwise wait (docs/pipeline.md); not with
+    tensor_parallel_degree > 1."""
     optimize: Literal["memory", "speed"] = _key(
         "memory", KeySpec(kind="str", choices=("memory", "speed"), example='"speed"')
     )
@@ -296,7 +300,7 @@ class ModelParallelConfig:
         return min(self.pipeline_parallel_degree + 2, self.microbatches)
 
     @property
-    def resolved_pipeline(self) -> Literal["interleaved", "simple"]:
+    def resolved_pipeline(self) -> Literal["interleaved", "simple", "zero_bubble"]:
         """The schedule that runs: "simple" becomes "interleaved" when fewer microbatches are active."""
         if self.pipeline == "simple" and self.resolved_active_microbatches != self.microbatches:
             return "interleaved"

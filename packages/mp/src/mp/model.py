@@ -202,6 +202,7 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
                 retry=auto,
                 # TP modules issue collectives in the TP group: its servers run one order of events
                 tp_group=tuple(topo.group(GroupKind.TP, world.rank)) if cfg.tp > 1 else (),
+                split_backward=cfg.pipeline == "zero_bubble",
             )
         state.model = self
         if cfg.resolved_checkpoint_attentions:  # smp's key: each distributed layer's attention recomputed
