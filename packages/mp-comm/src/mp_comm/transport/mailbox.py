@@ -177,9 +177,7 @@ class Mailbox:
             if found is not None:  # already here: no waiting, no polling
                 return found
             self.waiters += 1
-        # for the heartbeat's report (mp_comm.waits): what this thread waits for, and from whom
-        what = "a message" if tag is ANY_TAG else f"a message with tag {tag!r}"
-        token = waits.enter(what, None if source == ANY_SOURCE else source)
+        token = 0  # registered for the heartbeat's report at the first nap (_register_wait)
         spin = config.spin_time if config is not None else 0.0
         first_nap = config.poll_min if config is not None else 1e-3
         longest_nap = config.poll_max if config is not None else 1e-3
@@ -205,6 +203,8 @@ class Mailbox:
                     if found is not None:
                         return found
                     sleep = drive is None or time.monotonic() - last_work >= spin
+                    if sleep and not token:
+                        token = _register_wait(source, tag)
                     if sleep and bell is None:
                         left = deadline - time.monotonic()
                         self._sleepers += 1
@@ -237,7 +237,8 @@ class Mailbox:
                         self._bell_sleepers -= 1
                 nap = min(longest_nap, nap * 2)
         finally:
-            waits.leave(token)
+            if token:
+                waits.leave(token)
             with self._cond:
                 self.waiters -= 1
 
@@ -274,6 +275,13 @@ class Mailbox:
             tag=tag,
             waited=waited,
         )
+
+
+def _register_wait(source: int, tag: object) -> int:
+    """Register a waiting take for the heartbeat's report (mp_comm.waits): what it waits for, and from
+    whom. Only once it naps: a message found while polling (within `spin_time`) costs no record."""
+    what = "a message" if tag is ANY_TAG else f"a message with tag {tag!r}"
+    return waits.enter(what, None if source == ANY_SOURCE else source)
 
 
 def _pause(config: TransportConfig | None) -> None:
