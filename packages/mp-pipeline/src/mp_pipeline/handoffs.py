@@ -27,6 +27,8 @@ class Handoffs(Wire):
         self._posted[request.request_id] = (dest, check)
         if quiet:
             self._posted_to[dest] = self._posted_to.get(dest, 0) + 1
+        if self.replay is not None and self.replay.recording:
+            self.replay.record(dest, request, quiet)
         self.stats["posted"] += 1
         if RECORDER.enabled:
             now = RECORDER.now()
@@ -106,6 +108,8 @@ class Handoffs(Wire):
         """Fast mode: the tensor handed over under ``key``, waiting for it (the rank serves other work
         meanwhile): it comes from another rank than the request that names it, in no fixed order."""
         found = self._handed.pop(key, None)
+        if found is None:
+            found = self._handoff_in_place(key)
         if found is not None:
             return found
         slot = _Slot()

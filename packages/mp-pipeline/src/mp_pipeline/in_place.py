@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mp_pipeline.messages import Request, Response
+import torch
+
+from mp_pipeline.messages import Handoff, Request, Response
 from mp_pipeline.server_base import _Slot
 from mp_pipeline.wire import Wire
 
@@ -56,6 +58,18 @@ class InPlace(Wire):
             return True
         self._inbox.append(message)
         return False
+
+    def _handoff_in_place(self, key: tuple[str, int, int, int]) -> torch.Tensor | None:
+        """Wait for the tensor handed over under ``key`` in this thread; None, after handing what came
+        instead to the main thread, when it must wait the usual way."""
+        message = self._take_in_place()
+        if message is None:
+            return None
+        if isinstance(message, Handoff) and message.key == key:
+            self.stats["in_place"] += 1
+            return message.tensor
+        self._inbox.append(message)
+        return None
 
     def _request_in_place(self) -> Request | None:
         """After answering a request: the next one, if it is the next message and this thread may wait."""

@@ -250,6 +250,9 @@ class StepEnd:
 
     step: StepId
     results: Any = None
+    program: Any = None
+    """Per-rank replay (mp_pipeline.replay): the receiver's program, run from the next step on (None: keep
+    the one it has)."""
 
 
 @pickled_by_position

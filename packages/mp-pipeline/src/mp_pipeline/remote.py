@@ -216,7 +216,31 @@ class Remote:
             )
             grad = state.grad_enabled
             predicted = self.predictions.predicted(call, Phase.FORWARD, grad) if call is not None else None
-            if predicted is not None and call is not None and not learning:
+            replay = server.replay
+            if call is not None and replay is not None and replay.active is not None:
+                # per-rank replay (mp_pipeline.replay): the owner runs it from its program
+                check = None
+                if predicted is not None:
+                    check = self.predictions.checker(call, Phase.FORWARD, grad, path, raise_failure)
+                posted = check is not None and check.digest is not None
+                request_id = request.request_id = replay.match(dest, request, posted)
+                replied = server.replayed(dest, request, check if posted else None)
+                if replied is None:
+                    assert predicted is not None
+                    response = Response(
+                        server.step,
+                        request_id,
+                        dest,
+                        predicted.payload,
+                        predicted.placeholders(),
+                        predicted.requires_grad,
+                    )
+                else:
+                    response = replied
+                    if response.failure is not None:
+                        raise remote_error(response.failure)
+                    self.predictions.learn(call, Phase.FORWARD, grad, response)
+            elif predicted is not None and call is not None and not learning:
                 check = self.predictions.checker(call, Phase.FORWARD, grad, path, raise_failure)
                 server.post(dest, request, check)
                 response = Response(
@@ -471,8 +495,8 @@ class Remote:
                     [e for e, _ in pairs], [g for _, g in pairs], saved.inputs, saved.params
                 )
             saved.grads[:] = found
-            state = request.state
-            self.weights.add(request.microbatch, half, lambda: _weight_context(task, state))
+            state, span = request.state, self._recorded(EventKind.BWD, request)
+            self.weights.add(request.microbatch, half, lambda: _weight_context(task, state, span))
         elif pairs:
             with self._recorded(EventKind.BWD, request), task_context(task), applied(request.state):
                 torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
@@ -488,9 +512,12 @@ class Remote:
 
 
 @contextlib.contextmanager
-def _weight_context(task: TaskContext, state: Any) -> Iterator[None]:
-    """A deferred weight half runs as its call's backward did: task context, grad mode, autocast."""
-    with task_context(task), applied(state):
+def _weight_context(
+    task: TaskContext, state: Any, span: contextlib.AbstractContextManager[None]
+) -> Iterator[None]:
+    """A deferred weight half runs as its call's backward did: task context, grad mode, autocast; the
+    timeline records it as a backward of the call (``span``)."""
+    with span, task_context(task), applied(state):
         yield
 
 

@@ -28,6 +28,7 @@ from mp_pipeline.fast import FastPlan
 from mp_pipeline.messages import ENTERED_TAG, Entered, StepId, is_pipeline_tag
 from mp_pipeline.posted import Predictions
 from mp_pipeline.remote import Remote
+from mp_pipeline.replay import Program, Replay
 from mp_pipeline.schedule import Phase, Scheduler, Task
 from mp_pipeline.server import Server
 from mp_pipeline.split_backward import WeightQueue
@@ -246,6 +247,12 @@ class PipelineRuntime:
         """The next step runs on the full path and learns nothing (a step run again: its flow is the
         unusual one, so the plan is learned from the step after it)."""
         self.templates = TemplateStore()
+        self.replays: dict[str, Replay] = {}
+        """pp_rank 0: per-rank replay's learned flow (mp_pipeline.replay), per step function (a training
+        and an evaluation step each learn their own)."""
+        self.programs: dict[str, Program] = {}
+        """Another rank: its per-rank replay program from pp_rank 0, per step function (none: it serves
+        requests only)."""
         self._entered: dict[int, list[Entered]] = {}
         """Entered messages that the server took during a step (from ranks that finished it first)."""
         self._entries = 0
@@ -285,6 +292,8 @@ class PipelineRuntime:
                 quiet=flow.quiet,
             )
         self.templates = TemplateStore()
+        self.replays.clear()
+        self.programs.clear()
         self._started = self._completed = 0
         self.relearned += 1
         self._hold = True
@@ -370,6 +379,13 @@ class PipelineRuntime:
         else:
             self._started += 1
         step = StepId(self.model_id, self._step, name)
+        # per-rank replay (mp_pipeline.replay) follows fast mode's plan; a TP group keeps the posted path
+        # (its lockstep orders requests, which replay does without)
+        replaying = self.remote.shortcut and len(self.tp_group) <= 1
+        top = self.pp_rank == 0
+        replay = self.replays.setdefault(name, Replay()) if top else None
+        if replay is not None:
+            replay.begin_step(record=replaying and self._completed >= 2)
         weights = self.remote.weights
         server = Server(
             transport=self.transport,
@@ -384,6 +400,8 @@ class PipelineRuntime:
             templates=self.templates,
             group=self.tp_group,
             entered=self._entered,
+            replay=replay if replaying else None,
+            program=self.programs.get(name) if replaying and not top else None,
             idle=weights.run_one if weights is not None else None,
         )
         self.remote.server = server
@@ -413,6 +431,8 @@ class PipelineRuntime:
                     weights.drain()
             completed = True
             self._completed += 0 if hold else 1
+            if server.new_program is not None:
+                self.programs[name] = server.new_program
         finally:
             if flow is not None:
                 flow.end_step(completed=completed)

@@ -40,6 +40,7 @@ from mp_pipeline.errors import PipelineAbortedError
 from mp_pipeline.handoffs import Handoffs
 from mp_pipeline.in_place import InPlace
 from mp_pipeline.messages import (
+    TAG,
     Failure,
     Handoff,
     PostedAck,
@@ -49,6 +50,8 @@ from mp_pipeline.messages import (
     StepAbort,
     StepEnd,
 )
+from mp_pipeline.posted import PostedCheck
+from mp_pipeline.replay import Program, ProgramCall, fill
 from mp_pipeline.schedule import Phase, Task
 from mp_pipeline.sequence import FINISH, TASK
 from mp_pipeline.server_base import Driver, _Slot
@@ -69,7 +72,46 @@ class Server(InPlace, Handoffs, TPOrder):
         slot = _Slot()
         self._pending[request.request_id] = slot
         sent = RECORDER.now()
+        if self.replay is not None and self.replay.recording:
+            self.replay.record(dest, request, False)
         self._send_flow(dest, request, request)
+        return self._wait_for(slot, request, dest, sent)
+
+    def replayed(self, dest: int, request: Request, check: PostedCheck | None) -> Response | None:
+        """pp_rank 0, replaying (mp_pipeline.replay): the programmed call ``request`` (its id the
+        program's). Its owner runs it without a request: only the tensors it needs from here travel.
+        ``check``: a posted call (checked on its acknowledgement; returns None); else its response, which
+        the owner sends unprompted (it may have come already: owners run ahead)."""
+        self._account(dest, request)
+        self.stats["replayed"] += 1
+        rid = request.request_id
+        early = self._unclaimed.pop(rid, None)
+        slot = _Slot()
+        if check is not None:
+            self._posted[rid] = (dest, check)
+            self._posted_to[dest] = self._posted_to.get(dest, 0) + 1
+            self.stats["posted"] += 1
+        elif early is None:
+            self._pending[rid] = slot
+        sent = RECORDER.now()
+        for j, t in enumerate(request.tensors):
+            if t is not None:
+                self.stats["tensor_bytes"] += t.nbytes
+                self.count_sent("Handoff")
+                handoff = Handoff(self.step, ("fed", self.rank, rid, j), t)
+                self._sends.append(self.transport.send(handoff, dest, TAG))
+        if check is not None:
+            if early is not None:  # a failure, or data where none was predicted
+                self._posted.pop(rid, None)
+                check(early)
+            return None
+        if early is not None:
+            self.stats["responses"] += 1
+            return early
+        return self._wait_for(slot, request, dest, sent)
+
+    def _wait_for(self, slot: _Slot, request: Request, dest: int, sent: int) -> Response:
+        """Give the rank to other work until the response to ``request`` (sent to ``dest``) fills ``slot``."""
         worker = current_worker()
         if worker is not None:
             worker.state = WorkerState.PENDING
@@ -122,6 +164,10 @@ class Server(InPlace, Handoffs, TPOrder):
         try:
             for message in self._take_early():
                 self._arrived(message)
+            for microbatch in sorted(self.program or {}):  # per-rank replay: this rank's own program
+                assert self.program is not None
+                calls = self.program[microbatch]
+                self.run_job(lambda calls=calls: self._run_program(calls))  # type: ignore[misc]
             while not self.finished or self._posted:
                 if self._inbox_error is not None:
                     raise self._inbox_error
@@ -150,6 +196,8 @@ class Server(InPlace, Handoffs, TPOrder):
                         if task is not None:
                             self._start(driver, task)
                             continue
+                        if driver.done and self.replay is not None:
+                            self.replay.check_complete()  # a programmed call left unmade: a flow change
                         if driver.done and not self._posted:
                             self._announce((FINISH,))
                             self._finish(driver)
@@ -203,13 +251,17 @@ class Server(InPlace, Handoffs, TPOrder):
 
     def _finish(self, driver: Driver) -> None:
         self.finished = True
-        self._send_end(driver.peer_results())
+        # per-rank replay: a recorded step that made the same calls as the one before gives each owner
+        # its program for the next steps
+        replay = self.replay
+        programs = replay.learned() if replay is not None and replay.recording else None
+        self._send_end(driver.peer_results(), programs or {})
 
-    def _send_end(self, results: Any) -> None:
+    def _send_end(self, results: Any, programs: dict[int, Program]) -> None:
         # pp_rank 0: tell the other ranks of the pipeline that the step is over.
         for peer in self.peers:
             if peer != self.rank:
-                self.send(peer, StepEnd(self.step, results))
+                self.send(peer, StepEnd(self.step, results, programs.get(peer)))
 
     def _dispatch(self, message: Any) -> None:
         if isinstance(message, Request):
@@ -222,6 +274,9 @@ class Server(InPlace, Handoffs, TPOrder):
                 posted[1](message)
                 return
             slot = self._pending.pop(message.request_id, None)
+            if slot is None and self.replay is not None and self.replay.active is not None:
+                self._unclaimed[message.request_id] = message  # its owner ran ahead of the parent
+                return
             if slot is None:
                 log.error("rank %d: response to unknown request %d dropped", self.rank, message.request_id)
                 return
@@ -241,6 +296,8 @@ class Server(InPlace, Handoffs, TPOrder):
         elif isinstance(message, StepEnd):
             self.finished = True
             self.results = message.results
+            if message.program is not None:
+                self.new_program = message.program
         elif isinstance(message, StepAbort):
             f = message.failure
             raise PipelineAbortedError(
@@ -252,17 +309,29 @@ class Server(InPlace, Handoffs, TPOrder):
             log.error("rank %d: unknown message %r dropped", self.rank, type(message))
 
     def _serve_request(self, request: Request) -> None:
+        following: Request | None = request
+        while following is not None and self._serve_one(following):
+            following = self._request_in_place()
+
+    def _run_program(self, calls: list[ProgramCall]) -> None:
+        """Per-rank replay: run one microbatch's programmed calls for pp_rank 0 in order, each once the
+        tensors pp_rank 0 sends for it have come (its other inputs come as the shortcut's do)."""
+        requester = self.peers[0]
+        for call in calls:
+            tensors: list[Any] = [None] * call.slots
+            for j in call.fed:
+                tensors[j] = self.take(("fed", requester, call.request.request_id, j))
+            self.stats["replayed"] += 1
+            if not self._serve_one(fill(call, self.step, tensors)):
+                return
+
+    def _serve_one(self, request: Request) -> bool:
+        """Run ``request`` and answer it; False if it failed (its failure answered)."""
         try:
-            while True:
-                response = self._handle_request(request)
-                if not self._answer_quietly(request, response):
-                    self._send_flow(
-                        request.requester, response, request
-                    )  # fast mode: may find a changed flow
-                following = self._request_in_place()
-                if following is None:
-                    return
-                request = following
+            response = self._handle_request(request)
+            if not self._answer_quietly(request, response):
+                self._send_flow(request.requester, response, request)  # fast mode: may find a changed flow
+            return True
         except ServerClosed:
             raise
         except BaseException as exc:
@@ -272,6 +341,7 @@ class Server(InPlace, Handoffs, TPOrder):
             )
             log.debug("rank %d: %s", self.rank, failure.describe())
         self.send(request.requester, Response(request.step, request.request_id, self.rank, failure=failure))
+        return False
 
     def _abort(self, exc: BaseException) -> None:
         """Tell the pipeline (and, with TP, the TP group: its ranks wait on each other's orders and

@@ -19,6 +19,7 @@ import torch
 from mp_comm.transport.base import SendHandle, Transport
 from mp_pipeline.messages import TAG, Entered, Request, Response, StepId
 from mp_pipeline.posted import PostedCheck
+from mp_pipeline.replay import Program, Replay
 from mp_pipeline.schedule import Phase, Task
 from mp_pipeline.sequence import Sequencer
 from mp_pipeline.static import FlowRecorder, TemplateStore
@@ -82,13 +83,16 @@ class ServerBase:
         templates: TemplateStore | None = None,
         group: tuple[int, ...] = (),
         entered: dict[int, list[Entered]] | None = None,
+        replay: Replay | None = None,
+        program: Program | None = None,
         idle: Callable[[], bool] | None = None,
     ) -> None:
         """``group``: the global ranks of this rank's tensor-parallel group (tp_rank order), whose
         servers must run in lockstep (:mod:`mp_pipeline.sequence`); empty or just this rank: no TP.
         ``entered``: where to keep the :class:`Entered` messages of ranks that finished the step first
-        (PipelineRuntime.enter takes them from there). ``idle``: work for the time this rank would wait
-        for a message (zero_bubble's deferred weight halves), one piece per call, False when none is left."""
+        (PipelineRuntime.enter takes them from there). ``replay`` (pp_rank 0) and ``program`` (another
+        rank): per-rank replay (mp_pipeline.replay). ``idle``: work for the time this rank would wait for
+        a message (zero_bubble's deferred weight halves), one piece per call, False when none is left."""
         self.idle = idle
         self.transport = transport
         self.rank = rank
@@ -126,6 +130,7 @@ class ServerBase:
             "in_place": 0,
             "posted": 0,
             "acks": 0,
+            "replayed": 0,
         }
         self.sent: dict[str, int] = {}
         """Messages this rank sent in the step, by kind (see count_sent)."""
@@ -151,6 +156,15 @@ class ServerBase:
         """Messages a thread waiting in place took for the main thread (dispatched first, in order)."""
         self._inbox_error: BaseException | None = None
         """An error of a thread waiting in place (a timeout), raised by the main thread."""
+        self.replay = replay
+        """pp_rank 0: the learned flow (replayed when ``replay.active``) and its recording."""
+        self.program = program
+        """Another rank: the calls it runs for pp_rank 0 in this step without requests (None: none)."""
+        self.new_program: Program | None = None
+        """The program pp_rank 0 sent with this step's end, for the steps after it."""
+        self._unclaimed: dict[int, Response] = {}
+        """pp_rank 0, replaying: responses that came before the parent made their call (owners run
+        ahead)."""
         self._deferred: collections.deque[Response] = collections.deque()
         """pp_rank 0: responses to its own requests held back while a forward started first (dispatched
         in order once none may start; see _defer)."""
@@ -200,6 +214,11 @@ class ServerBase:
 
     def _finish(self, driver: Driver) -> None:
         """pp_rank 0: end the step here and tell the pipeline."""
+        raise NotImplementedError
+
+    # -- waiting in place's, in mp_pipeline.in_place ---------------------------------------------------
+    def _handoff_in_place(self, key: tuple[str, int, int, int]) -> torch.Tensor | None:
+        """Wait in this thread for the tensor handed over under ``key`` (None: wait the usual way)."""
         raise NotImplementedError
 
     # -- fast mode's, in mp_pipeline.handoffs -----------------------------------------------------------

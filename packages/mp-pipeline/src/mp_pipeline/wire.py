@@ -126,11 +126,22 @@ class Wire(ServerBase):
             self.count_sent(type(message).__name__)
             self._sends.append(self.transport.send(out, dest, tag, static=True))
 
+    def _account(self, dest: int, request: Request) -> None:
+        """Per-rank replay: static mode's bookkeeping of a request its owner runs without receiving it
+        (recorded and checked as if sent, so that the recording stays the same)."""
+        flow = self.flow
+        if flow is None or self.closed:
+            return
+        key = Key(dest, False, request.phase, request.module, request.position, request.microbatch, 0)
+        flow.outgoing(flow.counted(key), template_of(request))
+
     def _received(self, source: int, tag: object, message: Any) -> Any:
         """A received object as a full message: keeps announced templates, rebuilds compact messages."""
         if not is_pipeline_tag(tag):
             return None  # not a pipeline message (dropped by the caller)
         if isinstance(message, Compact):
+            if message.step < self.step:  # left over from an aborted step (dropped by the caller): its
+                return message  # template may be gone with the recording that the retry forgot
             self.stats["compact_received"] += 1
             return expand(self.templates.get(source, message.template_id), message)
         if isinstance(message, Request | Response) and message.template_id is not None:

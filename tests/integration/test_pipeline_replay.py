@@ -1,0 +1,202 @@
+"""Per-rank replay (mp_pipeline.replay): in the steady state of mp's default config pp_rank 0 sends no
+request, forward or backward, to another rank (counted by message kind per step); owners run their own
+program and only tensors travel. Training stays equal to plain PyTorch; a flow that changes falls back to
+the full path (counted) and stays exact; under ``fast_mode: true`` it raises NotSupportedByFastModeError
+naming the module."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import mp as smp
+from mp import DistributedModel, DistributedOptimizer, step
+from tests.integration._fast_mode import RECORD_STEPS, plain_sgd, record_steps
+from tests.mp_pipeline.models import first_difference
+
+REPLAYED_FROM = 4
+"""The first replayed step (0-based): the plan is learned in step 0, the predictions in step 1, and
+steps 2 and 3 are recorded and agree."""
+
+
+class Looped(nn.Module):
+    """A root that loops over its blocks, the user's model the issue measures (blocks placed by hand)."""
+
+    def __init__(self, blocks: int, width: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(6, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(blocks))
+        self.head = nn.Linear(width, 1)
+        self.branch_at: set[int] = set()
+        """Steps whose forward takes the other branch (set on every rank; only rank 0's parent acts)."""
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for i, block in enumerate(self.blocks):
+            if i == 1 and self.step in self.branch_at:
+                continue  # a data-independent change of the flow: block 1 skipped in this step
+            h = block(h)  # straight to the next block (fast mode's plan)
+        return self.head(h).squeeze(-1)
+
+
+class Branching(Looped):
+    """The parent reads the data to pick a block: which one changes between steps."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks[:-2]:
+            h = block(h)
+        pick = self.blocks[-1] if float(x[0, 0]) > 0.5 else self.blocks[-2]
+        return self.head(pick(h)).squeeze(-1)
+
+
+def _trainer(
+    net: nn.Module, owners: dict[int, int], microbatches: int, fast_mode: bool | None
+) -> tuple[Any, Any, Any]:
+    with record_steps(RECORD_STEPS):
+        smp.init(
+            {
+                "pipeline_parallel_degree": 2,
+                "microbatches": microbatches,
+                "fast_mode": fast_mode,
+                "auto_partition": False,
+                "default_partition": 0,
+            }
+        )
+        for i, owner in owners.items():
+            smp.set_partition(net.blocks[i], owner)  # type: ignore[index]
+        model = DistributedModel(net)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+
+    @step
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    return model, opt, train_step
+
+
+def train(  # noqa: PLR0917 - the harness passes a test's arguments by position
+    world: Any, layout: str, blocks: int, steps: int, changes: list[int], fast_mode: bool | None = None
+) -> dict[str, Any]:
+    """``layout``: "chain" (every block on rank 1), "alternating" (block i on rank (i + 1) % 2) or
+    "branching" (Branching, blocks on rank 1). ``changes``: steps whose flow differs (block 1 skipped)."""
+    microbatches = 2
+    owners = {i: 1 if layout != "alternating" else (i + 1) % 2 for i in range(blocks)}
+    kind = Branching if layout == "branching" else Looped
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 6, generator=g), torch.randn(8, generator=g)) for _ in range(steps)]
+    if layout == "branching":  # the parent's pick reads the data: it flips in the steps named by changes
+        for s, (x, _) in enumerate(data):
+            x[:, 0] = -1.0 if s in changes else 1.0
+    ref = kind(blocks)
+    ref.branch_at = set(changes)
+    ref_losses = plain_sgd(ref, data, microbatches, lambda s: setattr(ref, "step", s), lr=0.01)
+    net = kind(blocks)
+    net.branch_at = set(changes)
+    model, opt, train_step = _trainer(net, owners, microbatches, fast_mode)
+    assert model._runtime is not None
+    losses, stats, sent = [], [], []
+    error = None
+    for s, (x, y) in enumerate(data):
+        net.step = s
+        relearned = model._runtime.relearned
+        try:
+            losses.append(train_step(x, y).reduce_mean().item())
+        except Exception as exc:  # the failure under test (fast_mode: true)
+            error = (s, type(exc).__name__, str(exc))
+            break
+        opt.step()
+        opt.zero_grad()
+        stats.append({**model._runtime.last_stats, "fell_back": model._runtime.relearned - relearned})
+        sent.append(model._runtime.last_sent)
+    return {
+        "rank": smp.rank(),
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "params": None if error else first_difference(model.state_dict(), ref.state_dict()),
+        "stats": stats,
+        "sent": sent,
+        "error": error,
+    }
+
+
+def _exact(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert r["error"] is None, r
+        assert r["params"] is None, f"rank {r['rank']}: {r['params']}"
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6), r
+
+
+@pytest.mark.parametrize("layout", ["chain", "alternating"])
+def test_pp_rank_0_sends_no_request_in_the_steady_state(worlds: Any, layout: str) -> None:
+    """A root looping over 32 blocks on rank 1 (or alternating between the ranks): from the fifth step
+    on rank 0 sends no Request, forward or backward; every remote call is replayed; training equals
+    plain PyTorch. Before that it does (the learning steps), which the count must show."""
+    blocks, steps = 32, REPLAYED_FROM + 3
+    results = worlds.run(2, train, layout, blocks, steps, [], timeout=300)
+    _exact(results)
+    top, owner = results
+    remote_blocks = blocks if layout == "chain" else blocks // 2
+    calls = 2 * 2 * remote_blocks  # forward and backward, two microbatches
+    for s in range(steps):
+        stats, sent = top["stats"][s], top["sent"][s]
+        assert stats["fell_back"] == 0, (s, stats)
+        if s < REPLAYED_FROM:
+            assert sent.get("Request", 0) == calls, (s, sent)
+            assert stats["replayed"] == 0, (s, stats)
+        else:
+            assert sent.get("Request", 0) == 0, (s, sent)
+            assert stats["replayed"] == calls, (s, stats)
+            assert owner["stats"][s]["replayed"] == calls, (s, owner["stats"][s])
+            assert owner["stats"][s]["requests"] == 0, (s, owner["stats"][s])
+            if layout == "chain":  # only the first block's input and the last block's gradient
+                assert sent.get("Handoff", 0) == 2 * 2, (s, sent)
+
+
+def test_a_flow_change_in_a_replayed_step_runs_again_on_the_full_path(worlds: Any) -> None:
+    """In step 5 (replayed) the parent skips block 1: the call of block 2 does not match the program,
+    the step runs again on the full path and the flow is learned again (replayed from 4 steps later);
+    training equals plain PyTorch."""
+    change, steps = REPLAYED_FROM + 1, REPLAYED_FROM + 7
+    results = worlds.run(2, train, "chain", 6, steps, [change], timeout=300)
+    _exact(results)
+    top = results[0]
+    fell_back = [s for s in range(steps) if top["stats"][s]["fell_back"]]
+    assert fell_back == [change], fell_back
+    replayed = [s for s in range(steps) if top["stats"][s]["replayed"]]
+    # the step run again learns nothing; the plan, predictions and two recordings take the next 4
+    assert replayed == [REPLAYED_FROM, *range(change + 1 + REPLAYED_FROM, steps)], replayed
+
+
+def test_a_data_dependent_branch_falls_back_and_stays_exact(worlds: Any) -> None:
+    """The parent picks one of two blocks by a value of its input: where the pick changes in a replayed
+    step (step 6), the step runs again on the full path; every step equals plain PyTorch."""
+    change, steps = REPLAYED_FROM + 2, REPLAYED_FROM + 4
+    results = worlds.run(2, train, "branching", 4, steps, [change], timeout=300)
+    _exact(results)
+    top = results[0]
+    fell_back = [s for s in range(steps) if top["stats"][s]["fell_back"]]
+    replayed = [s for s in range(steps) if top["stats"][s]["replayed"]]
+    assert fell_back == [change], fell_back
+    assert replayed == [REPLAYED_FROM, REPLAYED_FROM + 1], replayed
+
+
+def test_fast_mode_raises_on_a_flow_change_in_a_replayed_step(worlds: Any) -> None:
+    """``fast_mode: true``: the same change raises NotSupportedByFastModeError on every rank, naming the
+    module whose call differs."""
+    change = REPLAYED_FROM + 1
+    results = worlds.run(2, train, "chain", 6, change + 1, [change], True, timeout=300)
+    for r in results:
+        assert r["error"] is not None, r
+        assert r["error"][0] == change, r
+    top = results[0]
+    assert top["stats"][REPLAYED_FROM]["replayed"] > 0, top["stats"]
+    assert top["error"][1] == "NotSupportedByFastModeError", top["error"]
+    assert "'blocks.2'" in top["error"][2] and "flow changed" in top["error"][2], top["error"]
