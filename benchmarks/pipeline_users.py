@@ -15,6 +15,13 @@ same initial weights, batch and AdamW for every system:
   hand split found: the model as a chain of its own modules (embeddings, each block, head; the CNN's
   stem, residual blocks, head; T5's encoder and decoder), cut where the two stages' measured forward +
   backward times are closest;
+* ``mp zero_bubble``: the same mp model with ``"pipeline": "zero_bubble"``'s one difference switched
+  on for its steps (each owner splits a remote call's backward and runs the weight half while it would
+  wait: the runtime's ``remote.weights`` queue), so that both mp rows interleave in one process (mp's
+  config is global); its first step is not the model's first, so its loss is not compared (the
+  equality is tests/integration/test_pipeline_zero_bubble.py's);
+* ``torch ZBV``: torch's zero-bubble schedule (``ScheduleZBVZeroBubble``) on the hand split into 2p
+  pieces, two stages per rank in a V (rank r holds stages r and 2p - 1 - r), chosen as above;
 * ``single``: one process without pipeline on the full batch with 1 and 2 threads, and the batch as
   ``m`` accumulated microbatches on 1 thread (``single acc``, the bubble bound's reference).
 
@@ -72,7 +79,16 @@ P = 2
 """The default pipeline degree (--pp); the run's own is ``Run.p``."""
 LR = 1e-4
 SEED = 1234
-SYSTEMS = ("mp", "torch 1F1B", "torch GPipe", "single 1 thread", "single 2 threads", "single acc")
+SYSTEMS = (
+    "mp",
+    "mp zero_bubble",
+    "torch 1F1B",
+    "torch GPipe",
+    "torch ZBV",
+    "single 1 thread",
+    "single 2 threads",
+    "single acc",
+)
 
 
 @contextlib.contextmanager
@@ -123,6 +139,19 @@ class Single:
         pass
 
 
+def _timed(runner: Any, fn: Any) -> Any:
+    """``fn``, adding its time to ``runner.busy`` (compute, without the waits around it)."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            runner.busy += time.perf_counter() - t0
+
+    return wrapper
+
+
 class Torch:
     """torch.distributed.pipelining: this rank's stage of the hand split, GPipe or 1F1B."""
 
@@ -155,14 +184,7 @@ class Torch:
         self.opt = torch.optim.AdamW(self.module.parameters(), lr=LR)
 
     def _timed(self, fn: Any) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.busy += time.perf_counter() - t0
-
-        return wrapper
+        return _timed(self, fn)
 
     def step(self) -> float | None:
         import torch
@@ -181,6 +203,94 @@ class Torch:
         return loss
 
     first_step = step
+
+    def close(self) -> None:
+        pass
+
+
+class TorchZBV:
+    """torch.distributed.pipelining's ZBV zero-bubble schedule: this rank's two stages of the hand split
+    into ``2p`` pieces (rank r: stages r and 2p - 1 - r; the first and the last stage on rank 0)."""
+
+    def __init__(
+        self, case: Any, base: dict[str, Any], rank: int, *, m: int, cuts: list[int], p: int
+    ) -> None:
+        import torch
+        from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
+
+        from benchmarks.models import Chain
+
+        self.case, self.rank = case, rank
+        model = case.build()
+        model.load_state_dict(base)
+        pieces = case.pieces(model)
+        bounds = [0, *cuts, len(pieces)]
+        n = len(bounds) - 1
+        assert n == 2 * p, f"{n} stages for {p} ranks: expected two per rank"
+        device = case.batch[0].device
+        if device.type == "cuda":
+            from benchmarks._launch import stage_cuda_p2p_through_host
+
+            stage_cuda_p2p_through_host()
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.modules = [Chain(pieces[bounds[s] : bounds[s + 1]]) for s in (rank, n - 1 - rank)]
+        stages: list[Any] = [
+            PipelineStage(mod, s, n, device)
+            for mod, s in zip(self.modules, (rank, n - 1 - rank), strict=True)
+        ]
+        self.busy = 0.0
+        for stage in stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, name, self._timed(getattr(stage, name)))
+        self.schedule = ScheduleZBVZeroBubble(stages, m, loss_fn=self._timed(case.loss_fn))
+        params = [q for mod in self.modules for q in mod.parameters()]
+        self.opt = torch.optim.AdamW(params, lr=LR)
+
+    def _timed(self, fn: Any) -> Any:
+        return _timed(self, fn)
+
+    def step(self) -> float | None:
+        import torch
+
+        loss = None
+        if self.rank == 0:  # the first and the last stage
+            losses: list[torch.Tensor] = []
+            self.schedule.step(
+                *self.case.stage_args(self.case.batch),
+                target=self.case.target(self.case.batch),
+                losses=losses,
+            )
+            loss = float(torch.stack([t.detach() for t in losses]).mean())
+        else:
+            self.schedule.step()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    first_step = step
+
+    def close(self) -> None:
+        pass
+
+
+class MpZeroBubble:
+    """The "mp" runner's model with zero_bubble's split backward on for its steps (see the docstring)."""
+
+    def __init__(self, mp: Any, p: int) -> None:
+        from mp_pipeline import WeightQueue
+
+        self.mp, self.queue, self.busy = mp, WeightQueue(p), 0.0
+
+    def step(self) -> float:
+        runtime = self.mp.model.runtime
+        runtime.remote.weights = self.queue
+        try:
+            return float(self.mp.step())
+        finally:
+            runtime.remote.weights = None
+
+    def first_step(self) -> None:
+        self.step()
 
     def close(self) -> None:
         pass
@@ -264,7 +374,7 @@ def summarize(records: list[dict[str, Any]], batch: dict[str, int], p: int = P) 
             steps = [r for r in mine if r["system"] == system]
             if not steps:
                 continue
-            pipelined = system == "mp" or system.startswith("torch")
+            pipelined = system.startswith(("mp", "torch"))
 
             def bubble(t: float, acc: float, m: int = m) -> float:
                 return acc / p * (m + p - 1) / m / t
@@ -317,6 +427,8 @@ def markdown(out: dict[str, Any]) -> str:
             lines.append(f"- mp config beyond the default: `{json.dumps(out['args']['mp_config'])}`")
         for m, split in info["torch_split"].items():
             lines.append(f"- m = {m}: torch's hand split {split}; mp's partition: {info['mp_partition'][m]}")
+            if m in info.get("torch_zbv_split", {}):
+                lines.append(f"- m = {m}: torch ZBV's split {info['torch_zbv_split'][m]}")
         lines += [
             "",
             f"| m | system | samples/s | vs torch 1F1B | vs single 1t | {busy_head} | eff. bubble |",
@@ -350,12 +462,13 @@ class Run:
             print(msg, flush=True)
 
 
-def _hand_split(run: Run, case: Any, model: Any, m: int) -> tuple[list[int], str]:
-    """torch's cuts for ``m`` microbatches (measured on rank 0, shared) and their description."""
+def _hand_split(run: Run, case: Any, model: Any, m: int, stages: int = 0) -> tuple[list[int], str]:
+    """torch's cuts into ``stages`` pieces (default: one per rank) for ``m`` microbatches (measured on
+    rank 0, shared) and their description."""
     from benchmarks.models import best_cuts, piece_times
 
     times = run.comm.bcast(piece_times(case, model, m) if run.rank == 0 else None, root=0)
-    cuts = best_cuts(times, run.p)
+    cuts = best_cuts(times, stages or run.p)
     spans = list(itertools.pairwise([0, *cuts, len(times)]))
     ranges = " | ".join(f"{a}-{b - 1}" for a, b in spans)
     ms = " | ".join(f"{sum(times[a:b]) * 1e3:.1f}" for a, b in spans)
@@ -374,13 +487,26 @@ def _build(run: Run, case: Any, base: dict[str, Any], m: int, cuts: list[int]) -
         "torch 1F1B": lambda: Torch(case, base, rank, m=m, cuts=cuts, schedule="1F1B"),
         "mp": lambda: Mp(case, base, rank, m=m, p=run.p, extra=run.args.mp_config),
     }
+    if "torch ZBV" in run.args.systems:
+        cuts2, split2 = _hand_split(run, case, case.build(), m, stages=2 * run.p)
+        run.info[case.name].setdefault("torch_zbv_split", {})[m] = split2
+        makers["torch ZBV"] = lambda: TorchZBV(case, base, rank, m=m, cuts=cuts2, p=run.p)
     chosen = set(run.args.systems) | {"single acc"}
+    if "mp zero_bubble" in chosen:
+        chosen.add("mp")
     runners = {s: make() for s, make in makers.items() if s in chosen}
+    if "mp zero_bubble" in chosen:
+        runners["mp zero_bubble"] = MpZeroBubble(runners["mp"], run.p)
     first = {s: run.comm.allgather(r.first_step()) for s, r in runners.items()}
     losses = {s: next((v for v in got if v is not None), None) for s, got in first.items()}
     ref = losses["single acc"]
     assert ref is not None
-    for s in ("mp", "torch GPipe", "torch 1F1B"):  # the full batch is another sum (and BatchNorm's stats)
+    for s in (
+        "mp",
+        "torch GPipe",
+        "torch 1F1B",
+        "torch ZBV",
+    ):  # the full batch is another sum (and BatchNorm's stats)
         if s not in losses:
             continue
         loss = losses[s]
@@ -409,7 +535,7 @@ def _time(run: Run, case: Any, m: int, group: int, runners: dict[str, Any]) -> N
             runner = runners[system]
             for i in range(args.steps):
                 idle_barrier(comm)
-                if system == "mp":
+                if system.startswith("mp"):
                     RECORDER.start()
                 runner.busy = 0.0
                 t0 = time.perf_counter()
@@ -419,7 +545,7 @@ def _time(run: Run, case: Any, m: int, group: int, runners: dict[str, Any]) -> N
                 idle_barrier(comm)
                 elapsed = time.perf_counter() - t0
                 busy = runner.busy
-                if system == "mp":  # the timeline's compute, its waits cut out
+                if system.startswith("mp"):  # the timeline's compute, its waits cut out
                     trace = RECORDER.stop()
                     segments = Timeline.merge([trace]).compute_segments(rank)
                     busy = sum(b - a for _, segs in segments for a, b in segs) / 1e9

@@ -27,7 +27,7 @@ from mp_pipeline.remote import Remote, remote_error
 from mp_pipeline.runtime import PipelineRuntime, StepDriver, default_timeout, pipelined_backward
 from mp_pipeline.schedule import Phase, Scheduler, SimResult, Task, fixed_order, simulate
 from mp_pipeline.server import Server
-from mp_pipeline.split_backward import WeightGrad, backward_input
+from mp_pipeline.split_backward import WeightGrad, WeightQueue, backward_input
 from mp_pipeline.static import FlowRecorder, TemplateStore
 from mp_pipeline.step_output import StepOutput, merge_microbatch_results
 from mp_pipeline.structure import Slot, flatten, map_structure, unflatten
@@ -77,6 +77,7 @@ __all__ = [
     "TemplateStore",
     "Timeline",
     "WeightGrad",
+    "WeightQueue",
     "WorkerPool",
     "WorkerState",
     "__version__",
