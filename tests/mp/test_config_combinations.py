@@ -28,6 +28,10 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         "default_partition": 2,
     },
     "load_partition without partition_file": {"load_partition": True},
+    "pipeline 'zero_bubble' with tensor parallelism": {
+        "pipeline": "zero_bubble",
+        "tensor_parallel_degree": 2,
+    },
     "prescaled_batch without optimize 'speed'": {"prescaled_batch": True, "optimize": "memory"},
     "shard_optimizer_state with sharded data parallelism": {
         "shard_optimizer_state": True,

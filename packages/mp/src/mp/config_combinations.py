@@ -168,6 +168,18 @@ REFUSED: tuple[RefusedCombination, ...] = (
         ),
     ),
     RefusedCombination(
+        key="pipeline",
+        others=("tensor_parallel_degree",),
+        combination="pipeline 'zero_bubble' with tensor parallelism",
+        applies=lambda c: c.pipeline == "zero_bubble" and c.tensor_parallel_degree > 1,
+        problem=lambda c: f" with 'tensor_parallel_degree': {c.tensor_parallel_degree}",
+        why=lambda c: (
+            "'zero_bubble' only with tensor_parallel_degree 1 (its deferred weight gradients run whenever "
+            "a rank would wait, out of the TP group's one order of events)"
+        ),
+        fix=lambda c: "set 'pipeline' to 'interleaved', or 'tensor_parallel_degree' to 1",
+    ),
+    RefusedCombination(
         key="prescaled_batch",
         others=("optimize",),
         combination="prescaled_batch without optimize 'speed'",
