@@ -341,7 +341,8 @@ MEMORY_VARIANTS = {
     "mp_ckpt": (2, {"pp": 1, "tp": 1, "microbatches": 1, "checkpointing": True}, 16),
     "mp_pp2": (2, {"pp": 2, "tp": 1, "microbatches": 2, "schedule": "interleaved"}, 8),
     "mp_sdp": (2, {"pp": 1, "tp": 1, "microbatches": 1, "sdp": True}, 16),
-    "mp_tp2": (4, {"pp": 1, "tp": 2, "microbatches": 1}, 32),
+    # mp's defaults under TP, as the worker runs it: optimize "memory", no prescaled batch
+    "mp_tp2": (4, {"pp": 1, "tp": 2, "microbatches": 1, "optimize": "memory", "prescaled_batch": False}, 32),
 }
 
 
@@ -362,22 +363,9 @@ def memory_model() -> Any:
     return _memory_model()
 
 
-def memory_model_tp_ops() -> Any:
-    """The same GPT-2 running the operations of mp's distributed GPT-2 layer (mp_tensor.hf.gpt2:
-    scaled_dot_product_attention, GELU as one tanh-approximated op) instead of eager attention and
-    gelu_new's separate ops."""
-    from transformers.activations import ACT2FN
-
-    net, args, kwargs = _memory_model()
-    net.config._attn_implementation = "sdpa"
-    for block in net.transformer.h:
-        block.mlp.act = ACT2FN["gelu_pytorch_tanh"]
-    return net, args, kwargs
-
-
-def _single_step_s(batch: int, steps: int = 3) -> float:
+def _single_step(batch: int, steps: int = 3) -> tuple[float, float]:
     """One process, one thread: the fastest of ``steps`` AdamW steps of memory.py's GPT-2 on ``batch``
-    sequences (after one warm-up step)."""
+    sequences (after one warm-up step), in wall-clock seconds and in the process's CPU seconds."""
     import torch
 
     from benchmarks.memory import SEQ, VOCAB, _gpt
@@ -388,16 +376,17 @@ def _single_step_s(batch: int, steps: int = 3) -> float:
         torch.manual_seed(0)
         net = _gpt(4, 256)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
-        times = []
+        times, cpu = [], []
         for i in range(steps + 1):
             ids = torch.randint(0, VOCAB, (batch, SEQ))
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             opt.zero_grad()
             net(input_ids=ids, labels=ids).loss.backward()
             opt.step()
             if i:
                 times.append(time.perf_counter() - start)
-        return min(times)
+                cpu.append(time.process_time() - start_cpu)
+        return min(times), min(cpu)
     finally:
         torch.set_num_threads(threads)
 
@@ -431,29 +420,14 @@ class _SavedTracker:
             def __init__(self, t: Any) -> None:
                 self.t = t
 
-        def release(ptr: int) -> None:
-            with tracker.lock:
-                ref = tracker.refs.get(ptr)
-                if ref is None:
-                    return
-                ref[0] -= 1
-                if ref[0] == 0:
-                    tracker.live -= ref[1]
-                    del tracker.refs[ptr]
-
         def pack(t: Any) -> Any:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             if not tracker.on or ptr in tracker.params or t.device.type == "meta":
                 return t
             box = Packed(t)
-            with tracker.lock:
-                ref = tracker.refs.setdefault(ptr, [0, storage.nbytes()])
-                if ref[0] == 0:
-                    tracker.live += ref[1]
-                    tracker.peak = max(tracker.peak, tracker.live)
-                ref[0] += 1
-            weakref.finalize(box, release, ptr)
+            tracker.add(ptr, storage.nbytes())
+            weakref.finalize(box, tracker.release, ptr)
             return box
 
         def unpack(x: Any) -> Any:
@@ -461,8 +435,63 @@ class _SavedTracker:
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
+    def add(self, ptr: int, nbytes: int) -> None:
+        with self.lock:
+            ref = self.refs.setdefault(ptr, [0, nbytes])
+            if ref[0] == 0:
+                self.live += ref[1]
+                self.peak = max(self.peak, self.live)
+            ref[0] += 1
+
+    def release(self, ptr: int) -> None:
+        with self.lock:
+            ref = self.refs.get(ptr)
+            if ref is None:
+                return
+            ref[0] -= 1
+            if ref[0] == 0:
+                self.live -= ref[1]
+                del self.refs[ptr]
+
+    def track_recompute(self) -> None:
+        """Also count what activation checkpointing recomputes in backward. torch.utils.checkpoint
+        (non-reentrant) saves a recomputed layer's tensors under its own saved-tensor hooks, innermost,
+        so :meth:`hooks` never sees them: each is stored in the frame's ``recomputed`` map under a
+        handle until its backward unpacks it (the handle is dropped then). The wrapper counts a tensor's
+        storage from that save until its handle dies (torch 2.x internals; checked on torch 2.13)."""
+        import weakref
+
+        import torch.utils.checkpoint as tuc
+
+        tracker = self
+        original_init = tuc._recomputation_hook.__init__
+
+        def init(hook: Any, frame_ref: Any, gid: Any) -> None:
+            original_init(hook, frame_ref, gid)
+            pack = hook.pack_hook
+
+            def counted(x: Any) -> Any:
+                out = pack(x)
+                frame = frame_ref()
+                if not tracker.on or frame is None or x.device.type == "meta":
+                    return out
+                holder = frame.weak_holders[frame.recomp_counter[gid] - 1]()
+                handle = holder.handles.get(gid) if holder is not None else None
+                storage = x.untyped_storage()
+                ptr = storage.data_ptr()
+                if handle is None or ptr in tracker.params:
+                    return out
+                tracker.add(ptr, storage.nbytes())
+                weakref.finalize(handle, tracker.release, ptr)
+                return out
+
+            hook.pack_hook = counted
+
+        tuc._recomputation_hook.__init__ = init  # type: ignore[method-assign,assignment]
+
     def install(self) -> None:
-        """Push the hooks in the calling thread and in every thread started from now on."""
+        """Push the hooks in the calling thread and in every thread started from now on, and count
+        recomputed activations (:meth:`track_recompute`)."""
         import threading
 
         original = threading.Thread.run
@@ -474,6 +503,7 @@ class _SavedTracker:
 
         threading.Thread.run = run  # type: ignore[method-assign]
         self.hooks().__enter__()
+        self.track_recompute()
 
 
 MEASURE_STEPS = 3
@@ -520,7 +550,7 @@ def _worker(variant: str, out: str, steps: int) -> None:
 
     g = torch.Generator().manual_seed(smp.rank())
     batches = [torch.randint(0, VOCAB, (8, SEQ), generator=g) for _ in range(steps + 2)]
-    times = []
+    times, cpu = [], []
     for i, ids in enumerate(batches):
         if i == 1:  # after the warm-up: partitioned, flow learned
             params = list(model.local_parameters())
@@ -528,7 +558,7 @@ def _worker(variant: str, out: str, steps: int) -> None:
             tracker.on = True
         opt.zero_grad()
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         train_step(ids)
         opt.step()
         dist.barrier()
@@ -536,6 +566,7 @@ def _worker(variant: str, out: str, steps: int) -> None:
             tracker.on = False
         if i >= 2:
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
     from mp.zero import sharding_of
 
     zero = sharding_of(opt)
@@ -559,6 +590,7 @@ def _worker(variant: str, out: str, steps: int) -> None:
         "activation_peak_mb": tracker.peak / 2**20,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "step_s": times,
+        "cpu_s": cpu,
     }
     rows: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
@@ -589,13 +621,14 @@ def memory_runs(variants: list[str], repeats: int = 2) -> list[dict[str, Any]]:
     (their fastest step counts): on this shared host the fastest of several runs is the least disturbed.
     Memory per rank: parameters, gradients and optimizer state after the run, and the activation peak of
     a steady step (:class:`_SavedTracker`); the rank that needs most counts, as in the prediction."""
-    calibration = [_single_step_s(8, steps=5)]
+    first = _single_step(8, steps=5)
     measured: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in variants}
     for _ in range(repeats):
         for variant in variants:
             measured[variant].append(_run_worker(variant, MEASURE_STEPS))
-    calibration.append(_single_step_s(8, steps=5))
-    return [memory_row(variant, calibration, measured[variant]) for variant in variants]
+    last = _single_step(8, steps=5)
+    calibration, calibration_cpu = [first[0], last[0]], [first[1], last[1]]
+    return [memory_row(variant, calibration, measured[variant], calibration_cpu) for variant in variants]
 
 
 def _step_of(rs: list[dict[str, Any]]) -> float:
@@ -603,9 +636,18 @@ def _step_of(rs: list[dict[str, Any]]) -> float:
     return max(statistics.median(r["step_s"]) for r in rs)
 
 
-def memory_row(variant: str, calibration: list[float], runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
+def memory_row(
+    variant: str,
+    calibration: list[float],
+    runs: list[list[dict[str, Any]]],
+    calibration_cpu: list[float] | None = None,
+) -> dict[str, Any]:
     """The prediction for ``variant`` next to its measured runs (kept in the row, so that
-    ``--part predict`` can predict again from them)."""
+    ``--part predict`` can predict again from them). With ``calibration_cpu`` (the single-process step's
+    CPU seconds) also each rank's work: the predicted step but its bubble (compute, collectives, p2p and
+    remote calls, which the CPU runs: MPI waits by polling, gloo copies), at the CPU-time calibration, one
+    core per rank, against the rank's measured CPU seconds per step: on a host shared with other jobs the
+    wall-clock step also holds the waits for a core."""
     plan, to_dict, _ = _load()
     prof = plan.profile_model("benchmarks.plan_accuracy:memory_model", seq_len=128, hidden=256, device="cpu")
     single = min(calibration)
@@ -638,18 +680,15 @@ def memory_row(variant: str, calibration: list[float], runs: list[list[dict[str,
         "optimizer": (mem.optimizer + mem.master) / mb,
         "activations": mem.activations / mb,
     }
-    tp_ops_act = None
-    if est.layout.tp > 1:  # mp runs its distributed layer in place of GPT2Block: profile what it runs
-        prof_tp = plan.profile_model(
-            "benchmarks.plan_accuracy:memory_model_tp_ops", seq_len=128, hidden=256, device="cpu"
-        )
-        est_tp = plan.plan(prof_tp, global_batch=batch, cluster=clus, **kwargs).estimates[0]
-        tp_ops_act = est_tp.memory.activations / mb
-    recompute = 0.0
-    if est.layout.checkpointing:  # the one layer recomputed in backward: its tensors are saved under
-        # torch.utils.checkpoint's own hooks, which the tracker's do not see
-        stage = plan.split_stages(prof, est.layout.pp)[est.memory.stage]
-        recompute = stage.max_block_activation_bytes * est.microbatch_size / est.layout.tp / mb
+    # process CPU time of a step (every thread of the rank), the slowest rank's median: the work done,
+    # apart from waiting for the other rank or for a core
+    cpu_s = max((statistics.median(r["cpu_s"]) for r in fastest if r.get("cpu_s")), default=None)
+    work_s = None
+    if calibration_cpu:  # the same layout at the CPU-time rate, one core per rank (CPU time is per rank)
+        rate_cpu = _step_flops(prof, 8) / min(calibration_cpu)
+        clus_cpu = _cpu(rate_cpu).with_(devices_per_host=ranks)
+        cpu_est = plan.plan(prof, global_batch=batch, cluster=clus_cpu, **kwargs).estimates[0]
+        work_s = cpu_est.step_time - cpu_est.time.bubble  # all but idling: MPI and gloo spend CPU
     total_p, total_m = sum(predicted_mem.values()), sum(measured_mem.values())
     print(
         f"{variant}: predicted {est.step_time:.3f} s, measured {measured_step:.3f} s; memory "
@@ -672,8 +711,9 @@ def memory_row(variant: str, calibration: list[float], runs: list[list[dict[str,
         "measured_memory_mb": measured_mem,
         "measured_memory_per_rank_mb": per_rank,
         "memory_ratio": total_p / total_m,
-        "predicted_recomputed_layer_mb": recompute,
-        "predicted_activations_tp_layer_ops_mb": tp_ops_act,
+        "measured_cpu_s": cpu_s,
+        "calibration_cpu_s": calibration_cpu,
+        "predicted_work_s": work_s,
         "ranks_per_core": ranks / cores,
         "measured_peak_rss_mb": max(r["peak_rss_mb"] for r in fastest),
         "predicted": to_dict(est),
@@ -720,7 +760,8 @@ def markdown(data: dict[str, Any]) -> str:
         for g in gs:
             t = g["time_s"]
             out.append(
-                f"GPT-3 step ({g['dp_mode']}) {g['step_time_s']:.1f} s: compute {t['compute']:.1f}, TP "
+                f"GPT-3 step ({g['dp_mode']}) {g['step_time_s']:.1f} s: compute {t['compute']:.1f}, "
+                f"memory-bound ops {t.get('memory_bound', 0.0):.1f}, TP "
                 f"{t['tp_comm']:.1f}, p2p {t['p2p']:.1f}, bubble {t['bubble']:.1f}, DP {t['dp_comm']:.1f} s; "
                 f"the paper's 26.5 seq/s would need a sustained {g['implied_compute_efficiency']:.2f} of "
                 "peak (the preset assumes 0.5)."
@@ -774,9 +815,9 @@ def markdown(data: dict[str, Any]) -> str:
             )
             + ".",
             "",
-            "| source | layout | calibration s | predicted s | measured s | gap "
-            "| memory predicted / measured MB |",
-            "|---|---|---:|---:|---:|---:|---|",
+            "| source | layout | calibration s | predicted s | measured s | gap | work predicted / CPU "
+            "measured s | memory predicted / measured MB |",
+            "|---|---|---:|---:|---:|---:|---|---|",
         ]
         for r in machine["rows"]:
             mem = ""
@@ -786,22 +827,19 @@ def markdown(data: dict[str, Any]) -> str:
                     f"{sum(p.values()):.1f} / {sum(m.values()):.1f} ({_pct(r['memory_ratio'])}); act "
                     f"{p['activations']:.1f} / {m['activations']:.1f}"
                 )
-                if r.get("predicted_activations_tp_layer_ops_mb"):
-                    mem += (
-                        f"; with the TP layer's operations profiled: act "
-                        f"{r['predicted_activations_tp_layer_ops_mb']:.1f} / {m['activations']:.1f}"
-                    )
-                if r.get("predicted_recomputed_layer_mb"):
-                    rec = r["predicted_recomputed_layer_mb"]
-                    mem += (
-                        f"; without the recomputed layer ({rec:.1f}, unseen by the hooks) "
-                        f"{p['activations'] - rec:.1f} / {m['activations']:.1f}"
-                    )
             out.append(
                 f"| {r['source']} | {r['layout']} | {r['calibration_step_s']:.3f} | "
                 f"{r['predicted_step_s']:.3f} | "
-                f"{r['measured_step_s']:.3f} | {_pct(r['ratio'])} | {mem} |"
+                f"{r['measured_step_s']:.3f} | {_pct(r['ratio'])} | "
+                f"{_work(r)} | {mem} |"
             )
+        out += [
+            "",
+            "Work: the predicted step but its bubble at the single-process step's CPU-time rate, one core "
+            "per rank, against the slowest rank's CPU seconds per step (every thread; MPI polls while it "
+            "waits, gloo copies): what each rank computed, apart from waiting for a core on this shared "
+            "host.",
+        ]
         ranked = machine.get("ranking")
         if ranked:
             out += [
@@ -812,6 +850,13 @@ def markdown(data: dict[str, Any]) -> str:
                 f"{'yes' if ranked['in_top2'] else 'NO'}.",
             ]
     return "\n".join(out) + "\n"
+
+
+def _work(r: dict[str, Any]) -> str:
+    w, c = r.get("predicted_work_s"), r.get("measured_cpu_s")
+    if w is None or c is None:
+        return ""
+    return f"{w:.3f} / {c:.3f} ({_pct(w / c)})"
 
 
 def _ranking(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -876,7 +921,9 @@ def main() -> None:
         kept = data["machine"]
         rows = pipeline_users() + tensor_hf_gpt2()
         rows += [
-            memory_row(r["variant"], r["calibration_runs_s"], r["runs"]) for r in kept["rows"] if "runs" in r
+            memory_row(r["variant"], r["calibration_runs_s"], r["runs"], r.get("calibration_cpu_s"))
+            for r in kept["rows"]
+            if "runs" in r
         ]
         kept["rows"] = rows
     if data.get("machine"):
