@@ -46,6 +46,7 @@ PATHS: dict[str, dict[str, Any]] = {
     "pp2-simple": {"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "simple"},
     "pp2-static": {"pipeline_parallel_degree": 2, "microbatches": 4, "static_mode": True},
     "pp2-fast": {"pipeline_parallel_degree": 2, "microbatches": 4, "fast_mode": True},
+    "pp2-zero_bubble": {"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "zero_bubble"},
     "dp2": {"pipeline_parallel_degree": 1, "microbatches": 2, "ddp": True},
     "tp2": {"tensor_parallel_degree": 2, "microbatches": 2, "ddp": True},
 }
