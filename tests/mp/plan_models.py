@@ -49,3 +49,30 @@ class StemStack(Stack):
 def stem_blocks(layers: int = 4, hidden: int = 16, seq: int = 8) -> tuple[nn.Module, tuple[torch.Tensor]]:
     """:class:`StemStack` and one sample's input, shape (1, seq, hidden), requiring grad."""
     return StemStack(layers, hidden), (torch.zeros(1, seq, hidden, requires_grad=True),)
+
+
+class Scale(nn.Module):
+    """A layer mp has no distributed implementation for (a per-channel scale)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * self.weight)
+
+
+def scales(layers: int = 3, hidden: int = 16, seq: int = 8) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """``layers`` :class:`Scale` layers in a ModuleList (run by :class:`ScaleStack`), one sample's input."""
+    return ScaleStack(layers, hidden), (torch.zeros(1, seq, hidden, requires_grad=True),)
+
+
+class ScaleStack(nn.Module):
+    def __init__(self, layers: int, hidden: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Scale(hidden) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x

@@ -171,3 +171,13 @@ def test_stages_tell_what_runs_before_the_layers() -> None:
 def test_factory_without_a_stem_is_unchanged() -> None:
     (stage,) = split_stages(profile_model(FACTORY, seq_len=8), 1)
     assert stage.leading_activation_bytes == 0
+
+
+def test_tp_profile_of_a_model_mp_cannot_distribute_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    prof = profile_model("tests.mp.plan_models:scales", seq_len=8, hidden=16)
+    with caplog.at_level("WARNING", logger="mp.plan.tp_profile"):
+        acts = profile_tp(prof, 2)
+    assert acts is not None and acts.replaced == ()
+    # every rank would run the whole model: its activations, not half of them
+    assert sum(acts.layer_bytes) + acts.outside_bytes == prof.activation_total
+    assert "no distributed implementation" in caplog.text and "tp=2" in caplog.text

@@ -107,6 +107,14 @@ def profile_tp(
         trace = trace_model(root, profile.example_args, profile.example_kwargs)
     finally:
         dist.destroy_process_group()
+    if not replaced:
+        _log.warning(
+            "mp has no distributed implementation for any module of %s: at tp=%d every rank would run "
+            "the whole model (its activations are profiled so), while parameters and FLOPs are still "
+            "divided by tp; register one (smp.tp_register) or plan without tensor parallelism (tp=1)",
+            profile.name,
+            tp,
+        )
     layers = _layers(root, len(profile.block_paths))
     if len(layers) != len(profile.block_paths):
         _log.info(
