@@ -299,3 +299,51 @@ def test_weight_half_redoes_no_input_side_work() -> None:
     wg.run()
     assert len(calls) == 1
     assert lin1.weight.grad is not None and lin2.weight.grad is not None
+
+
+class _SideEffect(torch.autograd.Function):
+    """Stands for a call made to another rank inside the call: its backward acts (sends that call's
+    backward request), so it must run once, in the input half."""
+
+    @staticmethod
+    def forward(ctx: Any, calls: list[int], anchor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        ctx.calls = calls
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor]:
+        ctx.calls.append(1)
+        return None, torch.zeros(0), grad * 2
+
+
+@pytest.mark.parametrize("leads_to_params", [False, True])
+def test_must_run_nodes_run_once_in_the_input_half(leads_to_params: bool) -> None:
+    """Without a parameter below it the acting node runs in the input half and the weight half still
+    defers; with one (it could be needed again) the whole backward runs at once."""
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(4, 4), nn.Linear(4, 4)
+    ref1, ref2 = copy.deepcopy(lin1), copy.deepcopy(lin2)
+    x, ids = torch.randn(3, 4), torch.randn(3, 4)
+    grad = torch.randn(3, 4)
+
+    def call(a: nn.Module, b: nn.Module, x: torch.Tensor, calls: list[int]) -> torch.Tensor:
+        anchor = torch.empty(0, requires_grad=True)
+        inner = a(x) if leads_to_params else ids
+        return b(_SideEffect.apply(calls, anchor, inner) + x), anchor  # type: ignore[no-untyped-call,return-value]
+
+    ref_calls: list[int] = []
+    xr = x.clone().requires_grad_()
+    out, _ = call(ref1, ref2, xr, ref_calls)
+    out.backward(grad)
+    calls: list[int] = []
+    xs = x.clone().requires_grad_()
+    out, anchor = call(lin1, lin2, xs, calls)
+    params = [*lin1.parameters(), *lin2.parameters()]
+    dx, wg = backward_input([out], [grad], [xs], params, must_run=[anchor])
+    assert calls == [1] and ref_calls == [1]
+    assert wg.empty is leads_to_params
+    wg.run()
+    assert calls == [1]
+    torch.testing.assert_close(dx[0], xr.grad)
+    _compare(ref1, lin1)
+    _compare(ref2, lin2)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -79,6 +80,9 @@ class _Saved:
     params: list[nn.Parameter] | None = None
     """Split backward: the module's parameters; None when the call's backward runs whole (no split, or
     a checkpointed call, whose recomputation serves one backward pass)."""
+    nested: list[torch.Tensor] = field(default_factory=list)
+    """Split backward: the anchors of the calls this call made to other ranks (backward_input's
+    ``must_run``)."""
 
 
 class _Produced(NamedTuple):
@@ -115,8 +119,9 @@ class Remote:
         self.weights: WeightQueue | None = None
         """``"pipeline": "zero_bubble"``: a call's backward sends its input gradients first and defers its
         weight half here (mp_pipeline.split_backward); None: whole backwards."""
-        self.remote_calls = 0
-        """Calls this rank sent to other ranks (a call that made one runs its backward whole)."""
+        self._nested = threading.local()
+        """Per thread: the anchors of the calls to other ranks made inside the forward it runs (split
+        backward: their backward requests must go out in the input half)."""
         """How an owner runs such a module: ``checkpoint_call(forward, *args, **kwargs)`` (the umbrella
         sets mp_memory's, which also offloads the inputs with ``offload_activations``)."""
         self._installed: list[nn.Module] = []
@@ -274,6 +279,9 @@ class Remote:
                     call,
                 )
                 anchor = torch.empty(0, requires_grad=True)
+                collect = getattr(self._nested, "anchors", None)
+                if collect is not None:  # a call inside a forward this rank runs for another
+                    collect.append(anchor)
                 token = RemoteFunction.apply(link, anchor, *grad_inputs)  # type: ignore[no-untyped-call]
                 received = [outputs[i] for i in wire]
                 wired = Unpack.apply(link, received, token)  # type: ignore[no-untyped-call]
@@ -383,17 +391,21 @@ class Remote:
             tensors.append(t)
         args, kwargs = unflatten(request.payload, tensors)
         task = TaskContext(request.microbatch, request.position)
-        calls_before = self.remote_calls
-        with (
-            self._recorded(EventKind.FWD, request),
-            task_context(task),
-            applied(request.state),
-            self.plan.watching(),
-        ):
-            if request.checkpoint and request.state.grad_enabled:
-                out = self.checkpoint_call(original, *args, **kwargs)
-            else:
-                out = original(*args, **kwargs)
+        outer, self._nested.anchors = getattr(self._nested, "anchors", None), []
+        try:
+            with (
+                self._recorded(EventKind.FWD, request),
+                task_context(task),
+                applied(request.state),
+                self.plan.watching(),
+            ):
+                if request.checkpoint and request.state.grad_enabled:
+                    out = self.checkpoint_call(original, *args, **kwargs)
+                else:
+                    out = original(*args, **kwargs)
+        finally:
+            nested: list[torch.Tensor] = self._nested.anchors
+            self._nested.anchors = outer
         if held:
             self._check_untouched(request, held)
         skeleton, outs = flatten(out)
@@ -408,15 +420,10 @@ class Remote:
             edges = [get_gradient_edge(t) for t in kept]
             # Without shortcuts no later request refers to an output: the edges are all the backward needs.
             holding: list[torch.Tensor | None] = list(kept) if self.shortcut else [None] * len(kept)
-            # whole backward for a checkpointed call (its recomputation serves one pass) and for one that
-            # called other ranks (their backward requests must go out in this call's backward)
-            split = (
-                self.weights is not None
-                and not (request.checkpoint and request.state.grad_enabled)
-                and self.remote_calls == calls_before
-            )
+            # whole backward for a checkpointed call (its recomputation serves one pass)
+            split = self.weights is not None and not (request.checkpoint and request.state.grad_enabled)
             self.saved[(request.requester, request.request_id)] = _Saved(
-                grads, edges, holding, routes, inputs, list(module.parameters()) if split else None
+                grads, edges, holding, routes, inputs, list(module.parameters()) if split else None, nested
             )
             if self.shortcut:
                 self._forwarded.add((request.requester, request.request_id))
@@ -492,7 +499,11 @@ class Remote:
         if pairs and saved.params is not None and self.weights is not None:
             with self._recorded(EventKind.BWD, request), task_context(task), applied(request.state):
                 found, half = backward_input(
-                    [e for e, _ in pairs], [g for _, g in pairs], saved.inputs, saved.params
+                    [e for e, _ in pairs],
+                    [g for _, g in pairs],
+                    saved.inputs,
+                    saved.params,
+                    must_run=saved.nested,
                 )
             saved.grads[:] = found
             state, span = request.state, self._recorded(EventKind.BWD, request)
@@ -528,7 +539,6 @@ def _make_forward(
         r = remote()
         if r is None or owner == r.pp_rank:
             return original(*args, **kwargs)
-        r.remote_calls += 1
         return r.call(path, owner, args, kwargs)
 
     forward.__wrapped__ = original  # type: ignore[attr-defined]

@@ -134,6 +134,8 @@ def backward_input(
     grads: Sequence[torch.Tensor | None],
     inputs: Sequence[torch.Tensor | GradientEdge | None],
     params: Iterable[torch.Tensor],
+    *,
+    must_run: Sequence[torch.Tensor | GradientEdge] = (),
 ) -> tuple[Grads, WeightGrad]:
     """The input half of the backward of one call: the gradients of ``inputs`` (None where an input is
     None, does not require grad or gets none), and the weight half to run later.
@@ -141,6 +143,11 @@ def backward_input(
     ``outputs`` are the call's outputs (tensors or their gradient edges) and ``grads`` their gradients
     (None: the output got none); ``params`` the parameters whose gradients the weight half accumulates
     (the module's; others reachable from the outputs are left alone, as are the inputs' ``.grad``).
+
+    ``must_run``: leaves whose gradient the input half must compute because a node above them acts when
+    it runs (the anchor of a call made to another rank inside this one: its backward sends that call's
+    backward request) and so must run exactly once. Where such a node also leads to a parameter, the
+    weight half could need it again: the whole backward then runs now and the weight half is empty.
     """
     if len(outputs) != len(grads):
         raise SplitBackwardError(
@@ -161,15 +168,18 @@ def backward_input(
         edge = _edge(p)
         if edge is not None:
             by_node[edge.node] = p
-    graph = _Graph(roots, {e.node for _, e in wanted}, by_node)
+    musts = [e for e in map(_edge, must_run) if e is not None]
+    graph = _Graph(roots, {e.node for _, e in wanted}, by_node, {e.node for e in musts})
+    if not graph.separable:
+        return _whole(roots, root_grads, wanted, musts, by_node, n_inputs=len(inputs))
 
     captured: dict[Node, Grads] = {}
     handles = [m.register_prehook(_capture(captured, m)) for m in graph.boundary]
     try:
         found: Grads = ()
-        if roots and wanted and graph.input_side:
+        if roots and (wanted or musts) and graph.input_side:
             found = torch.autograd.grad(
-                roots, [e for _, e in wanted], root_grads, retain_graph=True, allow_unused=True
+                roots, [e for _, e in wanted] + musts, root_grads, retain_graph=True, allow_unused=True
             )
     finally:
         for h in handles:
@@ -178,6 +188,33 @@ def backward_input(
     for (i, _), g in zip(wanted, found, strict=False):
         input_grads[i] = g
     return tuple(input_grads), WeightGrad(graph.entries(roots, root_grads, captured))
+
+
+def _whole(
+    roots: list[GradientEdge],
+    root_grads: list[torch.Tensor],
+    wanted: list[tuple[int, GradientEdge]],
+    musts: list[GradientEdge],
+    params: dict[Node, torch.Tensor],
+    *,
+    n_inputs: int,
+) -> tuple[Grads, WeightGrad]:
+    """The whole backward at once (what ``backward_input`` does when it cannot split): input gradients
+    returned, parameter gradients accumulated as the weight half would."""
+    plist = list(params.values())
+    targets = [e for _, e in wanted] + musts + [get_gradient_edge(p) for p in plist]
+    found: Grads = (
+        torch.autograd.grad(roots, targets, root_grads, allow_unused=True)
+        if roots
+        else (None,) * len(targets)
+    )
+    used = [(p, g) for p, g in zip(plist, found[len(wanted) + len(musts) :], strict=True) if g is not None]
+    if used:
+        torch.autograd.backward([p for p, _ in used], [g for _, g in used], inputs=[p for p, _ in used])
+    input_grads: list[torch.Tensor | None] = [None] * n_inputs
+    for (i, _), g in zip(wanted, found, strict=False):
+        input_grads[i] = g
+    return tuple(input_grads), WeightGrad([])
 
 
 def _capture(store: dict[Node, Grads], node: Node) -> Callable[[Grads], None]:
@@ -201,18 +238,30 @@ class _Graph:
     """The part of the autograd graph below ``roots``, split into its input and weight sides."""
 
     def __init__(
-        self, roots: list[GradientEdge], inputs: set[Node], params: dict[Node, torch.Tensor]
+        self,
+        roots: list[GradientEdge],
+        inputs: set[Node],
+        params: dict[Node, torch.Tensor],
+        musts: set[Node] | None = None,
     ) -> None:
         self.params = params
-        order = _post_order([e.node for e in roots], stop=inputs)
+        musts = musts or set()
+        stop = inputs | musts
+        order = _post_order([e.node for e in roots], stop=stop)
         self.input_side: set[Node] = set()
         self.below: dict[Node, frozenset[Node]] = {}
         """For each weight-side node, the parameter nodes it leads to through weight-side nodes."""
+        self.separable = True
+        """False where a node above a ``must_run`` leaf also leads to a parameter (see backward_input)."""
+        leads: dict[Node, bool] = {}  # leads to a parameter, either side
         for node in order:  # children first
-            if node in inputs:
+            kids = [] if node in stop else [k for k, _ in node.next_functions if k is not None]
+            leads[node] = node in params or any(leads.get(k, False) for k in kids)
+            if musts and any(k in musts for k in kids) and leads[node]:
+                self.separable = False
+            if node in stop:
                 self.input_side.add(node)
                 continue
-            kids = [k for k, _ in node.next_functions if k is not None]
             if any(k in self.input_side for k in kids):
                 self.input_side.add(node)
                 continue
@@ -224,7 +273,7 @@ class _Graph:
             n
             for n in order
             if n in self.input_side
-            and n not in inputs
+            and n not in stop
             and any(k is not None and self.below.get(k) for k, _ in n.next_functions)
         ]
 
