@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from mp.state import state
-from tests.integration.test_pipeline_equivalence import train_and_compare
+from tests.integration._equivalence import train_and_compare
 
 
 def train_zero_bubble(world: Any, name: str, pp: int, microbatches: int, mode: str) -> dict[str, Any]:
