@@ -207,8 +207,12 @@ class MPITransport(MPIReceiving):
 
     def set_busy(self, busy: bool) -> None:
         super().set_busy(busy)
-        if not busy:
-            self._wake.set()  # back to polling at once, not after the rest of a busy sleep
+        if not busy and self._in_flight():
+            # Back to polling at once, not after the rest of a busy sleep, where a transfer of this rank
+            # needs it. With none in flight there is nothing to hurry: the rank's next `recv` drives
+            # progress itself (the pipeline unmarks busy right before one), and waking this thread each
+            # time only takes the GIL from the thread that works.
+            self._wake.set()
 
     def close(self, timeout: float | None = None) -> None:
         """Collective: finish this rank's sends, wait for every rank to close, free the communicator."""
