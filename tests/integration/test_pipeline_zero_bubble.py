@@ -11,11 +11,23 @@ import pytest
 
 from mp.state import state
 from tests.integration._equivalence import train_and_compare
+from tests.mp_pipeline.models import STEPS
+
+REPLAYED_STEPS = 6
+"""The default path's cases run past per-rank replay's learning: steps 5 and 6 are replayed."""
 
 
 def train_zero_bubble(world: Any, name: str, pp: int, microbatches: int, mode: str) -> dict[str, Any]:
     result = train_and_compare(
-        world, name, pp, microbatches, "zero_bubble", optimizer_first=microbatches != 2, mode=mode
+        world,
+        name,
+        pp,
+        microbatches,
+        "zero_bubble",
+        optimizer_first=microbatches != 2,
+        layers=4 if pp == 4 else 2,
+        mode=mode,
+        steps=REPLAYED_STEPS if mode == "default" else STEPS,
     )
     runtime = state.model._runtime if state.model is not None else None
     weights = runtime.remote.weights if runtime is not None else None
@@ -34,6 +46,7 @@ CASES = [
     (2, "gpt2", 2, 4, "dynamic", True),  # HF GPT-2 (tied input and output embeddings)
     (2, "t5", 2, 2, "dynamic", True),  # shared embedding across encoder, decoder and LM head
     (4, "gpt2", 2, 2, "dynamic", True),  # pp=2 with 2 data-parallel replicas
+    (4, "gpt2", 4, 4, "default", True),  # pp=4: outputs handed child to child across ranks, replay
 ]
 
 
