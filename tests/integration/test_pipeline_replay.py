@@ -200,3 +200,87 @@ def test_fast_mode_raises_on_a_flow_change_in_a_replayed_step(worlds: Any) -> No
     assert top["stats"][REPLAYED_FROM]["replayed"] > 0, top["stats"]
     assert top["error"][1] == "NotSupportedByFastModeError", top["error"]
     assert "'blocks.2'" in top["error"][2] and "flow changed" in top["error"][2], top["error"]
+
+
+class Outer(nn.Module):
+    """A module on rank 1 that calls its own child, placed on rank 0 (a nested call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.inner(torch.tanh(self.pre(h))))
+
+
+class Nesting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(6, 8)
+        self.outer = Outer()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.outer(self.embed(x))).squeeze(-1)
+
+
+def train_nested(world: Any, steps: int) -> dict[str, Any]:
+    microbatches = 2
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randn(8, 6, generator=g), torch.randn(8, generator=g)) for _ in range(steps)]
+    ref = Nesting()
+    ref_losses = plain_sgd(ref, data, microbatches, lr=0.01)
+    net = Nesting()
+    with record_steps(RECORD_STEPS):
+        smp.init(
+            {
+                "pipeline_parallel_degree": 2,
+                "microbatches": microbatches,
+                "auto_partition": False,
+                "default_partition": 0,
+            }
+        )
+        smp.set_partition(net.outer, 1)
+        smp.set_partition(net.outer.inner, 0)
+        model = DistributedModel(net)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+
+    @step
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    assert model._runtime is not None
+    losses, stats, sent = [], [], []
+    for x, y in data:
+        losses.append(train_step(x, y).reduce_mean().item())
+        opt.step()
+        opt.zero_grad()
+        stats.append(model._runtime.last_stats)
+        sent.append(model._runtime.last_sent)
+    return {
+        "rank": smp.rank(),
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "params": first_difference(model.state_dict(), ref.state_dict()),
+        "stats": stats,
+        "sent": sent,
+        "error": None,
+    }
+
+
+def test_nested_calls_keep_their_requests_under_replay(worlds: Any) -> None:
+    """outer (rank 1) calls its child inner (rank 0): pp_rank 0's calls of outer are replayed (no
+    Request from rank 0), the nested calls of inner stay on the posted path (rank 1 sends a Request for
+    each, forward and backward); training equals plain PyTorch."""
+    steps = REPLAYED_FROM + 2
+    results = worlds.run(2, train_nested, steps, timeout=300)
+    _exact(results)
+    top, owner = results
+    for s in range(REPLAYED_FROM, steps):
+        assert top["sent"][s].get("Request", 0) == 0, (s, top["sent"][s])
+        assert top["stats"][s]["replayed"] == 2 * 2, (s, top["stats"][s])  # outer: forward, backward
+        assert owner["sent"][s].get("Request", 0) == 2 * 2, (s, owner["sent"][s])  # inner, nested
