@@ -284,3 +284,50 @@ def test_nested_calls_keep_their_requests_under_replay(worlds: Any) -> None:
         assert top["sent"][s].get("Request", 0) == 0, (s, top["sent"][s])
         assert top["stats"][s]["replayed"] == 2 * 2, (s, top["stats"][s])  # outer: forward, backward
         assert owner["sent"][s].get("Request", 0) == 2 * 2, (s, owner["sent"][s])  # inner, nested
+
+
+class Flaky(nn.Sequential):
+    """A block that raises when armed (set on every rank; its owner acts)."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(8, 8), nn.Tanh())
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            raise RuntimeError("flaky block failed on purpose")
+        return super().forward(x)
+
+
+def fail_in_replayed_call(world: Any, at: int) -> dict[str, Any]:
+    net = Looped(6)
+    torch.manual_seed(2)
+    net.blocks[4] = Flaky()
+    model, opt, train_step = _trainer(net, dict.fromkeys(range(6), 1), 2, None)
+    assert model._runtime is not None
+    g = torch.Generator().manual_seed(5)
+    error, replayed = None, 0
+    for s in range(at + 1):
+        net.blocks[4].armed = s == at  # type: ignore[union-attr]
+        try:
+            train_step(torch.randn(8, 6, generator=g), torch.randn(8, generator=g))
+        except Exception as exc:  # the failure under test
+            error = (s, type(exc).__name__, str(exc))
+            break
+        opt.step()
+        opt.zero_grad()
+        replayed += model._runtime.last_stats["replayed"]
+    return {"rank": smp.rank(), "error": error, "replayed": replayed}
+
+
+def test_a_failure_in_a_replayed_call_ends_the_step_on_every_rank(worlds: Any) -> None:
+    """Block 4 (rank 1) raises in a replayed step: every rank ends the step with its error, naming the
+    module (the default config runs the step again on the full path, where it raises again), none
+    hangs."""
+    at = REPLAYED_FROM + 1
+    results = worlds.run(2, fail_in_replayed_call, at, timeout=240)
+    assert results[0]["replayed"] > 0, results[0]  # the step before was replayed
+    for r in results:
+        assert r["error"] is not None and r["error"][0] == at, r
+    top = results[0]["error"]
+    assert "flaky block failed on purpose" in top[2] and "'blocks.4'" in top[2], top

@@ -39,6 +39,7 @@ from mp_comm import waits
 from mp_pipeline.errors import PipelineAbortedError
 from mp_pipeline.handoffs import Handoffs
 from mp_pipeline.in_place import InPlace
+from mp_pipeline.link import remote_error
 from mp_pipeline.messages import (
     TAG,
     Failure,
@@ -275,6 +276,8 @@ class Server(InPlace, Handoffs, TPOrder):
                 return
             slot = self._pending.pop(message.request_id, None)
             if slot is None and self.replay is not None and self.replay.active is not None:
+                if message.failure is not None:  # fail now: the parent may wait on a later call
+                    raise remote_error(message.failure)
                 self._unclaimed[message.request_id] = message  # its owner ran ahead of the parent
                 return
             if slot is None:
