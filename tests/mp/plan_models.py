@@ -6,6 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mp.plan import Cluster, get_cluster
+
+FACTORY = "tests.mp.plan_models:blocks"
+GB = 10**9
+
 
 class Block(nn.Module):
     def __init__(self, hidden: int) -> None:
@@ -76,3 +81,23 @@ class ScaleStack(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+def free_cluster(**changes: object) -> Cluster:
+    """A cluster with free communication and 1 FLOP/s, so that times are FLOP counts."""
+    base = get_cluster("cpu").with_(
+        peak_flops_half=1.0,
+        peak_flops_fp32=1.0,
+        compute_efficiency=1.0,
+        intra_bandwidth=1e30,
+        intra_latency=1e-30,
+        inter_bandwidth=1e30,
+        inter_latency=1e-30,
+        memory_bandwidth=1e30,
+        c10d_latency=0.0,
+        c10d_bandwidth=0.0,
+        call_overhead=0.0,
+        device_memory_bytes=1000 * GB,
+        devices_per_host=64,
+    )
+    return base.with_(**changes)

@@ -14,7 +14,6 @@ import pytest
 import mp
 from mp.config import load_config, validate_world
 from mp.plan import (
-    Cluster,
     Layout,
     ModelProfile,
     PlanError,
@@ -26,30 +25,9 @@ from mp.plan import (
 )
 from mp.plan.cli import main as plan_main
 from mp.plan.report import checked_config, render_timeline
+from tests.mp.plan_models import FACTORY, free_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
-FACTORY = "tests.mp.plan_models:blocks"
-GB = 10**9
-
-
-def _cluster(**changes: object) -> Cluster:
-    """A cluster with free communication and 1 FLOP/s, so that times are FLOP counts."""
-    base = get_cluster("cpu").with_(
-        peak_flops_half=1.0,
-        peak_flops_fp32=1.0,
-        compute_efficiency=1.0,
-        intra_bandwidth=1e30,
-        intra_latency=1e-30,
-        inter_bandwidth=1e30,
-        inter_latency=1e-30,
-        memory_bandwidth=1e30,
-        c10d_latency=0.0,
-        c10d_bandwidth=0.0,
-        call_overhead=0.0,
-        device_memory_bytes=1000 * GB,
-        devices_per_host=64,
-    )
-    return base.with_(**changes)
 
 
 def _stage(index: int, params: int, flops: float = 1.0, acts: int = 0, layers: int = 1) -> StageProfile:
@@ -105,7 +83,7 @@ def test_memory_per_device_follows_the_layout(
         shard_optimizer_state=zero1,
         sdp=sdp,  # type: ignore[arg-type]
     )
-    est = estimate(layout, (_stage(0, params),), _cluster(), global_batch=rdp, seq_len=4, hidden=8)
+    est = estimate(layout, (_stage(0, params),), free_cluster(), global_batch=rdp, seq_len=4, hidden=8)
     mem = est.memory
     per = params / tp
     got = (mem.parameters / per, mem.gradients / per, mem.master / per, mem.optimizer / per)
@@ -120,7 +98,7 @@ def test_activation_memory_counts_microbatches_in_flight_and_checkpointing() -> 
     plain = estimate(
         Layout(pp=1, tp=1, rdp=1, microbatches=4, schedule="simple", active_microbatches=4),
         (stage,),
-        _cluster(),
+        free_cluster(),
         **common,
     )
     # 4 microbatches of 2 samples all in flight (GPipe), fp32 as traced
@@ -130,7 +108,7 @@ def test_activation_memory_counts_microbatches_in_flight_and_checkpointing() -> 
             pp=1, tp=1, rdp=1, microbatches=4, schedule="simple", checkpointing=True, active_microbatches=4
         ),
         (stage,),
-        _cluster(),
+        free_cluster(),
         **common,
     )
     # each layer keeps its input (2 x seq x hidden fp32) per microbatch, plus one layer recomputed
@@ -138,7 +116,7 @@ def test_activation_memory_counts_microbatches_in_flight_and_checkpointing() -> 
     half = estimate(
         Layout(pp=1, tp=2, rdp=1, microbatches=4, schedule="simple", precision="bf16", active_microbatches=4),
         (stage,),
-        _cluster(),
+        free_cluster(),
         **common,
     )
     assert half.memory.activations == 4 * 2 * acts / 2 / 2
@@ -151,7 +129,7 @@ def test_bubble_of_the_simple_schedule_is_gpipes(pp: int, m: int) -> None:
     est = estimate(
         Layout(pp=pp, tp=1, rdp=1, microbatches=m, schedule="simple", active_microbatches=m),
         stages,
-        _cluster(),
+        free_cluster(),
         global_batch=m,
         seq_len=1,
         hidden=1,
@@ -168,7 +146,12 @@ def test_bubble_of_the_interleaved_schedule_is_1f1bs_with_mps_default_active_mic
 ) -> None:
     stages = tuple(_stage(i, 10, flops=1.0) for i in range(pp))
     est = estimate(
-        Layout(pp=pp, tp=1, rdp=1, microbatches=m), stages, _cluster(), global_batch=m, seq_len=1, hidden=1
+        Layout(pp=pp, tp=1, rdp=1, microbatches=m),
+        stages,
+        free_cluster(),
+        global_batch=m,
+        seq_len=1,
+        hidden=1,
     )
     assert est.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1))
     assert est.in_flight == min(pp + 2, m)
@@ -177,18 +160,28 @@ def test_bubble_of_the_interleaved_schedule_is_1f1bs_with_mps_default_active_mic
 def test_checkpointing_recomputes_the_forward_and_tp_divides_compute() -> None:
     stage = _stage(0, 10, flops=6.0)
     base = estimate(
-        Layout(pp=1, tp=1, rdp=1, microbatches=1), (stage,), _cluster(), global_batch=1, seq_len=1, hidden=1
+        Layout(pp=1, tp=1, rdp=1, microbatches=1),
+        (stage,),
+        free_cluster(),
+        global_batch=1,
+        seq_len=1,
+        hidden=1,
     )
     ckpt = estimate(
         Layout(pp=1, tp=1, rdp=1, microbatches=1, checkpointing=True),
         (stage,),
-        _cluster(),
+        free_cluster(),
         global_batch=1,
         seq_len=1,
         hidden=1,
     )
     tp2 = estimate(
-        Layout(pp=1, tp=2, rdp=1, microbatches=1), (stage,), _cluster(), global_batch=1, seq_len=1, hidden=2
+        Layout(pp=1, tp=2, rdp=1, microbatches=1),
+        (stage,),
+        free_cluster(),
+        global_batch=1,
+        seq_len=1,
+        hidden=2,
     )
     assert base.time.compute == pytest.approx(18.0)
     assert ckpt.time.compute == pytest.approx(24.0)
@@ -197,7 +190,7 @@ def test_checkpointing_recomputes_the_forward_and_tp_divides_compute() -> None:
 
 def test_data_parallel_all_reduce_is_a_ring() -> None:
     params, rdp, bw = 1_000_000, 4, 1e9
-    clus = _cluster(intra_bandwidth=bw)
+    clus = free_cluster(intra_bandwidth=bw)
     est = estimate(
         Layout(pp=1, tp=1, rdp=rdp, microbatches=1),
         (_stage(0, params, flops=0.0),),
@@ -211,7 +204,7 @@ def test_data_parallel_all_reduce_is_a_ring() -> None:
 
 def test_zero1_adds_torch_zeros_parameter_broadcasts_after_the_step() -> None:
     params, tensors, rdp, bw, lat = 1_000_000, 7, 4, 1e9, 1e-3
-    clus = _cluster(intra_bandwidth=bw, intra_latency=lat)
+    clus = free_cluster(intra_bandwidth=bw, intra_latency=lat)
     stage = StageProfile(
         index=0,
         params=params,
@@ -232,7 +225,7 @@ def test_zero1_adds_torch_zeros_parameter_broadcasts_after_the_step() -> None:
     # all-reduce, then every rank broadcasts its share: (n-1)/n of the parameters, one call per tensor
     assert zero1.time.dp_comm == pytest.approx(ring + (rdp - 1) / rdp * params * 4 / bw + tensors * lat)
     # the broadcasts are torch.distributed's: at its own latency and bandwidth where the cluster has them
-    c10d = _cluster(intra_bandwidth=bw, intra_latency=lat, c10d_latency=5e-3, c10d_bandwidth=bw / 2)
+    c10d = free_cluster(intra_bandwidth=bw, intra_latency=lat, c10d_latency=5e-3, c10d_bandwidth=bw / 2)
     zero1_c10d = estimate(
         Layout(pp=1, tp=1, rdp=rdp, microbatches=1, shard_optimizer_state=True), (stage,), c10d, **common
     )
@@ -265,7 +258,7 @@ def test_remote_calls_are_counted_from_the_trace_and_cost_the_clusters_call_over
     free = estimate(
         Layout(pp=2, tp=1, rdp=1, microbatches=m),
         stages,
-        _cluster(),
+        free_cluster(),
         global_batch=m,
         seq_len=seq,
         hidden=hidden,
@@ -273,7 +266,7 @@ def test_remote_calls_are_counted_from_the_trace_and_cost_the_clusters_call_over
     paid = estimate(
         Layout(pp=2, tp=1, rdp=1, microbatches=m),
         stages,
-        _cluster(call_overhead=overhead),
+        free_cluster(call_overhead=overhead),
         global_batch=m,
         seq_len=seq,
         hidden=hidden,
@@ -284,7 +277,7 @@ def test_remote_calls_are_counted_from_the_trace_and_cost_the_clusters_call_over
     assert paid.step_time == pytest.approx(paid.time.total)
     assert paid.step_time > free.step_time + extra * (m - 1) / m
     with pytest.raises(PlanError, match="call_overhead=-1"):
-        _cluster(call_overhead=-1.0)
+        free_cluster(call_overhead=-1.0)
 
 
 def _stage1(prof: ModelProfile) -> set[str]:
@@ -300,7 +293,7 @@ def test_a_batch_that_does_not_split_is_refused_by_name() -> None:
         estimate(
             Layout(pp=1, tp=1, rdp=4, microbatches=1),
             (_stage(0, 1),),
-            _cluster(),
+            free_cluster(),
             global_batch=10,
             seq_len=1,
             hidden=1,
@@ -456,8 +449,8 @@ def test_memory_bound_ops_are_counted_and_costed_in_closed_form() -> None:
     for ckpt, precision in ((False, "fp32"), (True, "fp32"), (False, "bf16")):
         layout = Layout(pp=1, tp=2, rdp=1, microbatches=1, checkpointing=ckpt, precision=precision)
         common = {"global_batch": 4, "seq_len": seq, "hidden": hidden}
-        base = estimate(layout, (stage,), _cluster(), **common)
-        with_mem = estimate(layout, (stage,), _cluster(elementwise_bandwidth=bw), **common)
+        base = estimate(layout, (stage,), free_cluster(), **common)
+        with_mem = estimate(layout, (stage,), free_cluster(elementwise_bandwidth=bw), **common)
         passes = 4 if ckpt else 3  # forward, backward twice it, the recompute
         scale = 0.5 if precision == "bf16" else 1.0
         want = passes * 4 * stage.traffic * scale / 2 / bw  # 4 samples, over tp=2

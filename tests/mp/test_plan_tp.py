@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mp.plan import Layout, StageProfile, estimate, profile_model, profile_tp, split_stages
-from tests.mp.test_plan import FACTORY, _cluster
+from tests.mp.plan_models import FACTORY, free_cluster
 
 GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 64, "n_positions": 16}
 SEQ = 16
@@ -102,7 +102,7 @@ def test_tp_profile_feeds_the_stages() -> None:
     est = estimate(
         Layout(pp=1, tp=2, rdp=1, microbatches=1, tp_optimize="memory", prescaled_batch=False),
         (stage,),
-        _cluster(),
+        free_cluster(),
         global_batch=4,
         seq_len=SEQ,
         hidden=GPT2["n_embd"],
@@ -112,7 +112,7 @@ def test_tp_profile_feeds_the_stages() -> None:
         estimate(
             Layout(pp=1, tp=4, rdp=1, microbatches=1),
             (stage,),
-            _cluster(),
+            free_cluster(),
             global_batch=4,
             seq_len=SEQ,
             hidden=GPT2["n_embd"],
@@ -138,10 +138,10 @@ def test_checkpointing_peak_is_the_forward_end_or_a_layer_recompute() -> None:
     common = {"global_batch": b, "seq_len": seq, "hidden": hidden}
     layout = Layout(pp=1, tp=1, rdp=1, microbatches=1, checkpointing=True)
     # a big head after the layers: it is freed before the layers' recompute; the forward's end is the peak
-    big_head = estimate(layout, (_stage(100, 50_000, 1_000, layers),), _cluster(), **common)
+    big_head = estimate(layout, (_stage(100, 50_000, 1_000, layers),), free_cluster(), **common)
     assert big_head.memory.activations == boundary + b * (100 + 50_000)
     # a big layer: the recompute is the peak, with what ran before the layers still held
-    big_layer = estimate(layout, (_stage(100, 50, 60_000, layers),), _cluster(), **common)
+    big_layer = estimate(layout, (_stage(100, 50, 60_000, layers),), free_cluster(), **common)
     assert big_layer.memory.activations == boundary + b * (100 + 60_000)
     # two micro-batches in flight: the other one holds its inputs and everything outside the layers
     two = estimate(
@@ -149,7 +149,7 @@ def test_checkpointing_peak_is_the_forward_end_or_a_layer_recompute() -> None:
             pp=1, tp=1, rdp=1, microbatches=2, schedule="simple", checkpointing=True, active_microbatches=2
         ),
         (_stage(100, 50, 60_000, layers),),
-        _cluster(),
+        free_cluster(),
         global_batch=2 * b,
         seq_len=seq,
         hidden=hidden,
