@@ -36,6 +36,7 @@ from mp_pipeline.errors import FlowChangedError
 from mp_pipeline.fast import CallKey
 from mp_pipeline.messages import Response
 from mp_pipeline.schedule import Phase
+from mp_pipeline.structure import Slot
 
 __all__ = ["PostedCheck", "Predictions", "Shape", "digest", "shape_of"]
 
@@ -74,9 +75,43 @@ def shape_of(response: Response) -> Shape | None:
 
 def digest(shape: Shape) -> int:
     """A data-free response's fingerprint, computed on its owner: the same on every step of a static flow
-    (the same structure built by the same code pickles to the same bytes)."""
+    (the same structure built by the same code pickles to the same bytes).
+
+    An owner computes one per call it runs for pp_rank 0, the same ones in every step: a shape whose
+    equality implies equal pickled bytes (:func:`_memo_key`) takes its digest from :data:`_DIGESTS`
+    (about 1 µs instead of 13)."""
+    key = _memo_key(shape)
+    if key is not None:
+        found = _DIGESTS.get(key)
+        if found is not None:
+            return found
     data = pickle.dumps(shape, protocol=pickle.HIGHEST_PROTOCOL)
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    value = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    if key is not None:
+        if len(_DIGESTS) >= _MEMO_SIZE:
+            _DIGESTS.clear()
+        _DIGESTS[key] = value
+    return value
+
+
+_DIGESTS: dict[Shape, int] = {}
+"""Digests of the shapes seen, by shape (only those :func:`_memo_key` admits)."""
+_MEMO_SIZE = 4096
+"""Shapes kept in :data:`_DIGESTS` before it starts over (a bound for flows that never repeat)."""
+
+
+def _plain(payload: Any) -> bool:
+    """Whether ``payload`` holds only slots, None and exact tuples of them: values whose equality means
+    the same type and the same pickle (unlike 1 == 1.0 == True)."""
+    if payload is None or type(payload) is Slot:
+        return True
+    return type(payload) is tuple and all(_plain(x) for x in payload)
+
+
+def _memo_key(shape: Shape) -> Shape | None:
+    """``shape`` as a key of :data:`_DIGESTS`, or None when two equal shapes might pickle differently.
+    Its tensors' entries are (torch.Size, dtype) or None and its flags bools, whatever the module."""
+    return shape if _plain(shape.payload) else None
 
 
 class _Prediction(NamedTuple):
