@@ -73,7 +73,7 @@ def run_variant(args: argparse.Namespace, overlap: bool, bpps: int, comm: Any) -
         dt = comm.allreduce(time.perf_counter() - t0, op=_mpi_max())
         if s >= 2:
             times.append(dt)
-    early = model._overlap.early if model._overlap is not None else 0
+    early = model.replicas.overlap.early if model.replicas.overlap is not None else 0
     smp.reset()
     if overlap and early == 0:
         raise RuntimeError("no bucket was launched during the backward")

@@ -147,7 +147,7 @@ def _steps_ms(case: Any, m: int, steps: int, extra: dict[str, Any]) -> tuple[flo
             opt.zero_grad()
             if i:
                 times.append((time.perf_counter() - start) * 1e3)
-        owner = model._assignment
+        owner = dict(model.placement.assignment)
         split = {k: v for k, v in owner.items() if v and owner.get(k.rpartition(".")[0], 0) != v}
         return statistics.median(times), split
     finally:

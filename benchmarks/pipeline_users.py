@@ -340,7 +340,7 @@ class Mp:
         plan = self.model.plan
         if plan is not None:
             return dict(plan.split_points())
-        a = self.model._assignment  # ranks without the plan hold only the assignment
+        a = dict(self.model.placement.assignment)  # ranks without the plan hold only the assignment
         return {p: r for p, r in a.items() if p and a.get(p.rpartition(".")[0], a.get("", 0)) != r}
 
     def close(self) -> None:

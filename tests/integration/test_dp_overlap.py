@@ -112,7 +112,7 @@ def train(world: Any, overlap: bool, bpps: int, average: bool, pp: int = 1) -> d
             snapshots.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
             opt.step()
             opt.zero_grad()
-    reduction = model._overlap
+    reduction = model.replicas.overlap
     return {
         "grads": snapshots,
         "state": {k: v.clone() for k, v in model.state_dict().items()},

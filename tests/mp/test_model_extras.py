@@ -166,7 +166,7 @@ def _constructor(world: Any) -> str:
         trace_device="cpu",
         trace_execution_times=True,
     )
-    assert model._trace_times is False  # smp: no execution times on a CPU trace
+    assert model._partitioner.trace_times is False  # smp: no execution times on a CPU trace
     return str(info.value)
 
 

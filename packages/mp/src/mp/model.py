@@ -10,9 +10,11 @@ shape-only placeholders, so the optimizer and ``named_parameters`` keep working)
 through mp_pipeline's module servers; after it, gradients are averaged over each partition's
 data-parallel group.
 
-The mechanisms live in mixins: partitioning and owner lookups in mp.model_partition, the data-parallel
-reduction in mp.model_dp, state dicts in mp.model_state; this module holds the wrapper, its step and
-its local views.
+The model holds plain collaborators, each made in ``__init__`` with explicit arguments: partitioning
+and the placement (mp.model_partition.Partitioner), the data-parallel side (mp.model_dp.ReplicaSync:
+replica sync, gradient reduction), the take-back of a failed step (mp.model_retry.StepRetry) and the
+state dicts (mp.model_state.ModelStateDicts). :meth:`DistributedModel.run_step` calls them in the
+order a step runs; smp's methods of the model delegate to them.
 """
 
 from __future__ import annotations
@@ -34,16 +36,19 @@ from mp.delayed_init import prepare as prepare_delayed_init
 from mp.errors import (
     BwdExecutionNotInStepFnError,
     FwdExecutionNotInStepFnError,
+    ModelNotPartitionedError,
     MultipleDistributedModelError,
     SMPValidationError,
 )
 from mp.init import pipeline_transport
 from mp.memory_report import install_memory_trace
-from mp.model_dp import DataParallelMixin
-from mp.model_extras import JoinState, check_constructor_args, join, register_comm_hook
-from mp.model_retry import RetryMixin
-from mp.model_state import StateDictMixin
+from mp.model_dp import ReplicaSync
+from mp.model_extras import check_constructor_args, join, register_comm_hook
+from mp.model_partition import Partitioner
+from mp.model_retry import StepRetry, fast_mode_check
+from mp.model_state import ModelStateDicts
 from mp.offload import install_offloading
+from mp.optimizer import keep_local_parameters
 from mp.precision import half_dtype
 from mp.sharded import refuse_under_sharding, shard_model
 from mp.state import state
@@ -51,12 +56,12 @@ from mp.step_retry import ShortcutRetry
 from mp.tensor_api import replace_tp_modules
 from mp_comm import GroupKind
 from mp_memory import cast_floats
-from mp_partition import PartitionPlan, Placement, StepTimer
+from mp_partition import PartitionPlan, Placement
 from mp_pipeline import (
-    OverlappedReduction,
     PipelineRuntime,
     Scheduler,
     TaskContext,
+    Timeline,
     capture,
     current,
     flatten,
@@ -92,7 +97,7 @@ def _placement_error(model_devices: set[str], input_devices: set[str]) -> str | 
     return None
 
 
-class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
+class DistributedModel(nn.Module):
     """The smp model wrapper (docs/api.md); ``module`` is the user's model."""
 
     def __init__(
@@ -142,26 +147,7 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
         self._rank = world.rank
         self._pp_rank = topo.coords(world.rank).pp_rank
         self._pp_peers = tuple(topo.group(GroupKind.PP, world.rank))
-        self._dp_size = topo.size(GroupKind.DP)
-        self._trace_times = trace_execution_times and trace_device == "gpu"  # smp: no timing on a CPU trace
-        self._bpps = backward_passes_per_step
-        self._average_mb = average_grads_across_microbatches
-        self._bucket_bytes = max(1, int(bucket_cap_mb * (1 << 20)))
-        self._broadcast_buffers = broadcast_buffers
-        self._placement = Placement(
-            pp_size=self._pp,
-            pp_rank=self._pp_rank,
-            pp_group=state.process_groups.get(GroupKind.PP),
-            enter=self._enter_collective,
-        )
-        """Unpartitioned until the first step replaces it (mp.model_partition)."""
-        self.plan: PartitionPlan | None = None
-        """The partition plan (on global rank 0, where it is computed; None elsewhere and with pp=1)."""
-        self._pinned: dict[str, int] | None = None
-        """The partition a partial checkpoint was saved with (loaded before the first step): used
-        instead of computing one, so that the checkpoint's parts land where they were saved."""
-        self._tracing = False
-        self._timer: StepTimer | None = None  # the timed step before auto-partitioning (mp_partition)
+        dp_size = topo.size(GroupKind.DP)
         self._in_step = False
         self._grad_scale = 1.0
         self._backward_calls = 0
@@ -171,22 +157,13 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
         self._model_id = next(_MODEL_IDS)
         self._runtime: PipelineRuntime | None = None
         self._size_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
-        self._comm_hook: tuple[Callable[..., Any], Any] | None = None  # model.register_comm_hook
-        self._join: JoinState | None = None  # set inside model.join()
-        # tp == 1: each gradient bucket's all-reduce starts once the step's last accumulation into its
-        # parameters is done (on a pipeline stage: while other stages still run their backward).
-        self._overlap_enabled = overlapping_allreduce and cfg.tp == 1 and self._dp_size > 1
-        self._overlap: OverlappedReduction | None = None
         self._microbatches = 1
         self._fast_mode = cfg.fast_mode is True
         # fast_mode unset (mp's default, unless static_mode is set): fast mode's shortcut, and a step
         # whose flow changed is taken back and run again on the full path (mp.model_retry)
         auto = cfg.fast_mode is None and not cfg.static_mode
-        self._retry = ShortcutRetry() if auto and self._pp > 1 else None
         # sharded_data_parallel_degree > 1: FSDP2 shards the model now and reduces its gradients itself
         self._sharded = shard_model(self.module)
-        if self._sharded is not None:
-            self._overlap_enabled = False
         if self._pp > 1:
             transport = pipeline_transport(world)
             # static_mode: record the first steps' messages, then send them compact (mp_pipeline.static);
@@ -204,6 +181,46 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
                 tp_group=tuple(topo.group(GroupKind.TP, world.rank)) if cfg.tp > 1 else (),
                 split_backward=cfg.pipeline == "zero_bubble",
             )
+        self._partitioner = Partitioner(
+            module=self.module,
+            # unpartitioned until the first step replaces it (mp.model_partition)
+            placement=Placement(
+                pp_size=self._pp,
+                pp_rank=self._pp_rank,
+                pp_group=state.process_groups.get(GroupKind.PP),
+                enter=self._enter_collective,
+            ),
+            runtime=self._runtime,
+            rank=self._rank,
+            trace_times=trace_execution_times and trace_device == "gpu",  # smp: no timing on a CPU trace
+        )
+        self._replicas = ReplicaSync(
+            module=self.module,
+            placement=lambda: self._partitioner.placement,
+            runtime=self._runtime,
+            sharded=self._sharded,
+            rank=self._rank,
+            dp_size=dp_size,
+            backward_passes_per_step=backward_passes_per_step,
+            bucket_bytes=max(1, int(bucket_cap_mb * (1 << 20))),
+            broadcast_buffers=broadcast_buffers,
+            # tp == 1: each gradient bucket's all-reduce starts once the step's last accumulation into
+            # its parameters is done (on a pipeline stage: while other stages still run their backward)
+            overlap=overlapping_allreduce and cfg.tp == 1 and dp_size > 1,
+            average_microbatches=average_grads_across_microbatches,
+        )
+        self._step_retry = StepRetry(
+            runtime=self._runtime,
+            retry=ShortcutRetry() if auto and self._pp > 1 else None,
+            replicas=self._replicas,
+            rank=self._rank,
+        )
+        self._state_dicts = ModelStateDicts(
+            module=self.module,
+            partitioner=self._partitioner,
+            sharded=self._sharded,
+            after_partition=self._after_partition_check,
+        )
         state.model = self
         if cfg.resolved_checkpoint_attentions:  # smp's key: each distributed layer's attention recomputed
             checkpoint_attentions(self)
@@ -213,7 +230,7 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
 
     # ------------------------------------------------------------------------------ the nn.Module side
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._runtime is not None and not self._tracing and not self._in_step:
+        if self._runtime is not None and not self._partitioner.tracing and not self._in_step:
             raise FwdExecutionNotInStepFnError(
                 "the DistributedModel's forward ran outside an @smp.step function with "
                 f"pipeline_parallel_degree={self._pp}; call the model inside the step function"
@@ -229,9 +246,10 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
         grad_tensors: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
     ) -> None:
         """Use instead of ``loss.backward()`` inside the step function."""
-        if self._tracing:
-            if self._timer is not None:  # the timed step runs a real backward
-                self._timer.backward(tensors, grad_tensors)
+        if self._partitioner.tracing:
+            timer = self._partitioner.timer
+            if timer is not None:  # the timed step runs a real backward
+                timer.backward(tensors, grad_tensors)
             return
         if not self._in_step or current() is None:
             raise BwdExecutionNotInStepFnError(
@@ -263,7 +281,20 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
     @property
     def partitioned(self) -> bool:
         """False until the first step has partitioned the model."""
-        return self._placement.partitioned
+        return self._partitioner.placement.partitioned
+
+    @property
+    def placement(self) -> Placement:
+        """Where the model lives: the pp degree and rank, the module -> pp_rank assignment (empty and
+        ``partitioned=False`` until the first step), which tensors this rank holds, the collective entry
+        (mp_partition.Placement). State dicts, optimizer state, checkpoints and the memory features take
+        it instead of asking the model."""
+        return self._partitioner.placement
+
+    @property
+    def plan(self) -> PartitionPlan | None:
+        """The partition plan (on global rank 0, where it is computed; None elsewhere and with pp=1)."""
+        return self._partitioner.plan
 
     @property
     def in_step(self) -> bool:
@@ -281,6 +312,11 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
         return self._runtime
 
     @property
+    def replicas(self) -> ReplicaSync:
+        """The data-parallel side (mp.model_dp): replica sync and gradient reduction."""
+        return self._replicas
+
+    @property
     def sharding(self) -> ShardedDataParallel | None:
         """The model's sharded data parallelism (mp_memory, under sharded_data_parallel_degree > 1)."""
         return self._sharded
@@ -295,9 +331,15 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
         return self.module
 
     # ------------------------------------------------------------------------------------------- step
-    def _run_step(
+    def run_step(
         self, func: Callable[..., Any], inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]
     ) -> list[Any]:
+        """Run one step: ``func`` once per microbatch with ``inputs[mb]`` (args, kwargs), pipelined;
+        the per-microbatch results. What ``@smp.step`` calls (mp.step); call the step function instead.
+
+        The order: partition (first step), sync the replicas, snapshot for a take-back, the attempt,
+        the take-back and second attempt on the full path if the first failed under fast mode's plan,
+        then the replicas' agreement and gradient reduction."""
         state.require()
 
         def body(mb: int) -> Any:
@@ -305,7 +347,7 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
             return func(*args, **kwargs)
 
         exec_state = capture()
-        if not self._partitioned:
+        if not self.partitioned:
             _, first = flatten(inputs[0]) if inputs else (None, [])
             problem = _placement_error(
                 {p.device.type for p in self.module.parameters() if not p.is_meta},
@@ -313,21 +355,25 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
             )
             if problem is not None:
                 raise SMPValidationError(problem)
-            self._partition(body)
-        self._sync_replicas(first=self._step_count == 0)
-        self._grad_scale = 1.0 / len(inputs) if self._average_mb else 1.0
+            self._partitioner.partition(body)
+            optimizer = state.optimizer
+            if optimizer is not None:
+                keep_local_parameters(optimizer, self.placement)
+            self._run_hooks(self._post_partition_hooks)
+        number = self._step_count + 1
+        self._replicas.sync(first=number == 1)
+        # model.join(): seed_scale also counts the replicas still running (mp.model_extras)
+        self._grad_scale = self._replicas.seed_scale(len(inputs))
         self._microbatches = len(inputs)
-        if self._join is not None:  # model.join(): count the replicas still running (mp.model_extras)
-            self._join.step_started(self)
         # mp's default pipeline: a step that fails under fast mode's plan runs again (mp.model_retry)
-        snapshot = self._before_attempt(inputs)
+        snapshot = self._step_retry.before_attempt(inputs)
         results, error, did_backward = self._attempt(func, body, inputs, exec_state)
-        again, error = self._repeat_step(snapshot, error)
+        again, error = self._step_retry.after_attempt(snapshot, error, number)
         if again is not None:
             results, error, did_backward = self._attempt(func, body, inputs, exec_state)
             if error is not None:
                 error.add_note(f"(raised on the full path, where the step ran again after: {again!r})")
-        self._after_step(error, did_backward)
+        self._replicas.after_step(error, did_backward, number)
         self._step_count += 1
         if self._step_count == 1:
             self._run_hooks(self._post_step_hooks)
@@ -342,10 +388,7 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
     ) -> tuple[list[Any], BaseException | None, bool]:
         """Run the step's microbatches once: (results, the error or None, whether a backward ran)."""
         cfg, _, _ = state.require()
-        if self._reduces_this_step():
-            overlap = self._overlap_reduction()
-            if overlap is not None:
-                overlap.arm()  # counts the step's accumulations: a bucket launches after its params' last
+        self._replicas.arm(self._step_count + 1)
         calls_before = self._backward_calls
         remote_before = self._runtime.remote.backward_requests if self._runtime is not None else 0
         error: BaseException | None = None
@@ -373,7 +416,7 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
         finally:
             self._in_step = False
         if self._fast_mode and self._runtime is not None:
-            error = self._fast_mode_check(error)
+            error = fast_mode_check(self._runtime, error)
         did_backward = self._backward_calls > calls_before or (
             self._runtime is not None and self._runtime.remote.backward_requests > remote_before
         )
@@ -384,6 +427,31 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
         of the pipeline does not come (PipelineRuntime.enter); nothing to check without a pipeline."""
         if self._runtime is not None:
             self._runtime.enter(what)
+
+    # -------------------------------------------------------------------------- partition (smp's API)
+    def display_partition(self) -> None:
+        """Print which pp_rank holds which modules: the partition report on the rank that computed the
+        partition, the assignment (module path: pp_rank) on the others."""
+        self._require_partitioned("display_partition")
+        self._partitioner.display()
+
+    def note_timeline(self, timeline: Timeline) -> None:
+        """Adds each stage's measured seconds per microbatch (from a merged pipeline timeline) to the
+        plan, beside the predicted ones (smp.timeline.stop calls it on the rank holding the plan)."""
+        self._partitioner.note_timeline(timeline)
+
+    def _local_params(self) -> list[nn.Parameter]:
+        return self.placement.local_parameters(self.module)
+
+    def _is_remote(self, t: torch.Tensor) -> bool:
+        return not self.placement.is_local(t)
+
+    def _require_partitioned(self, what: str) -> None:
+        if not self.partitioned:
+            raise ModelNotPartitionedError(
+                f"model.{what}() needs the model partitioned, which happens in the first @smp.step call; "
+                "call it after the first step (or in a post-partition hook)"
+            )
 
     # ------------------------------------------------------------------------------- local views
     def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -406,7 +474,7 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
     def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
         """(path, module) for the modules this rank owns (paths relative to the user's model)."""
         self._require_partitioned("local_named_modules")
-        return self._placement.local_named_modules(self.module)
+        return self.placement.local_named_modules(self.module)
 
     def local_modules(self) -> Iterator[nn.Module]:
         self._require_partitioned("local_modules")
@@ -460,7 +528,7 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
     def register_post_partition_hook(self, hook: Callable[..., Any]) -> RemovableHandle | None:
         """``hook(model, optimizer)`` after partitioning, before the first forward; runs at once (and
         returns None) if the model is already partitioned and an optimizer exists."""
-        if self._partitioned and state.optimizer is not None:
+        if self.partitioned and state.optimizer is not None:
             hook(self, state.optimizer)
             return None
         handle = RemovableHandle(self._post_partition_hooks)
@@ -481,12 +549,12 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
         the CPU, so that ``get_module()`` is a complete copy on every rank (e.g. to save or export it).
         Collective over the pipeline group once partitioned. Stages keep running their own modules:
         the gathered copies of other stages' tensors are not trained further."""
-        if self._partitioned and self._pp > 1:
+        if self.partitioned and self._pp > 1:
             full = self.state_dict(cast_to_cpu=True)
             with torch.no_grad():
                 tensors = itertools.chain(self.module.named_parameters(), self.module.named_buffers())
                 for key, t in tensors:
-                    if not self._placement.is_local(t) and key in full:
+                    if not self.placement.is_local(t) and key in full:
                         t.data = full[key].to(dtype=t.dtype)  # still marked: its owner stays remote
         self.module.cpu()
         return self
@@ -494,6 +562,56 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
     def _run_hooks(self, hooks: OrderedDict[int, Callable[..., Any]]) -> None:
         for hook in list(hooks.values()):
             hook(self, state.optimizer)
+
+    def _after_partition_check(self, check: Callable[[], None]) -> None:
+        """Run ``check`` once the model is partitioned (a post-partition hook; mp.model_state)."""
+        self.register_post_partition_hook(lambda _model, _optimizer: check())
+
+    # ------------------------------------------------------------------ state dicts (mp.model_state)
+    def local_state_dict(self, *args: Any, cast_to_cpu: bool = True, **kwargs: Any) -> dict[str, Any]:
+        """This rank's part of the model's state (its stage, its TP shards), with a partial header
+        (``mp_memory.checkpoint.schema``): the partition (pp > 1) and, with TP shards, their layout."""
+        return self._state_dicts.local_state_dict(cast_to_cpu=cast_to_cpu)
+
+    def state_dict(  # type: ignore[override]
+        self,
+        *args: Any,
+        destination: Any = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        cast_to_cpu: bool = True,
+        gather_to_rank0: bool = True,
+    ) -> dict[str, Any]:
+        """The full state of the user's model on every rank: the original module's key names (a
+        Hugging Face model's own, even under tensor parallelism) and full tensors, TP shards and
+        pipeline stages gathered. Collective over the TP and pipeline groups: call it on every rank
+        (or every ``rdp_rank() == 0`` rank, as smp asks). ``keep_vars`` returns the live tensors when
+        nothing needs gathering (pp = 1 or not yet partitioned, no TP)."""
+        return self._state_dicts.state_dict(destination, prefix, keep_vars, cast_to_cpu)
+
+    def load_state_dict(  # type: ignore[override]
+        self,
+        state_dict: Any,
+        strict: bool = True,
+        translate_function: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        same_partition_load: bool = True,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """Load a full (``state_dict``) or partial (``local_state_dict``) state; keys with or without
+        ``module.``; ``translate_function`` is applied to the state first.
+
+        A full state loads under any layout: each rank keeps its own TP shards and its stage. A partial
+        state must be this rank's part under the layout it was saved with (else
+        IncompatibleCheckpointFoundError); ``same_partition_load`` (pp > 1) makes this run use the
+        partition it was saved with. Before partitioning (pp > 1) a partial state loads into the whole
+        module now and is checked, on every pipeline rank, once the model is partitioned."""
+        return self._state_dicts.load_state_dict(state_dict, strict, translate_function, same_partition_load)
+
+    def pin_partition(self, saved: Any) -> None:
+        """Before the first step: partition this model as ``saved`` (a partial state's module path ->
+        pp_rank) instead of computing a partition, after checking that it fits this model."""
+        self._state_dicts.pin_partition(saved)
 
     # ------------------------------------------------------- smp's DDP-side API (mp.model_extras)
     def size(self) -> int:
@@ -508,10 +626,18 @@ class DistributedModel(RetryMixin, DataParallelMixin, StateDictMixin):
         that leaves it early shadows the others' steps until all have left. Enter it on every rank."""
         if enable:
             refuse_under_sharding(self, "join")
-        return join(self, divide_by_initial_world_size, enable)
+        return join(self, self._replicas, self._shadow_step, divide_by_initial_world_size, enable)
+
+    def _shadow_step(self) -> None:
+        """What a joined replica does for each step the others run: their data-parallel collectives,
+        with zero gradients; it counts as a step."""
+        for p in self._local_params():
+            p.grad = None
+        self._replicas.after_step(None, did_backward=False, step=self._step_count + 1)
+        self._step_count += 1
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """torch DDP's communication hook, run on each data-parallel gradient bucket instead of the
         all-reduce; it receives gradients summed over microbatches and must average them itself."""
         refuse_under_sharding(self, "register_comm_hook")
-        register_comm_hook(self, state, hook)
+        register_comm_hook(self._replicas, state, hook)

@@ -1,5 +1,6 @@
 """smp's DDP-side API of ``DistributedModel``: ``join()`` for uneven inputs, ``register_comm_hook()``, and
-``smp.num_microbatches()``. ``DistributedModel`` binds thin methods to these functions.
+``smp.num_microbatches()``. ``DistributedModel`` binds thin methods to these functions, which act on its
+data-parallel collaborator (mp.model_dp.ReplicaSync) and read the model through its public API.
 
 ``join``: a data-parallel replica that runs out of batches leaves the ``with model.join():`` block and
 then shadows the steps the others still run (their per-step collectives: buffer broadcast, agreement,
@@ -32,6 +33,7 @@ from mp_comm import GroupKind, collective_wait
 
 if TYPE_CHECKING:
     from mp.model import DistributedModel
+    from mp.model_dp import ReplicaSync
 
 __all__ = [
     "Bucket",
@@ -160,14 +162,14 @@ def reduce_with_hook(
                 offset += n
 
 
-def register_comm_hook(model: DistributedModel, hook_state: object, hook: Callable[..., Any]) -> None:
+def register_comm_hook(replicas: ReplicaSync, hook_state: object, hook: Callable[..., Any]) -> None:
     """``model.register_comm_hook(state, hook)`` (see the module docstring)."""
     cfg = state.require()[0]
     if not callable(hook):
         raise SMPValidationError(
             f"register_comm_hook got hook={hook!r}; expected a callable hook(state, bucket)"
         )
-    if model._comm_hook is not None:
+    if replicas.comm_hook is not None:
         raise SMPValidationError(
             "register_comm_hook was called twice; a DistributedModel takes one communication hook (as torch "
             "DDP does). Fix: register the hook once, before the first step"
@@ -176,18 +178,15 @@ def register_comm_hook(model: DistributedModel, hook_state: object, hook: Callab
         raise REFUSED_USES["comm_hook_under_tp"].refusal(
             f"register_comm_hook with tensor_parallel_degree={cfg.tp}"
         )
-    model._comm_hook = (hook, hook_state)
-    if model._dp_size == 1:
+    replicas.comm_hook = (hook, hook_state)
+    if replicas.dp_size == 1:
         log.info(
             "register_comm_hook: data-parallel size 1, so no gradient reduction runs the hook (as in smp)"
         )
         return
     # the hook gets each bucket of microbatch-summed gradients, synchronously after the step
-    model._average_mb = False
-    if model._overlap is not None:
-        model._overlap.close()
-        model._overlap = None
-    model._overlap_enabled = False
+    replicas.average_microbatches = False
+    replicas.close_overlap()
 
 
 # ----------------------------------------------------------------------------------------------- join
@@ -206,31 +205,25 @@ class JoinState:
             dist.all_reduce(t, group=self.group)
         return int(t.item())
 
-    def step_started(self, model: DistributedModel) -> None:
-        """On an active replica, at the start of each step: count the replicas; with
-        ``divide_by_initial_world_size=False`` average the gradients over the active ones only."""
+    def step_started(self) -> float:
+        """On an active replica, at the start of each step: count the replicas. The factor on the
+        step's gradient seeds: with ``divide_by_initial_world_size=False`` the gradients are averaged
+        over the active replicas only, else 1."""
         active = self.count_active(1)
         if not self.divide_by_initial and active < self.dp_size:
-            model._grad_scale *= self.dp_size / active
+            return self.dp_size / active
+        return 1.0
 
 
-def _shadow_step(model: DistributedModel) -> None:
-    """What a joined replica does for each step the others run: their collectives, zero gradients."""
-    for p in model._local_params():
-        p.grad = None
-    model._after_step(None, did_backward=False)
-    model._step_count += 1
-
-
-def _sync_final(model: DistributedModel, group: dist.ProcessGroup, joined_at: int) -> None:
+def _sync_final(replicas: ReplicaSync, group: dist.ProcessGroup, joined_at: int) -> None:
     """Parameters and buffers from the replica that ran the most steps (the lowest dp rank of a tie)."""
     counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
     with collective_wait("all_gather", group):
         dist.all_gather(counts, torch.tensor([joined_at], dtype=torch.int64), group=group)
     values = [int(c.item()) for c in counts]
     src = dist.get_global_rank(group, values.index(max(values)))
-    tensors = [p.data for p in model._local_params()]
-    tensors += [b for b in model.module.buffers() if not model._is_remote(b)]
+    tensors = [p.data for p in replicas.local_parameters()]
+    tensors += replicas.local_buffers()
     with torch.no_grad():
         for t in tensors:
             flat = t.contiguous()
@@ -242,12 +235,18 @@ def _sync_final(model: DistributedModel, group: dist.ProcessGroup, joined_at: in
 
 @contextlib.contextmanager
 def join(
-    model: DistributedModel, divide_by_initial_world_size: bool = True, enable: bool = True
+    model: DistributedModel,
+    replicas: ReplicaSync,
+    shadow_step: Callable[[], None],
+    divide_by_initial_world_size: bool = True,
+    enable: bool = True,
 ) -> Iterator[None]:
-    """``model.join()``: train with a different number of steps on the data-parallel replicas."""
+    """``model.join()``: train with a different number of steps on the data-parallel replicas.
+    ``shadow_step`` is what a joined replica does for each step the others run (the model's
+    data-parallel collectives with zero gradients, counted as a step)."""
     cfg = state.require()[0]
     group = state.process_groups.get(GroupKind.DP)
-    if not enable or model._dp_size == 1 or group is None:
+    if not enable or replicas.dp_size == 1 or group is None:
         yield
         return
     if cfg.tp > 1:
@@ -256,26 +255,26 @@ def join(
             "shadow the collectives of its tensor-parallel peers' forward. Expected tensor_parallel_degree "
             "1. Fix: give every replica the same number of batches (DistributedSampler(..., drop_last=True))"
         )
-    if model._join is not None:
+    if replicas.joined is not None:
         raise SMPValidationError("model.join() is already active; nested join contexts are not supported")
-    join_state = JoinState(group, model._dp_size, divide_by_initial_world_size)
-    overlap = model._overlap_enabled
-    model._overlap_enabled = False  # the joined replica reduces synchronously: everyone does, alike
-    model._join = join_state
+    join_state = JoinState(group, replicas.dp_size, divide_by_initial_world_size)
+    overlap = replicas.overlap_enabled
+    replicas.overlap_enabled = False  # the joined replica reduces synchronously: everyone does, alike
+    replicas.joined = join_state
     try:
         yield
-        if not model._partitioned:
+        if not model.partitioned:
             raise SMPRuntimeError(
                 f"rank {state.require()[1].rank} left model.join() before its first step; every replica must "
                 "run at least one step (the first step partitions the model on every rank)"
             )
-        joined_at = model._step_count
-        while True:  # an active replica's step begins: buffer broadcast, then the count (model._run_step)
-            model._sync_replicas(first=False)
+        joined_at = model.step_count
+        while True:  # an active replica's step begins: buffer broadcast, then the count (model.run_step)
+            replicas.sync(first=False)
             if join_state.count_active(0) == 0:
                 break
-            _shadow_step(model)
-        _sync_final(model, group, joined_at)
+            shadow_step()
+        _sync_final(replicas, group, joined_at)
     finally:
-        model._join = None
-        model._overlap_enabled = overlap
+        replicas.joined = None
+        replicas.overlap_enabled = overlap

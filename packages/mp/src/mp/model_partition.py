@@ -1,30 +1,26 @@
-"""Partitioning glue of `DistributedModel`: decide the partition on the first step (a pinned or
-``partition_file`` one, or mp_partition's plan from a traced and timed first microbatch), share it,
-free other stages' tensors to placeholders, and answer which pp_rank owns a module or tensor.
+"""Partitioning of `DistributedModel`, held by it as a collaborator: decide the partition on the first
+step (a pinned or ``partition_file`` one, or mp_partition's plan from a traced and timed first
+microbatch), share it, free other stages' tensors to placeholders, and keep the resulting placement.
 """
 
 from __future__ import annotations
 
 import logging
 import traceback
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from mp.delayed_init import delayed
-from mp.errors import ModelNotPartitionedError, SMPRuntimeError
-from mp.optimizer import keep_local_parameters
-from mp.partition_file import read_partition, write_partition
+from mp.errors import IncompatibleCheckpointFoundError, SMPRuntimeError
+from mp.partition_file import check_assignment, read_partition, write_partition
 from mp.state import state
 from mp.tensor_api import pin_tp_internals
 from mp_comm import GroupKind
 from mp_partition import (
-    PLACEHOLDER_ATTR,
     ModuleTimes,
     PartitionPlan,
     Placement,
@@ -37,36 +33,48 @@ from mp_partition import (
 )
 from mp_pipeline import PipelineRuntime, TaskContext, Timeline, task_context
 
-__all__ = ["PartitionMixin"]
+__all__ = ["Partitioner"]
 
 log = logging.getLogger("mp.model")  # the logger these messages always had
 
-_PLACEHOLDER = PLACEHOLDER_ATTR
 
+class Partitioner:
+    """The partition of one DistributedModel's ``module``: ``placement`` (unpartitioned, as the model
+    built it, until :meth:`partition` runs on the first step), ``plan`` (on global rank 0, where it is
+    computed; None elsewhere and with pp=1), ``pinned`` (a partial checkpoint's partition, loaded
+    before the first step: used instead of computing one), and ``tracing`` / ``timer`` while the first
+    microbatch is traced or timed (the model's forward and backward read them)."""
 
-class PartitionMixin(nn.Module):
-    """The partition of the wrapped model and its owner lookups (mixed into DistributedModel)."""
+    def __init__(
+        self,
+        *,
+        module: nn.Module,
+        placement: Placement,
+        runtime: PipelineRuntime | None,
+        rank: int,
+        trace_times: bool,
+    ) -> None:
+        self.module = module
+        self.placement = placement
+        """Where the model lives (mp_partition.Placement); replaced once, by :meth:`partition`."""
+        self._runtime = runtime
+        self._rank = rank
+        self._pp = placement.pp_size
+        self._pp_rank = placement.pp_rank
+        self.trace_times = trace_times
+        """Whether tracing measures module times (``trace_execution_times``, off on a CPU trace)."""
+        self.plan: PartitionPlan | None = None
+        """The partition plan (on global rank 0, where it is computed; None elsewhere and with pp=1)."""
+        self.pinned: dict[str, int] | None = None
+        """The partition a partial checkpoint was saved with (loaded before the first step)."""
+        self.tracing = False
+        """True while the first microbatch runs to be traced or timed (no pipeline, no backward)."""
+        self.timer: StepTimer | None = None
+        """The timed step's timer (mp_partition) while the first microbatch is timed, else None."""
 
-    module: nn.Module
-    plan: PartitionPlan | None
-    _rank: int
-    _pp: int
-    _pp_rank: int
-    _placement: Placement
-    _pinned: dict[str, int] | None
-    _tracing: bool
-    _timer: StepTimer | None
-    _trace_times: bool
-    _runtime: PipelineRuntime | None
-    _post_partition_hooks: OrderedDict[int, Callable[..., Any]]
-
-    if TYPE_CHECKING:  # defined by DistributedModel and StateDictMixin
-
-        def _run_hooks(self, hooks: OrderedDict[int, Callable[..., Any]]) -> None: ...
-
-        def _module_paths(self) -> Iterator[str]: ...
-
-    def _partition(self, body: Callable[[int], Any]) -> None:
+    def partition(self, body: Callable[[int], Any]) -> None:
+        """The first step's partitioning (``body(mb)`` runs microbatch ``mb`` of the step): collective
+        over the job under pp > 1; afterwards ``placement`` is the partitioned one."""
         world = state.require()[1]
         if self._pp > 1:
             cfg = state.require()[0]
@@ -76,7 +84,7 @@ class PartitionMixin(nn.Module):
             # microbatch) and rank 0's plan is the one everybody uses.
             tracers = state.require()[2].group(GroupKind.TP, 0)
             # Whether rank 0 takes a given partition decides whether anybody traces: agreed first.
-            pinned: list[Any] = [self._pinned is not None or cfg.load_partition]
+            pinned: list[Any] = [self.pinned is not None or cfg.load_partition]
             dist.broadcast_object_list(pinned, src=0)
             if world.rank in tracers and world.rank != 0 and not pinned[0]:
                 try:
@@ -101,35 +109,31 @@ class PartitionMixin(nn.Module):
             kind, value = box[0]
             if kind == "error":
                 raise SMPRuntimeError(f"partitioning the model failed on rank 0:\n{value}")
-            placed = replace(self._placement, assignment=dict(value))
+            placed = replace(self.placement, assignment=dict(value))
             assignment = {**placed.assignment, **pin_tp_internals(self.module, placed.module_owner)}
-            self._placement = replace(placed, assignment=assignment, partitioned=True)
-            self._placement.free_remote(self.module)
+            self.placement = replace(placed, assignment=assignment, partitioned=True)
+            self.placement.free_remote(self.module)
             assert self._runtime is not None
             self._runtime.install(self.module, assignment)
             log.info(
                 "rank %d (pp_rank %d) holds %d of %d parameters after partitioning",
                 world.rank,
                 self._pp_rank,
-                sum(p.numel() for p in self._local_params()),
+                sum(p.numel() for p in self.placement.local_parameters(self.module)),
                 sum(p.numel() for p in self.module.parameters()),
             )
-        self._placement = replace(self._placement, partitioned=True)
-        optimizer = state.optimizer
-        if optimizer is not None:
-            keep_local_parameters(optimizer, self._placement)
-        self._run_hooks(self._post_partition_hooks)
+        self.placement = replace(self.placement, partitioned=True)
 
     def _decide_partition(self, body: Callable[[int], Any]) -> dict[str, int]:
         """On global rank 0: the partition of a partial checkpoint loaded before the first step, else the
         one in ``partition_file`` (``load_partition``), else a computed one."""
         cfg = state.require()[0]
-        if self._pinned is not None:
+        if self.pinned is not None:
             log.info("partition taken from the partial checkpoint loaded before the first step")
-            return dict(self._pinned)
+            return dict(self.pinned)
         if cfg.load_partition:
             assert cfg.partition_file is not None  # the config requires it
-            assignment = read_partition(cfg.partition_file, self._module_paths(), self._pp)
+            assignment = read_partition(cfg.partition_file, self.module_paths(), self._pp)
             log.info("partition read from partition_file %r", cfg.partition_file)
             return assignment
         self.plan = self._compute_plan(body)
@@ -144,13 +148,13 @@ class PartitionMixin(nn.Module):
             )
         if cfg.skip_tracing or delayed(self.module):  # a model on the meta device cannot run yet
             return auto_partition(self.module, self._pp, memory_weight=alpha, skip_tracing=True)
-        with Tracer(self.module, measure_time=self._trace_times) as tracer:
-            self._tracing = True
+        with Tracer(self.module, measure_time=self.trace_times) as tracer:
+            self.tracing = True
             try:
                 with task_context(TaskContext(0, ("<step>",))):
                     body(0)
             finally:
-                self._tracing = False
+                self.tracing = False
         # Time balances the stages unless memory_weight is set (None: time, or memory where it binds).
         return auto_partition(
             self.module,
@@ -167,12 +171,12 @@ class PartitionMixin(nn.Module):
         None if the timed step fails (the plan then balances the trace's costs)."""
 
         def step(timer: StepTimer) -> None:
-            self._tracing, self._timer = True, timer
+            self.tracing, self.timer = True, timer
             try:
                 with task_context(TaskContext(0, ("<step>",))):
                     body(0)
             finally:
-                self._tracing, self._timer = False, None
+                self.tracing, self.timer = False, None
 
         try:
             return time_step(self.module, step)
@@ -194,50 +198,30 @@ class PartitionMixin(nn.Module):
         measured = [sum(v) / len(v) if v else None for v in per_stage]
         self.plan = self.plan.with_measured_times(measured)
 
-    @property
-    def placement(self) -> Placement:
-        """Where the model lives: the pp degree and rank, the module -> pp_rank assignment (empty and
-        ``partitioned=False`` until the first step), which tensors this rank holds, the collective entry
-        (mp_partition.Placement). State dicts, optimizer state, checkpoints and the memory features take
-        it instead of asking the model."""
-        return self._placement
+    def module_paths(self) -> Iterator[str]:
+        """The paths of the wrapped model's modules (what a partition assigns)."""
+        return (name for name, _ in self.module.named_modules())
 
-    @property
-    def _partitioned(self) -> bool:
-        return self._placement.partitioned
+    def pin(self, saved: Any, fix: str) -> None:
+        """Before the first step: partition as ``saved`` (a partial state's module path -> pp_rank)
+        instead of computing a partition, after checking that it fits this model (``fix`` ends the
+        error's message)."""
+        self.pinned = check_assignment(
+            saved,
+            self.module_paths(),
+            self._pp,
+            source="the partial state's '_smp_partition' entry",
+            fix=fix,
+            error=IncompatibleCheckpointFoundError,
+        )
 
-    @property
-    def _assignment(self) -> dict[str, int]:
-        return dict(self._placement.assignment)
-
-    def _owner(self, key: str) -> int:
-        """The pp_rank holding a parameter, buffer or state-dict entry named ``key``."""
-        return self._placement.owner(key)
-
-    def _module_owner(self, path: str) -> int:
-        return self._placement.module_owner(path)
-
-    def _is_remote(self, t: torch.Tensor) -> bool:
-        return not self._placement.is_local(t)
-
-    def _local_params(self) -> list[nn.Parameter]:
-        return self._placement.local_parameters(self.module)
-
-    def _require_partitioned(self, what: str) -> None:
-        if not self._partitioned:
-            raise ModelNotPartitionedError(
-                f"model.{what}() needs the model partitioned, which happens in the first @smp.step call; "
-                "call it after the first step (or in a post-partition hook)"
-            )
-
-    def display_partition(self) -> None:
+    def display(self) -> None:
         """Print which pp_rank holds which modules: the partition report on the rank that computed the
         partition, the assignment (module path: pp_rank) on the others."""
-        self._require_partitioned("display_partition")
         if self.plan is not None:
             print(self.plan.report())
         elif self._pp == 1:
             print(f"pipeline_parallel_degree=1: rank {self._rank} holds the whole model")
         else:
-            for path, pp_rank in sorted(self._assignment.items()):
+            for path, pp_rank in sorted(self.placement.assignment.items()):
                 print(f"{path or '(root)'}: pp_rank {pp_rank}")

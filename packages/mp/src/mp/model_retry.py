@@ -13,21 +13,17 @@ error is raised as without the plan.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from mp.errors import NotSupportedByFastModeError, SMPRuntimeError
-from mp.model_extras import JoinState
-from mp.model_partition import PartitionMixin
+from mp.model_dp import ReplicaSync
 from mp.state import state
 from mp.step_retry import ShortcutRetry, StepSnapshot
 from mp_comm import GroupKind
 from mp_pipeline import (
     FlowChangedError,
-    OverlappedReduction,
     PipelineRuntime,
     PipelineTimeoutError,
     agree_any,
@@ -35,78 +31,87 @@ from mp_pipeline import (
     flatten,
 )
 
-__all__ = ["RetryMixin"]
+__all__ = ["StepRetry", "fast_mode_check"]
 
 log = logging.getLogger(__name__)
 
 
-class RetryMixin(PartitionMixin):
-    """Snapshot, agreement and take-back around one attempt of a step (DistributedModel._run_step)."""
+class StepRetry:
+    """Snapshot, agreement and take-back around one attempt of a step (DistributedModel.run_step).
 
-    _runtime: PipelineRuntime | None
-    _retry: ShortcutRetry | None
-    _overlap: OverlappedReduction | None
-    _rank: int
-    _step_count: int
-    _join: JoinState | None
+    ``retry`` is None where steps are not taken back (``fast_mode`` or ``static_mode`` set, or no
+    pipeline): then :meth:`before_attempt` takes no snapshot and :meth:`after_attempt` passes the
+    attempt's error through. ``replicas`` gives the local tensors to snapshot, whether
+    ``model.join()`` is active, and completes the replicas' started collectives before a take-back.
+    """
 
-    if TYPE_CHECKING:
+    def __init__(
+        self,
+        *,
+        runtime: PipelineRuntime | None,
+        retry: ShortcutRetry | None,
+        replicas: ReplicaSync,
+        rank: int,
+    ) -> None:
+        self._runtime = runtime
+        self._retry = retry
+        self._replicas = replicas
+        self._rank = rank
 
-        def local_buffers(self) -> Iterator[torch.Tensor]: ...
-
-    def _before_attempt(self, inputs: Any) -> StepSnapshot | None:
+    def before_attempt(self, inputs: Any) -> StepSnapshot | None:
         """``inputs``: the step's per-microbatch arguments (their tensors' versions are kept)."""
         runtime, retry = self._runtime, self._retry
         if runtime is None or retry is None or not runtime.remote.shortcut:
             return None
-        if self._join is not None:
+        if self._replicas.joined is not None:
             # model.join(): finished replicas shadow only the data-parallel collectives of a step, so no
             # rank may add one to agree on a retry; every rank of the pipeline enters join at the same
             # step, and all run the full path from there
             runtime.give_up_shortcut()
             return None
-        buffers = list(self.local_buffers())
+        buffers = self._replicas.local_buffers()
         tensors = flatten(inputs)[1]
-        return retry.before_step(runtime.shortcut_step, self._local_params(), buffers, tensors)
+        return retry.before_step(runtime.shortcut_step, self._replicas.local_parameters(), buffers, tensors)
 
-    def _repeat_step(
-        self, snapshot: StepSnapshot | None, error: BaseException | None
+    def after_attempt(
+        self, snapshot: StepSnapshot | None, error: BaseException | None, step: int
     ) -> tuple[BaseException | None, BaseException | None]:
-        """After an attempt: ``(cause, error)``. ``cause`` is not None when every rank took the step back
-        (the caller runs it again); otherwise ``error`` is the attempt's outcome on this rank (raised as
-        usual; a failure elsewhere that cannot be repeated becomes one here too)."""
+        """After an attempt of step number ``step`` (1-based): ``(cause, error)``. ``cause`` is not
+        None when every rank took the step back (the caller runs it again); otherwise ``error`` is the
+        attempt's outcome on this rank (raised as usual; a failure elsewhere that cannot be repeated
+        becomes one here too)."""
         retry, runtime = self._retry, self._runtime
         if snapshot is None or retry is None or runtime is None:
             return None, error
         if not snapshot.restorable:  # a step on the full path: only learn which buffers it changes
             if error is None:
-                retry.completed(snapshot, self._local_params())
+                retry.completed(snapshot, self._replicas.local_parameters())
             return None, error
         group = _agreement_group()
         failed, unrepeatable = error is not None, error is not None and not _repeatable(error)
         if group is not None:
-            agreed = self._agree([failed, unrepeatable], group, error)
+            agreed = self._agree([failed, unrepeatable], group, step)
             if agreed is None:
                 return None, error
             failed, unrepeatable = agreed
         if not failed:
-            retry.completed(snapshot, self._local_params())
+            retry.completed(snapshot, self._replicas.local_parameters())
             return None, None
         if unrepeatable:  # the ranks disagree about the step itself, or one is stuck: no second run
-            return None, error or self._failed_elsewhere("it cannot run again")
-        self._drain_overlap()
+            return None, error or self._failed_elsewhere("it cannot run again", step)
+        self._replicas.drain()
         problem = snapshot.restore()
         stuck: bool | None = problem is not None
         everyone = group if group is not None else state.process_groups.get(GroupKind.PP)
         if everyone is not None:  # every rank of the job is here: the step failed on all of them
-            agreed = self._agree([problem is not None], everyone, error)
+            agreed = self._agree([problem is not None], everyone, step)
             stuck = None if agreed is None else agreed[0]
         if stuck is None or stuck:  # some rank cannot repeat the step: raise on every rank
-            error = error or self._failed_elsewhere("could not be run again there")
+            error = error or self._failed_elsewhere("could not be run again there", step)
             if problem is not None:
                 error.add_note(f"mp could not run this step again on the full path: {problem}")
             return None, error
-        cause = error or self._failed_elsewhere("runs again on the full path")
+        cause = error or self._failed_elsewhere("runs again on the full path", step)
         if retry.give_up():
             runtime.give_up_shortcut()
             log.warning(
@@ -114,7 +119,7 @@ class RetryMixin(PartitionMixin):
                 "runs again on the full path, and so do all later steps (set fast_mode: false to skip the "
                 "attempts, or keep the flow the same in every step)",
                 self._rank,
-                self._step_count + 1,
+                step,
                 type(cause).__name__,
                 str(cause).splitlines()[0][:300] if str(cause) else "",
                 retry.repeated,
@@ -126,65 +131,49 @@ class RetryMixin(PartitionMixin):
                 "rank %d: step %d failed under fast mode's plan (%s); it runs again on the full path and "
                 "the plan is learned again",
                 self._rank,
-                self._step_count + 1,
+                step,
                 type(cause).__name__,
             )
         return cause, None
 
-    def _agree(
-        self, flags: list[bool], group: dist.ProcessGroup, error: BaseException | None
-    ) -> list[bool] | None:
+    def _agree(self, flags: list[bool], group: dist.ProcessGroup, step: int) -> list[bool] | None:
         """OR of ``flags`` over ``group``; None if a member did not come within the pipeline timeout (it
         is not in this step: its own error, or this one, ends the job)."""
         assert self._runtime is not None
         try:
             return agree_any(flags, group, timeout=self._runtime.timeout)
         except PipelineTimeoutError:
-            log.warning(
-                "rank %d: a rank did not come to agree on step %d's outcome", self._rank, self._step_count + 1
-            )
+            log.warning("rank %d: a rank did not come to agree on step %d's outcome", self._rank, step)
             return None
 
-    def _failed_elsewhere(self, what: str) -> SMPRuntimeError:
+    def _failed_elsewhere(self, what: str, step: int) -> SMPRuntimeError:
         return SMPRuntimeError(
-            f"rank {self._rank}: step {self._step_count + 1} failed on another rank under fast mode's plan "
+            f"rank {self._rank}: step {step} failed on another rank under fast mode's plan "
             f"and {what}; see that rank's error"
         )
 
-    def _fast_mode_check(self, error: BaseException | None) -> BaseException | None:
-        """Fast mode: a flow that changed after the recording fails the step on every pipeline rank with
-        NotSupportedByFastModeError. A change found while sending aborted the step everywhere already;
-        one found only at its end (recorded messages left unsent) is agreed on over the pipeline."""
-        assert self._runtime is not None
-        if self._runtime.replaying_static:  # on every pipeline rank alike: the collective is safe
-            group = state.process_groups.get(GroupKind.PP)
-            mismatch = self._runtime.flow_mismatch if error is None else None
-            changed = mismatch is not None
-            if group is not None:
-                changed = agree_any([changed], group)[0]
-            if changed and error is None:
-                error = FlowChangedError(mismatch or "another rank of the pipeline sent other messages")
-        if error is not None and caused_by(error, FlowChangedError):
-            fast = NotSupportedByFastModeError(
-                f"the execution flow of the step changed after static mode recorded it: {error}. Fast "
-                "mode needs the same flow in every step: set 'fast_mode' to False (with static_mode the "
-                "runtime then falls back to full messages when the flow changes)."
-            )
-            fast.__cause__ = error
-            return fast
-        return error
 
-    def _drain_overlap(self) -> None:
-        """Complete the gradient collectives that some data-parallel replica started in the attempt."""
-        overlap = self._overlap
-        group = state.process_groups.get(GroupKind.DP)
-        if group is None or dist.get_world_size(group) == 1:
-            return
-        launched = overlap is not None and overlap.launched > 0
-        if agree_any([launched], group)[0] and overlap is not None:
-            overlap.drain()  # out of place: the local gradients stay as they are
-        elif overlap is not None:
-            overlap.disarm()
+def fast_mode_check(runtime: PipelineRuntime, error: BaseException | None) -> BaseException | None:
+    """Fast mode: a flow that changed after the recording fails the step on every pipeline rank with
+    NotSupportedByFastModeError. A change found while sending aborted the step everywhere already;
+    one found only at its end (recorded messages left unsent) is agreed on over the pipeline."""
+    if runtime.replaying_static:  # on every pipeline rank alike: the collective is safe
+        group = state.process_groups.get(GroupKind.PP)
+        mismatch = runtime.flow_mismatch if error is None else None
+        changed = mismatch is not None
+        if group is not None:
+            changed = agree_any([changed], group)[0]
+        if changed and error is None:
+            error = FlowChangedError(mismatch or "another rank of the pipeline sent other messages")
+    if error is not None and caused_by(error, FlowChangedError):
+        fast = NotSupportedByFastModeError(
+            f"the execution flow of the step changed after static mode recorded it: {error}. Fast "
+            "mode needs the same flow in every step: set 'fast_mode' to False (with static_mode the "
+            "runtime then falls back to full messages when the flow changes)."
+        )
+        fast.__cause__ = error
+        return fast
+    return error
 
 
 _UNREPEATABLE = frozenset(

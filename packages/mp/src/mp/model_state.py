@@ -1,32 +1,33 @@
-"""State dicts of `DistributedModel`: this rank's part (``local_state_dict``), the full gathered state
-(``state_dict``), and loading either, checking that a partial state fits this run's layout.
+"""State dicts of `DistributedModel`, held by it as a collaborator: this rank's part
+(``local_state_dict``), the full gathered state (``state_dict``), and loading either, checking that a
+partial state fits this run's layout. The model's methods of those names call these.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from mp.errors import IncompatibleCheckpointFoundError
-from mp.model_partition import PartitionMixin
-from mp.partition_file import check_assignment
+from mp.model_partition import Partitioner
 from mp.sharded import load_local_state_dict as load_sharded_local_state_dict
 from mp.sharded import local_state_dict as sharded_local_state_dict
 from mp.state import state
 from mp.state_dicts import full_state_dict, layout_of, load_full_state_dict, local_layout_check
 from mp_comm import GroupKind
 from mp_memory import Header, read_header, write_header
+from mp_partition import Placement
+from mp_tensor import DistributedModule
 
 if TYPE_CHECKING:
     from mp_memory import ShardedDataParallel
 
-__all__ = ["StateDictMixin"]
+__all__ = ["ModelStateDicts"]
 
 
 _FULL_STATE_FIX = (
@@ -34,50 +35,65 @@ _FULL_STATE_FIX = (
 )
 
 
-class StateDictMixin(PartitionMixin):
-    """The smp state-dict API of the wrapped model (mixed into DistributedModel)."""
+class ModelStateDicts:
+    """The smp state-dict API of one DistributedModel's ``module``. ``partitioner`` holds the
+    placement (and takes a partial state's partition before the first step); ``after_partition(check)``
+    runs ``check`` once the model is partitioned (a post-partition hook)."""
 
-    _sharded: ShardedDataParallel | None
+    def __init__(
+        self,
+        *,
+        module: nn.Module,
+        partitioner: Partitioner,
+        sharded: ShardedDataParallel | None,
+        after_partition: Callable[[Callable[[], None]], None],
+    ) -> None:
+        self.module = module
+        self._partitioner = partitioner
+        self._sharded = sharded
+        self._after_partition = after_partition
 
-    if TYPE_CHECKING:  # defined by DistributedModel
+    @property
+    def _placement(self) -> Placement:
+        return self._partitioner.placement
 
-        def distributed_modules(self) -> Iterator[nn.Module]: ...
+    @property
+    def _pp(self) -> int:
+        return self._placement.pp_size
 
-        def register_post_partition_hook(self, hook: Callable[..., Any]) -> RemovableHandle | None: ...
+    @property
+    def _pp_rank(self) -> int:
+        return self._placement.pp_rank
 
-    def local_state_dict(self, *args: Any, cast_to_cpu: bool = True, **kwargs: Any) -> dict[str, Any]:
+    def local_state_dict(self, cast_to_cpu: bool = True) -> dict[str, Any]:
         """This rank's part of the model's state (its stage, its TP shards), with a partial header
         (``mp_memory.checkpoint.schema``): the partition (pp > 1) and, with TP shards, their layout."""
         if self._sharded is not None:  # this rank's shards (mp.sharded)
             return sharded_local_state_dict(self._sharded)
         out: dict[str, Any] = OrderedDict()
         for key, value in self.module.state_dict(keep_vars=False).items():
-            if self._owner(key) != self._pp_rank:
+            if self._placement.owner(key) != self._pp_rank:
                 continue
             out[key] = value.detach().cpu() if cast_to_cpu and isinstance(value, torch.Tensor) else value
         # The partition travels with the parts: loaded before the first step of another run, it
         # replaces that run's own partitioning (which could differ: traced times vary).
-        partition = dict(self._assignment) if self._pp > 1 and self._assignment else None
+        assignment = dict(self._placement.assignment)
+        partition = assignment if self._pp > 1 and assignment else None
         layout = layout_of(self.module, self._placement)
         # TP shards: which tp_rank's they are, so no other rank loads them
         header = Header(partial=True, partition=partition, tp_layout=layout if layout.split else None)
         return write_header(out, header)
 
-    def state_dict(  # type: ignore[override]
-        self,
-        *args: Any,
-        destination: Any = None,
-        prefix: str = "",
-        keep_vars: bool = False,
-        cast_to_cpu: bool = True,
-        gather_to_rank0: bool = True,
+    def state_dict(
+        self, destination: Any = None, prefix: str = "", keep_vars: bool = False, cast_to_cpu: bool = True
     ) -> dict[str, Any]:
         """The full state of the user's model on every rank: the original module's key names (a
         Hugging Face model's own, even under tensor parallelism) and full tensors, TP shards and
         pipeline stages gathered. Collective over the TP and pipeline groups: call it on every rank
         (or every ``rdp_rank() == 0`` rank, as smp asks). ``keep_vars`` returns the live tensors when
         nothing needs gathering (pp = 1 or not yet partitioned, no TP)."""
-        gathers = any(True for _ in self.distributed_modules()) or (self._partitioned and self._pp > 1)
+        distributed = any(isinstance(m, DistributedModule) for m in self.module.modules())
+        gathers = distributed or (self._placement.partitioned and self._pp > 1)
         if keep_vars and not gathers:
             return OrderedDict((prefix + k, v) for k, v in self.module.state_dict(keep_vars=True).items())
         merged: dict[str, Any]
@@ -89,14 +105,12 @@ class StateDictMixin(PartitionMixin):
         out.update((prefix + k, v) for k, v in merged.items())
         return out
 
-    def load_state_dict(  # type: ignore[override]
+    def load_state_dict(
         self,
         state_dict: Any,
         strict: bool = True,
         translate_function: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         same_partition_load: bool = True,
-        *args: Any,
-        **kwargs: Any,
     ) -> Any:
         """Load a full (``state_dict``) or partial (``local_state_dict``) state; keys with or without
         ``module.``; ``translate_function`` is applied to the state first.
@@ -119,37 +133,30 @@ class StateDictMixin(PartitionMixin):
         if not header.partial:
             return load_full_state_dict(self.module, self._placement, sd, strict)
         local_layout_check(self.module, self._placement, header.tp_layout)
-        if not self._partitioned and self._pp > 1:
+        if not self._placement.partitioned and self._pp > 1:
             if header.partition is not None and same_partition_load:
                 self.pin_partition(header.partition)
             loaded = set(sd)
             if strict:
-                self.register_post_partition_hook(lambda _m, _opt: self._check_partial_keys(loaded, True))
+                self._after_partition(lambda: self._check_partial_keys(loaded, True))
             return self.module.load_state_dict(sd, strict=False)
         if strict:
             self._check_partial_keys(set(sd), False)
         return self.module.load_state_dict(sd, strict=False)
 
-    def _module_paths(self) -> Iterator[str]:
-        """The paths of the wrapped model's modules (what a partition assigns)."""
-        return (name for name, _ in self.module.named_modules())
-
     def pin_partition(self, saved: Any) -> None:
         """Before the first step: partition this model as ``saved`` (a partial state's module path ->
         pp_rank) instead of computing a partition, after checking that it fits this model."""
-        self._pinned = check_assignment(
-            saved,
-            self._module_paths(),
-            self._pp,
-            source="the partial state's '_smp_partition' entry",
-            fix="load it into the model and layout it was saved with, or " + _FULL_STATE_FIX,
-            error=IncompatibleCheckpointFoundError,
+        self._partitioner.pin(
+            saved, "load it into the model and layout it was saved with, or " + _FULL_STATE_FIX
         )
 
     def _check_partial_keys(self, loaded: set[str], collective: bool) -> None:
         """Raise IncompatibleCheckpointFoundError unless ``loaded`` is exactly this rank's part;
         ``collective``: agree over the pipeline group so that every pipeline rank raises."""
-        local = {k for k in self.module.state_dict(keep_vars=True) if self._owner(k) == self._pp_rank}
+        local = {
+            k for k in self.module.state_dict(keep_vars=True) if self._placement.owner(k) == self._pp_rank
+        }
         missing, unexpected = sorted(local - loaded), sorted(loaded - local)
         problem = None
         if missing or unexpected:

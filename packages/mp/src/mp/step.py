@@ -92,7 +92,7 @@ class StepFunction:
                         results.append(self._func(*a, **k))
             else:
                 with training_without_kv_cache(model.module, cfg.pipeline_parallel_degree):
-                    results = model._run_step(self._func, inputs)
+                    results = model.run_step(self._func, inputs)
         finally:
             _ACTIVE.on = False
         return merge_microbatch_results(results, detach=self._detach)
