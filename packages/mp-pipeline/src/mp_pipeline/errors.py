@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+MICROBATCH_ATTR = "_mp_microbatch"
+"""The attribute the pipeline sets on an exception raised in a microbatch's task (to the microbatch), so
+that the failure it reports names the microbatch; read back with getattr."""
+
 __all__ = [
     "FlowChangedError",
     "InvalidStepOutputError",

@@ -23,7 +23,13 @@ from torch import nn
 from mp_comm.errors import PeerTimeoutError
 from mp_comm.transport.base import Transport
 from mp_pipeline.context import ExecState, TaskContext, applied, current, task_context
-from mp_pipeline.errors import FlowChangedError, NotInStepError, PipelineError, collective_mismatch
+from mp_pipeline.errors import (
+    MICROBATCH_ATTR,
+    FlowChangedError,
+    NotInStepError,
+    PipelineError,
+    collective_mismatch,
+)
 from mp_pipeline.fast import FastPlan
 from mp_pipeline.messages import ENTERED_TAG, Entered, StepId, is_pipeline_tag
 from mp_pipeline.posted import Predictions
@@ -152,7 +158,7 @@ class StepDriver:
             except BaseException as exc:
                 if self.failure is None:
                     with contextlib.suppress(Exception):  # exceptions without a __dict__
-                        exc._mp_microbatch = mb  # type: ignore[attr-defined]
+                        setattr(exc, MICROBATCH_ATTR, mb)
                     self.failure = exc
                 return
             record()

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mp_comm import waits
-from mp_pipeline.errors import PipelineAbortedError
+from mp_pipeline.errors import MICROBATCH_ATTR, PipelineAbortedError
 from mp_pipeline.handoffs import Handoffs
 from mp_pipeline.in_place import InPlace
 from mp_pipeline.link import remote_error
@@ -361,7 +361,7 @@ class Server(InPlace, Handoffs, TPOrder):
                 exc, rank=self.rank, module="<step>", microbatch=-1, phase="step"
             )
             if failure.rank == self.rank and getattr(exc, "microbatch", None) is None:
-                failure.microbatch = getattr(exc, "_mp_microbatch", -1)
+                failure.microbatch = getattr(exc, MICROBATCH_ATTR, -1)
         for peer in sorted(targets):
             try:
                 self.send(peer, StepAbort(self.step, failure))
