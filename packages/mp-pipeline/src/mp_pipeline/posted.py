@@ -54,6 +54,10 @@ class Shape(NamedTuple):
     def placeholders(self) -> list[torch.Tensor | None]:
         return [None if m is None else torch.empty(m[0], dtype=m[1], device="meta") for m in self.tensors]
 
+    def response(self, step: Any, request_id: int, responder: int) -> Response:
+        """The response this shape predicts for a call whose owner sends none (posted or replayed)."""
+        return Response(step, request_id, responder, self.payload, self.placeholders(), self.requires_grad)
+
 
 _Key = tuple[CallKey, Phase, bool]
 

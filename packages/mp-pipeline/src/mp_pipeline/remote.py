@@ -232,14 +232,7 @@ class Remote:
                 replied = server.replayed(dest, request, check if posted else None)
                 if replied is None:
                     assert predicted is not None
-                    response = Response(
-                        server.step,
-                        request_id,
-                        dest,
-                        predicted.payload,
-                        predicted.placeholders(),
-                        predicted.requires_grad,
-                    )
+                    response = predicted.response(server.step, request_id, dest)
                 else:
                     response = replied
                     if response.failure is not None:
@@ -248,14 +241,7 @@ class Remote:
             elif predicted is not None and call is not None and not learning:
                 check = self.predictions.checker(call, Phase.FORWARD, grad, path, raise_failure)
                 server.post(dest, request, check)
-                response = Response(
-                    server.step,
-                    request_id,
-                    dest,
-                    predicted.payload,
-                    predicted.placeholders(),
-                    predicted.requires_grad,
-                )
+                response = predicted.response(server.step, request_id, dest)
             else:
                 response = server.call(dest, request)
                 if response.failure is not None:

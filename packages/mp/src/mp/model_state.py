@@ -112,14 +112,7 @@ class ModelStateDicts:
         translate_function: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         same_partition_load: bool = True,
     ) -> Any:
-        """Load a full (``state_dict``) or partial (``local_state_dict``) state; keys with or without
-        ``module.``; ``translate_function`` is applied to the state first.
-
-        A full state loads under any layout: each rank keeps its own TP shards and its stage. A partial
-        state must be this rank's part under the layout it was saved with (else
-        IncompatibleCheckpointFoundError); ``same_partition_load`` (pp > 1) makes this run use the
-        partition it was saved with. Before partitioning (pp > 1) a partial state loads into the whole
-        module now and is checked, on every pipeline rank, once the model is partitioned."""
+        """DistributedModel.load_state_dict (its docstring says what loads where)."""
         sd = dict(state_dict)
         if translate_function is not None:
             sd = dict(translate_function(sd))
