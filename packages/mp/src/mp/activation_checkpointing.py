@@ -184,6 +184,7 @@ def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True, *
     path = _path(model, module)
     if path is None:  # not part of the partitioned model: it runs here
         return checkpoint_module(module, *args, preserve_rng_state=preserve_rng_state, **kwargs)
+    assert model is not None  # _pipelined(model)
     owners = _owners(model, path, module)
     if owners == {int(model.placement.pp_rank)}:
         return checkpoint_module(module, *args, preserve_rng_state=preserve_rng_state, **kwargs)
@@ -220,6 +221,7 @@ def checkpoint_sequential(
         return run_children(list(sequential_module), input, pack_args_as_tuple)
     if path is None:
         return checkpoint_segments(sequential_module, input, strategy, preserve_rng_state, pack_args_as_tuple)
+    assert model is not None  # a path is found in a pipelined model only
     prefix = f"{path}." if path else ""
     children = [(prefix + name, child) for name, child in sequential_module.named_children()]
     x = input

@@ -496,8 +496,11 @@ def _read(
             return sd, opt_sd, user, True
         model_parts = {(p, t): ckpt.load(f"model_{p}_{t}_0.pt") for p in stages for t in tps}
 
+        model = state.model
+        assert model is not None  # resume_from_checkpoint refuses to run without one
+
         def translate(full: dict[str, Any]) -> dict[str, Any]:
-            return original_names(state.model.module, full)
+            return original_names(model.module, full)
 
         sd = full_model_from_parts(model_parts, len(tps), translate)
         opt_sd = None

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,9 @@ from mp.state import state
 from mp.zero import sharding_of
 from mp_memory import ActivationTracker, MemoryReport, tensor_bytes
 from mp_pipeline import TASK_HOOKS
+
+if TYPE_CHECKING:
+    from mp.model import DistributedModel
 
 __all__ = ["MEMORY_REPORT_ENV", "install_memory_trace", "memory_report"]
 
@@ -38,7 +41,7 @@ def _requested(trace_memory_usage: bool) -> bool:
     return trace_memory_usage or os.environ.get(MEMORY_REPORT_ENV, "").strip() not in ("", "0")
 
 
-def install_memory_trace(model: Any, trace_memory_usage: bool) -> ActivationTracker | None:
+def install_memory_trace(model: DistributedModel, trace_memory_usage: bool) -> ActivationTracker | None:
     """Trace ``model``'s activations when asked (module docstring), and log the report after step 1."""
     for old in _HOOK:  # a model wrapped before (smp.reset in between) traces no more
         with contextlib.suppress(ValueError):
@@ -66,7 +69,7 @@ def install_memory_trace(model: Any, trace_memory_usage: bool) -> ActivationTrac
     return tracker
 
 
-def _after_first_step(model: Any, optimizer: Any) -> None:
+def _after_first_step(model: DistributedModel, optimizer: Any) -> None:
     """Log the report once the first step's optimizer step is done (its state then exists)."""
     if optimizer is None:
         log.info("%s", memory_report(model).format())
@@ -106,7 +109,7 @@ def _optimizer_tensors(optimizer: Any, model_params: list[torch.Tensor]) -> list
     return found
 
 
-def memory_report(model: Any = None) -> MemoryReport:
+def memory_report(model: DistributedModel | None = None) -> MemoryReport:
     """This rank's memory now: its parameters, their gradients, the optimizer state, and the peak
     activations of the traced steps (None unless ``trace_memory_usage=True`` or ``MP_MEMORY_REPORT=1``).
     Local: no collective, any rank may call it at any time."""
@@ -116,7 +119,7 @@ def memory_report(model: Any = None) -> MemoryReport:
             "smp.memory_report() reports a DistributedModel's memory; got no model. Call it after "
             "smp.DistributedModel(model)"
         )
-    params: list[torch.Tensor] = model.placement.local_parameters(model.module)
+    params: list[torch.Tensor] = list(model.placement.local_parameters(model.module))
     tracker: ActivationTracker | None = model.memory_trace
     on_cuda = torch.cuda.is_available() and any(p.is_cuda for p in params)
     return MemoryReport(

@@ -5,16 +5,19 @@ function and every rank's module servers alike, so each rank offloads what its o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mp.state import state
 from mp_memory import Offloader, TaskKey, activate, checkpoint_module
 from mp_pipeline import current
 
+if TYPE_CHECKING:
+    from mp.model import DistributedModel
+
 __all__ = ["install_offloading"]
 
 
-def install_offloading(model: Any) -> Offloader | None:
+def install_offloading(model: DistributedModel) -> Offloader | None:
     """With ``offload_activations``: an offloader for ``model``, used by every checkpoint call (local
     ones, and those a pipeline rank runs for a remote caller). Without it: offloading off."""
     cfg = state.require()[0]

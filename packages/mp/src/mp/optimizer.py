@@ -128,6 +128,7 @@ def _state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
         flat[i]: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
         for i, s in local["state"].items()
     }
+    assert model is not None  # _pipelined(model)
     placement = model.placement
     placement.enter("optimizer.state_dict()")
     parts: list[Any] = [None] * placement.pp_size

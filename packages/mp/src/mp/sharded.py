@@ -119,9 +119,12 @@ def shard_model(module: nn.Module) -> ShardedDataParallel | None:
     if tp is not None:  # the full state in the original model's names, as without sharding
         from mp.state_dicts import full_state_dict
 
-        sharding.gather_tp_state = lambda: dict(
-            full_state_dict(state.model.module, state.model.placement, True)
-        )
+        def gather() -> dict[str, Any]:
+            model = state.model
+            assert model is not None  # set by the DistributedModel being built, before any state dict
+            return dict(full_state_dict(module, model.placement, True))
+
+        sharding.gather_tp_state = gather
         sharding.local_tp_state = _tp_values
     return sharding
 

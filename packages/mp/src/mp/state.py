@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from mp.config import ModelParallelConfig
 from mp.errors import NotInitializedError
 from mp_comm import GroupKind, Topology, World
+
+if TYPE_CHECKING:  # mp.model imports this module
+    from mp.model import DistributedModel
 
 
 @dataclass
@@ -39,7 +42,9 @@ class State:
     """The mp_tensor.atp DeviceMesh built from the config's atp_mesh, if any."""
     transport: Any = None
     """The point-to-point transport of the pipeline (mp_comm), opened by the first pipelined model."""
-    model: Any = None
+    model: DistributedModel | None = None
+    """The one DistributedModel of this process (smp's facade functions read it once, at their top, and
+    pass its placement and module down)."""
     optimizer: Any = None
     checkpoint_group: Any = None
     """The gloo group of every rank that background checkpoint saves agree over (mp.checkpoint; made by
