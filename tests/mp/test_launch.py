@@ -254,6 +254,30 @@ def test_each_rank_gets_whole_cores_as_an_explicit_cpu_list(tmp_path: Path) -> N
     assert "-bind-to" not in build_command(args, "mpiexec", None)
 
 
+FAKE_MPIEXEC = """#!/bin/sh
+if [ "$1" = "--version" ]; then
+    echo asked >> "{folder}/versions"
+    echo "HYDRA build details:"
+    exit 0
+fi
+echo "$@" > "{folder}/launched"
+"""
+
+
+def test_one_launch_asks_mpiexec_for_its_version_once(tmp_path: Path) -> None:
+    """--bind auto, the remote watch and --tag-output each depend on whether mpiexec is Hydra: a launch
+    runs `mpiexec --version` once (mp.launch.Mpiexec) and uses that answer for all three."""
+    fake = tmp_path / "mpiexec"
+    fake.write_text(FAKE_MPIEXEC.format(folder=tmp_path))
+    fake.chmod(0o755)
+    (tmp_path / "x.py").write_text("")
+    assert launch_main(["-n", "1", "--mpiexec", str(fake), "--tag-output", str(tmp_path / "x.py")]) == 0
+    assert (tmp_path / "versions").read_text().splitlines() == ["asked"]
+    launched = (tmp_path / "launched").read_text().split()
+    # the answer (Hydra) was used: the rank bound to cores of its own, its output through mp-launch
+    assert "-bind-to" in launched and "-outfile-pattern" in launched, launched
+
+
 def test_core_groups_keep_hardware_threads_of_one_core_together() -> None:
     cpus = sorted(os.sched_getaffinity(0))
     groups = core_groups(cpus)

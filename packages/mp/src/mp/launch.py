@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
@@ -177,12 +178,25 @@ def rank_cpu_sets(cores_per_rank: int, nprocs: int, groups: list[list[int]]) -> 
 
 
 def is_hydra(mpiexec: str) -> bool:
-    """Whether `mpiexec` is MPICH's Hydra (whose binding flags mp-launch speaks)."""
+    """Whether `mpiexec` is MPICH's Hydra (whose binding flags mp-launch speaks): asks `mpiexec
+    --version`."""
     try:
         out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return False
     return "HYDRA" in out.stdout + out.stderr
+
+
+class Mpiexec:
+    """The mpiexec of one launch: its path, and whether it is Hydra, asked once (on first use) and kept
+    for the launch's binding, remote watch and --tag-output."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    @functools.cached_property
+    def hydra(self) -> bool:
+        return is_hydra(self.path)
 
 
 def binding(bind: str, nprocs: int, *, hosts: str | None, cores: int, hydra: bool) -> int:
@@ -199,12 +213,14 @@ def binding(bind: str, nprocs: int, *, hosts: str | None, cores: int, hydra: boo
     return cores // nprocs
 
 
-def placement(bind: str, nprocs: int, mpiexec: str, *, hosts: str | None = None) -> list[list[int]] | None:
+def placement(
+    bind: str, nprocs: int, mpiexec: Mpiexec, *, hosts: str | None = None
+) -> list[list[int]] | None:
     """Each rank's CPUs under `--bind` for this launch, from this process's own CPU set; None for no
     binding (see `binding` for when that is)."""
     groups = core_groups()
     cores_per_rank = binding(
-        bind, nprocs, hosts=hosts, cores=len(groups), hydra=bind != "none" and is_hydra(mpiexec)
+        bind, nprocs, hosts=hosts, cores=len(groups), hydra=bind != "none" and mpiexec.hydra
     )
     return rank_cpu_sets(cores_per_rank, nprocs, groups) if cores_per_rank else None
 
@@ -376,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.stopped_timeout is None:
         args.stopped_timeout = default_stopped_timeout()
-    mpiexec = find_mpiexec(args.mpiexec)
+    mpiexec = Mpiexec(find_mpiexec(args.mpiexec))
     cpu_sets = placement(args.bind, args.nprocs, mpiexec, hosts=args.hosts or args.hostfile)
     env = dict(os.environ)
     env.update(_config_env(args.config))
@@ -388,16 +404,16 @@ def main(argv: list[str] | None = None) -> int:
     spec = hosts_spec(args)
     with tempfile.TemporaryDirectory(prefix="mp-launch-") as tmp:
         env[FAILURE_DIR_ENV] = tmp
-        real_launcher = remote_launcher(args) if is_hydra(mpiexec) else None
+        real_launcher = remote_launcher(args) if mpiexec.hydra else None
         remote = RemoteWatch(Path(tmp), real_launcher) if spec and real_launcher else None
-        cmd = build_command(args, mpiexec, cpu_sets, remote)
+        cmd = build_command(args, mpiexec.path, cpu_sets, remote)
         # mpiexec's own output passes through us so that its report of a dead process (PID and host
         # only) can be turned into the rank's name; the ranks' output is forwarded line by line.
         tagged = None
         if args.tag_output:  # the ranks' output reaches us rank by rank, tagged here line by line
-            if not is_hydra(mpiexec):
+            if not mpiexec.hydra:
                 raise LaunchError(
-                    f"--tag-output needs MPICH's Hydra mpiexec, and --mpiexec {mpiexec!r} is another; "
+                    f"--tag-output needs MPICH's Hydra mpiexec, and --mpiexec {mpiexec.path!r} is another; "
                     "drop --tag-output, or use the mpiexec that `pip install mpich` brings."
                 )
             tagged = _TaggedOutput(Path(tmp), args.nprocs)
