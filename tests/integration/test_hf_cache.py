@@ -1,6 +1,7 @@
 """HF's key/value cache is off in pipelined training steps (mp/hf_cache.py): no block called on another
-rank gets a cache object, training equals plain PyTorch with the user's config, and the config is the
-user's again after the step and in evaluation steps."""
+rank gets a cache object, training equals plain PyTorch with the user's config, the config is the
+user's again after the step and in evaluation steps, and the model's modules are walked once to find its
+configs, not at every step."""
 
 from __future__ import annotations
 
@@ -72,7 +73,13 @@ def train_gpt2(world: Any) -> dict[str, Any]:
     inside.clear()
     model.eval()
     eval_step(model, x)
-    return {**training, "eval_inside": sorted(set(inside)), "gaps": gaps, "after": after_training}
+    return {
+        **training,
+        "eval_inside": sorted(set(inside)),
+        "gaps": gaps,
+        "after": after_training,
+        "walks": model.kv_cache.walks,  # the model's modules walked to find its configs
+    }
 
 
 def test_pipelined_training_steps_build_no_kv_cache(worlds: Any) -> None:
@@ -82,3 +89,4 @@ def test_pipelined_training_steps_build_no_kv_cache(worlds: Any) -> None:
     assert top["after"] is True, top
     assert top["calls"] >= 3 * 2 * 4 and top["caches"] == ["NoneType"], top  # every block, no cache
     assert max(top["gaps"]) < 1e-5, top["gaps"]
+    assert [r["walks"] for r in results] == [1, 1], results  # once in 3 training steps, not per step

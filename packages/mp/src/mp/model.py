@@ -40,6 +40,7 @@ from mp.errors import (
     MultipleDistributedModelError,
     SMPValidationError,
 )
+from mp.hf_cache import KvCacheSwitch
 from mp.init import pipeline_transport
 from mp.memory_report import install_memory_trace
 from mp.model_dp import ReplicaSync
@@ -221,6 +222,7 @@ class DistributedModel(nn.Module):
             sharded=self._sharded,
             after_partition=self._after_partition_check,
         )
+        self._kv_cache = KvCacheSwitch(self.module, self._pp)  # HF's use_cache, off in pipelined training
         state.model = self
         if cfg.resolved_checkpoint_attentions:  # smp's key: each distributed layer's attention recomputed
             checkpoint_attentions(self)
@@ -310,6 +312,11 @@ class DistributedModel(nn.Module):
     def runtime(self) -> PipelineRuntime | None:
         """The pipeline runtime (mp_pipeline) installed under pp > 1, else None."""
         return self._runtime
+
+    @property
+    def kv_cache(self) -> KvCacheSwitch:
+        """HF's ``use_cache``, off in the model's pipelined training steps (mp.hf_cache)."""
+        return self._kv_cache
 
     @property
     def replicas(self) -> ReplicaSync:

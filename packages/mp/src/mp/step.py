@@ -23,7 +23,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, overload
 
 from mp.errors import DistributedModelNotWrappedError, SMPValidationError, TensorSplitError
-from mp.hf_cache import training_without_kv_cache
 from mp.state import state
 from mp_pipeline import (
     SplitError,
@@ -91,7 +90,7 @@ class StepFunction:
                     with task_context(TaskContext(mb, ("<step>",))):
                         results.append(self._func(*a, **k))
             else:
-                with training_without_kv_cache(model.module, cfg.pipeline_parallel_degree):
+                with model.kv_cache.step():
                     results = model.run_step(self._func, inputs)
         finally:
             _ACTIVE.on = False
