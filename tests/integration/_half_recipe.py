@@ -1,9 +1,12 @@
 """The fp16/bf16 recipe on a GPT-2 at pp=2 (tests/integration/test_memory_precision.py, also run on the GPU
-by test_gpu): config, optimizer, the one-process reference, the rank-side training and its checks.
+by test_gpu): config, optimizer, the one-process reference, the rank-side training and its checks; and
+HalfRecipe, the hand-written mixed-precision recipe that every one-process reference runs (here, in
+_sdp.half_reference and in test_memory_precision's tensor-parallel case).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -16,6 +19,53 @@ STEPS, MICROBATCHES = 6, 2
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 CLIP = 1.0
 SCALING = {"init_scale": 2.0**20, "scale_window": 2}  # 2**20 overflows the first steps' fp16 gradients
+
+
+class HalfRecipe:
+    """smp's mixed precision by hand, in one process: half parameters, fp32 masters that the optimizer
+    steps, and under fp16 a dynamic loss scaler (``scaling``: DynamicLossScaler's arguments) whose scale
+    the caller multiplies its loss by. ``scales``, ``skipped`` and ``norms`` record each step."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        precision: str,
+        optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+        scaling: dict[str, Any],
+    ) -> None:
+        self.params = list(params)
+        self.masters = [p.detach().float().clone().requires_grad_() for p in self.params]
+        self.optimizer = optimizer(self.masters)
+        self.scaler = DynamicLossScaler(**scaling) if precision == "fp16" else None
+        self.scales: list[float] = []
+        self.skipped: list[bool] = []
+        self.norms: list[float] = []
+
+    @property
+    def scale(self) -> float:
+        """The loss scale of the step under way (1 without a scaler)."""
+        return self.scaler.loss_scale if self.scaler is not None else 1.0
+
+    def step(self, grads: list[torch.Tensor], clip: float | None) -> None:
+        """One step from ``grads`` (each parameter's gradient in fp32, still multiplied by ``scale``):
+        skipped under fp16 if one is not finite; else the masters take them unscaled, clipped to the
+        whole norm ``clip`` (None: no clipping), the optimizer steps them and the half parameters copy
+        them. Then the scaler learns whether the step overflowed."""
+        scale = self.scale
+        overflow = self.scaler is not None and any(not torch.isfinite(g).all() for g in grads)
+        if not overflow:
+            for m, g in zip(self.masters, grads, strict=True):
+                m.grad = g / scale
+            if clip is not None:
+                self.norms.append(float(torch.nn.utils.clip_grad_norm_(self.masters, clip)))
+            self.optimizer.step()
+            with torch.no_grad():
+                for p, m in zip(self.params, self.masters, strict=True):
+                    p.copy_(m)
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        self.scales.append(scale)
+        self.skipped.append(overflow)
 
 
 def _config(precision: str, pp: int) -> dict[str, Any]:
@@ -31,47 +81,30 @@ def _optimizer(params: Any, sgd: bool) -> torch.optim.Optimizer:
 def _reference(
     precision: str, overflow_step: int | None, device: str = "cpu", sgd: bool = False
 ) -> dict[str, Any]:
-    dtype = DTYPES[precision]
-    model = build("gpt2", layers=2).to(device, dtype)
+    model = build("gpt2", layers=2).to(device, DTYPES[precision])
     params = list(model.parameters())
-    masters = [p.detach().float().clone().requires_grad_() for p in params]
-    opt = _optimizer(masters, sgd)
-    scaler = DynamicLossScaler(**SCALING) if precision == "fp16" else None
-    losses, scales, skipped, norms = [], [], [], []
+    recipe = HalfRecipe(params, precision, lambda masters: _optimizer(masters, sgd), SCALING)
+    losses = []
     for step in range(STEPS):
         (ids,) = batch("gpt2", 0, 0)  # one batch, learnt: the loss must fall
         ids = ids.to(device)
         model.zero_grad()
-        scale = scaler.loss_scale if scaler is not None else 1.0
         total = 0.0
         for part in ids.chunk(MICROBATCHES):
             loss = model(input_ids=part, labels=part).loss.float()
-            (loss * (scale / MICROBATCHES)).backward()
+            (loss * (recipe.scale / MICROBATCHES)).backward()
             total += loss.item() / MICROBATCHES
         if step == overflow_step:
             params[-1].grad.view(-1)[0] = float("inf")  # type: ignore[union-attr]
-        overflow = scaler is not None and any(not torch.isfinite(p.grad).all() for p in params)  # type: ignore[arg-type]
-        if not overflow:
-            for p, m in zip(params, masters, strict=True):
-                m.grad = p.grad.float() / scale  # type: ignore[union-attr]
-            norms.append(torch.nn.utils.clip_grad_norm_(masters, CLIP).item())
-            opt.step()
-            with torch.no_grad():
-                for p, m in zip(params, masters, strict=True):
-                    p.copy_(m)
-        if scaler is not None:
-            scaler.update(overflow)
+        recipe.step([p.grad.float() for p in params], CLIP)  # type: ignore[union-attr]
         losses.append(total)
-        scales.append(scale)
-        skipped.append(overflow)
     names = [n for n, _ in model.named_parameters()]
-    masters_by_name = {n: m.detach().cpu() for n, m in zip(names, masters, strict=True)}
     return {
         "losses": losses,
-        "scales": scales,
-        "skipped": skipped,
-        "norms": norms,
-        "masters": masters_by_name,
+        "scales": recipe.scales,
+        "skipped": recipe.skipped,
+        "norms": recipe.norms,
+        "masters": {n: m.detach().cpu() for n, m in zip(names, recipe.masters, strict=True)},
     }
 
 

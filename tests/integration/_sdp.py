@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor
 
 import mp as smp
 from mp.errors import SMPValidationError
-from mp_memory.loss_scaler import DynamicLossScaler
 from mp_memory.sharded import state_bytes
+from tests.integration._half_recipe import DTYPES, HalfRecipe
 from tests.mp_pipeline.models import Block, first_difference
 
 STEPS = 4  # fp32 runs
@@ -35,7 +35,6 @@ LR = 1e-2
 THRESHOLD = (
     100  # sdp_param_persistence_threshold: the biases (32 elements) stay whole, the weights are sharded
 )
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 SCALING = {"init_scale": 2.0**12, "scale_window": 2}
 # fp16 / bf16 tolerances: the masters (rtol, atol), and the half parameters (one more rounding)
 TOL = {"fp16": (1e-3, 1e-4), "bf16": (1e-2, 1e-3)}
@@ -214,10 +213,11 @@ def half_reference(
     whole_names: frozenset[str] | None = None,
     start: Callable[[], nn.Module] = build,
 ) -> dict[str, Any]:
-    """One process, the sharded run's mixed-precision recipe: half parameters and fp32 masters, the same
-    scaler; each microbatch's half gradient of a sharded parameter summed in fp32 (FSDP2's reduce
-    dtype), a whole (small) parameter's summed in half over a replica's microbatches, then averaged over
-    the replicas in fp32 and rounded to half (mp_memory.sharded.reduce_persistent_grads).
+    """One process, the sharded run's mixed-precision recipe (_half_recipe.HalfRecipe: half parameters
+    and fp32 masters, the same scaler); each microbatch's half gradient of a sharded parameter summed in
+    fp32 (FSDP2's reduce dtype), a whole (small) parameter's summed in half over a replica's
+    microbatches, then averaged over the replicas in fp32 and rounded to half
+    (mp_memory.sharded.reduce_persistent_grads).
     ``whole_names``: the parameters kept whole (default: those below THRESHOLD elements); ``start``:
     the model (seeded)."""
     dtype = DTYPES[precision]
@@ -230,14 +230,11 @@ def half_reference(
         (n in whole_names) if whole_names is not None else p.numel() < THRESHOLD
         for n, p in zip(names, params, strict=True)
     ]
-    masters = [p.detach().float().clone().requires_grad_() for p in params]
-    opt = half_adamw(masters)
-    scaler = DynamicLossScaler(**SCALING) if precision == "fp16" else None
-    losses, scales, skipped, norms = [], [], [], []
-    last: dict[str, torch.Tensor] = {}
+    recipe = HalfRecipe(params, precision, half_adamw, SCALING)
+    losses = []
     for step in range(HALF_STEPS):
-        scale = scaler.loss_scale if scaler is not None else 1.0
-        sums = [torch.zeros_like(m) for m in masters]
+        scale = recipe.scale
+        sums = [torch.zeros_like(m) for m in recipe.masters]
         per_replica = []
         for r in range(replicas):
             model.zero_grad()
@@ -260,29 +257,15 @@ def half_reference(
         ]
         if step == overflow_step:
             grads[names.index(OVERFLOW_PARAM)].view(-1)[-1] = float("inf")
-        overflow = scaler is not None and any(not torch.isfinite(g).all() for g in grads)
-        if not overflow:
-            for m, g in zip(masters, grads, strict=True):
-                m.grad = g / scale
-            last = {n: m.grad.clone() for n, m in zip(names, masters, strict=True)}
-            norms.append(float(torch.nn.utils.clip_grad_norm_(masters, clip)))
-            opt.step()
-            with torch.no_grad():
-                for p, m in zip(params, masters, strict=True):
-                    p.copy_(m)
-        if scaler is not None:
-            scaler.update(overflow)
+        recipe.step(grads, clip)
         losses.append(per_replica)
-        scales.append(scale)
-        skipped.append(overflow)
     return {
         "losses": losses,
-        "scales": scales,
-        "skipped": skipped,
-        "norms": norms,
-        "masters": dict(zip(names, [m.detach() for m in masters], strict=True)),
+        "scales": recipe.scales,
+        "skipped": recipe.skipped,
+        "norms": recipe.norms,
+        "masters": dict(zip(names, [m.detach() for m in recipe.masters], strict=True)),
         "params": model.state_dict(),
-        "grads": last,
     }
 
 

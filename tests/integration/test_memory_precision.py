@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 import mp as smp
-from mp_memory.loss_scaler import DynamicLossScaler
-from tests.integration._half_recipe import SCALING, _check, _config, _train
+from tests.integration._half_recipe import SCALING, HalfRecipe, _check, _config, _train
 from tests.mp_pipeline.models import batch, build
 
 
@@ -133,10 +132,8 @@ def _tp_fp16(world: Any) -> dict[str, Any]:
         return loss
 
     # the same recipe in one process, on the unsplit model
-    masters = [p.detach().float().clone().requires_grad_() for p in reference.parameters()]
-    ref_opt = torch.optim.SGD(masters, lr=0.1)
-    scaler = DynamicLossScaler(**TP_SCALING)
-    skipped, ref_skipped = [], []
+    recipe = HalfRecipe(reference.parameters(), "fp16", lambda ms: torch.optim.SGD(ms, lr=0.1), TP_SCALING)
+    skipped = []
     for s in range(4):
         x, y = _mlp_data(s)
         opt.zero_grad()
@@ -144,20 +141,10 @@ def _tp_fp16(world: Any) -> dict[str, Any]:
         opt.step()
         skipped.append(opt.overflow)
         reference.zero_grad()
-        scale = scaler.loss_scale
-        (torch.nn.functional.mse_loss(reference(x.half()).float(), y) * scale).backward()
-        overflow = any(not torch.isfinite(p.grad).all() for p in reference.parameters())  # type: ignore[arg-type]
-        if not overflow:
-            for p, m in zip(reference.parameters(), masters, strict=True):
-                m.grad = p.grad.float() / scale  # type: ignore[union-attr]
-            ref_opt.step()
-            with torch.no_grad():
-                for p, m in zip(reference.parameters(), masters, strict=True):
-                    p.copy_(m)
-        scaler.update(overflow)
-        ref_skipped.append(overflow)
+        (torch.nn.functional.mse_loss(reference(x.half()).float(), y) * recipe.scale).backward()
+        recipe.step([p.grad.float() for p in recipe.params], None)  # type: ignore[union-attr]
     got = model.state_dict()  # the TP shards gathered
-    want = dict(zip([n for n, _ in reference.named_parameters()], masters, strict=True))
+    want = dict(zip([n for n, _ in reference.named_parameters()], recipe.masters, strict=True))
     far = {n: (got[n].float() - want[n]).abs().max().item() for n in want}
     # the full half state would hold each TP rank's own shards: refused both ways, the partial one works
     refused = []
@@ -170,7 +157,7 @@ def _tp_fp16(world: Any) -> dict[str, Any]:
     opt.load_state_dict(local)
     return {
         "skipped": skipped,
-        "ref_skipped": ref_skipped,
+        "ref_skipped": recipe.skipped,
         "far": far,
         "dtype": str(got["fc1.weight"].dtype),
         "refused": refused,
