@@ -1,12 +1,14 @@
 """Predicted against measured stage times of mp's default auto-partition (pp = 2, 2 ranks, CPU).
 
-For the looped GPT and HF GPT-2 of benchmarks/models.py, wrapped as users write them
-under the default config (``memory_weight`` unset: time balanced), this runs ``--steps`` steps at
-``m`` microbatches while the pipeline timeline records, then prints the plan report: each stage's
+For the models of benchmarks/models.py (by default the looped GPT and HF GPT-2; ``cnn`` is the
+ResNet-style CNN whose stages are ``nn.Sequential`` containers), wrapped as users write them under the
+default config (``memory_weight`` unset: time balanced), this runs ``--steps`` steps at each ``m`` of
+``--microbatches`` while the pipeline timeline records, then prints the plan report: each stage's
 forward + backward milliseconds per microbatch as the partitioner predicted them from the timed step
 (with the remote-call overhead) and as the timeline measured them (busy time, waits cut out).
 
-    python -m benchmarks.partition_stage_times [--models gpt gpt2] [--microbatches 8] [--steps 3] [--ab 3]
+    python -m benchmarks.partition_stage_times [--models gpt gpt2 cnn] [--microbatches 4 8 16]
+        [--steps 3] [--ab 3]
 
 ``--ab N`` adds N interleaved rounds of the default plan against the plan mp computed before time
 balancing (memory_weight 0.8, module calls, the seed's algorithm; loaded from a partition_file).
@@ -205,7 +207,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--models", nargs="*", default=["gpt", "gpt2"], choices=["gpt", "gpt2", "t5", "cnn"])
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[8], help="values of m")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--ab", type=int, default=0, help="also compare with the old plan: this many rounds")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -213,10 +215,10 @@ def main() -> None:
     if not under_mpi():
         sys.exit(relaunch(__file__, RANKS))
     torch.set_num_threads(1)
-    sections = [calibrate(args.microbatches, args.steps)]
-    sections += [run(name, args.microbatches, args.steps) for name in args.models]
+    sections = [calibrate(args.microbatches[0], args.steps)]
+    sections += [run(name, m, args.steps) for name in args.models for m in args.microbatches]
     if args.ab:
-        sections += [compare(name, args.microbatches, args.ab, args.steps) for name in args.models]
+        sections += [compare(name, m, args.ab, args.steps) for name in args.models for m in args.microbatches]
     if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")) == "0":
         text = "# Predicted and measured stage times (benchmarks/partition_stage_times.py)\n\n" + "\n".join(
             s for s in sections if s is not None

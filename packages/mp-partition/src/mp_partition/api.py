@@ -268,7 +268,8 @@ def auto_partition(
     plan fits. Without times, None means smp's 0.8.
 
     The seed's algorithm (tree segmentation, D'Hondt) gives a first plan; with ``refine_balance`` (None:
-    when ``times`` are given) subtrees then move across stage boundaries while that lowers the largest
+    when ``times`` are given) subtrees (whole blocks, or the children of a pure container such as an
+    ``nn.Sequential`` of blocks) then move across stage boundaries while that lowers the largest
     stage load, counting what the other stages already carry and ``call_overhead_s`` /
     ``callee_overhead_s`` per call between modules on different stages (:mod:`mp_partition.balance`);
     the plan then predicts each stage's seconds per microbatch. A model with fewer ModuleNodes than

@@ -12,13 +12,19 @@ different stages, ``caller_overhead`` on the caller's stage and ``callee_overhea
 :func:`refine` then moves single-stage subtrees ("units") across the boundaries between consecutive
 units on different stages, one move at a time, always the move that lowers the largest load most
 (ties: the lower sum of squared loads, then the earlier candidate, whole units before their parts),
-until no move helps. A candidate is a boundary unit; with ``split``, also the part of it next to the
-boundary (its last child when moving forward, its first when moving back, recursively), so a block
-can be cut. ``auto_partition`` moves whole units only: a cut block adds a round trip in the middle of
-the block that the busy-time overheads do not price (on the looped GPT at pp = 2, cutting block 3's
-last Linear made the step 11% slower in an interleaved A/B, benchmarks/partition_stage_times.py).
-Moves happen at boundaries only, so the plan still reads as a pipeline.
-Deterministic: the same tree, costs and calls give the same plan on every rank.
+until no move helps. A candidate is a boundary unit or, where the unit is a pure container
+(:attr:`ModuleNode.is_container`: its own code ran no tensor operation in the trace, as an
+``nn.Sequential`` of blocks or an ``nn.ModuleList``), the part of it next to the boundary: its last child
+when moving forward, its first when moving back, and so on down while that part is a container too.
+Splitting a container adds a call boundary between two of its children, priced like any other, and no
+round trip through the container, which computes nothing; a container whose children end up on two
+stages stays on the stage of its first child (the one its caller reaches first), so that the calls
+still go forward. With ``split`` any unit may be split that way, blocks included; ``auto_partition``
+never splits a block with its own compute: the cut adds a round trip in the middle of the block (the
+block's own code needs the output back) that the busy-time overheads do not price (on the looped GPT at
+pp = 2, cutting block 3's last Linear made the step 11% slower in an interleaved A/B,
+benchmarks/partition_stage_times.py). Moves happen at boundaries only, so the plan still reads as a
+pipeline. Deterministic: the same tree, costs and calls give the same plan on every rank.
 """
 
 from __future__ import annotations
@@ -107,14 +113,15 @@ def refine(
     split: bool = False,
     max_moves: int = 1000,
 ) -> dict[int, int]:
-    """A copy of ``device`` with boundary units moved while that lowers the largest stage load; with
-    ``split``, also the part of a unit next to the boundary (its first or last child, recursively)."""
+    """A copy of ``device`` with boundary units moved while that lowers the largest stage load: a whole
+    unit, or the part of a pure container next to the boundary (its first or last child, recursively);
+    with ``split``, the part next to the boundary of any unit."""
     nodes = list(root.walk())
     current = dict(device)
     score = _score(stage_loads(nodes, current, num_stages, calls))
     for _ in range(max_moves):
         seq = units(root, current)
-        best: tuple[tuple[float, float], ModuleNode, int] | None = None
+        best: tuple[tuple[float, float], dict[int, int]] | None = None
         for i, unit in enumerate(seq):
             here = current[unit.index]
             for j in (i - 1, i + 1):
@@ -127,18 +134,27 @@ def refine(
                     trial = dict(current)
                     for n in piece.walk():
                         trial[n.index] = target
+                    _follow_first_child(piece, trial)
                     if here in trial.values():  # never empty a stage that had modules
                         s = _score(stage_loads(nodes, trial, num_stages, calls))
                         if _better(s, score) and (best is None or _better(s, best[0])):
-                            best = (s, piece, target)
-                    kids = piece.children if split else []
+                            best = (s, trial)
+                    kids = piece.children if split or piece.is_container else []
                     piece = (kids[0] if j < i else kids[-1]) if kids else None
         if best is None:
             break
-        score, piece, target = best
-        for n in piece.walk():
-            current[n.index] = target
+        score, current = best
     return current
+
+
+def _follow_first_child(piece: ModuleNode, device: dict[int, int]) -> None:
+    """The pure containers above a moved ``piece`` (innermost first, up to the first that is not one)
+    take the stage of their first child: a container's caller reaches it first, then its children in
+    order, so the calls keep going forward, and a container whose children all moved moves with them."""
+    node = piece.parent
+    while node is not None and node.is_container:
+        device[node.index] = device[node.children[0].index]
+        node = node.parent
 
 
 def subtree_devices(root: ModuleNode, device: Mapping[int, int]) -> dict[int, tuple[int, ...]]:

@@ -57,8 +57,20 @@ class ModuleNode:
     backward when the step was timed (:mod:`mp_partition.timing`), else the trace's forward time."""
     first_call: int | None = None
     """Earliest first-call sequence number in this node's subtree (None when nothing in it ran)."""
+    own_ops: int | None = None
+    """Torch operations returning a tensor that the node's modules ran in their own code (their
+    submodules' excluded), in the trace; None without a trace that counted them."""
     own_cost: float = 0.0
     cost: float = 0.0
+
+    @property
+    def is_container(self) -> bool:
+        """Whether the node only holds and calls its children: it has children, is not the root, and its
+        own code ran no tensor operation in the trace (an ``nn.Sequential`` chaining its children, an
+        ``nn.ModuleList`` that never runs). Where its children run does not add a round trip through it,
+        so the balancer may split it between stages; a block whose own forward computes (a residual
+        add, attention) is not one. Decided from the trace, not from the class."""
+        return bool(self.children) and self.parent is not None and self.own_ops == 0
 
     @property
     def path(self) -> str:
@@ -206,6 +218,9 @@ def build_module_tree(
                         if node.first_call is None
                         else min(node.first_call, stats.first_call)
                     )
+        if trace is not None:
+            counted = [trace.stats(e.path).own_ops for e in group]
+            node.own_ops = None if None in counted else sum(c for c in counted if c is not None)
         if times is not None:  # a timed step (forward + backward) supersedes the trace's forward times
             node.self_time_s = sum(times.total_s(e.path) for e in group)
         nodes[ci] = node

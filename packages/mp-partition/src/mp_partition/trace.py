@@ -3,7 +3,11 @@
 For each module the trace records how often it ran, when it first ran (a global sequence number, which
 gives every parent the order in which its children execute), its forward time when measured (inclusive,
 and exclusive of its direct submodules), the bytes that autograd saved for backward while the module was
-the innermost one running (its activation memory), and the bytes of its outputs.
+the innermost one running (its activation memory), the bytes of its outputs, and how many torch
+operations returning a tensor its own code ran (not its submodules': a ``TorchFunctionMode`` counts each
+operation for the innermost running module). A module that ran none only hands tensors between its
+submodules, as ``nn.Sequential`` does, or never ran at all, as ``nn.ModuleList``: a pure container, which
+the balancer may split between stages (:mod:`mp_partition.balance`).
 
 Saved tensors are counted through ``torch.autograd.graph.saved_tensors_hooks`` whose pack hook keeps only
 a byte count, so tracing holds no activations: memory stays that of inference. On the meta device
@@ -18,13 +22,14 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from ._walk import walk_modules
@@ -61,6 +66,9 @@ class ModuleStats:
     """Bytes autograd saved for backward by operations run directly in this module."""
     output_bytes: int = 0
     """Bytes of the tensors the module returned."""
+    own_ops: int | None = None
+    """Torch operations returning a tensor that the module's own code ran (its submodules' excluded);
+    None when the trace did not count them (a trace saved by an older version)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +78,7 @@ class ModuleStats:
             "self_time_s": self.self_time_s,
             "saved_bytes": self.saved_bytes,
             "output_bytes": self.output_bytes,
+            "own_ops": self.own_ops,
         }
 
     @classmethod
@@ -81,6 +90,7 @@ class ModuleStats:
             self_time_s=None if data["self_time_s"] is None else float(data["self_time_s"]),
             saved_bytes=int(data["saved_bytes"]),
             output_bytes=int(data["output_bytes"]),
+            own_ops=None if data.get("own_ops") is None else int(data["own_ops"]),
         )
 
 
@@ -132,6 +142,14 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return int(t.numel()) * int(t.element_size())
 
 
+def _has_tensor(obj: object, depth: int = 0) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if depth < 4 and isinstance(obj, (list, tuple)):
+        return any(_has_tensor(v, depth + 1) for v in obj)
+    return False
+
+
 def _output_bytes(obj: object, seen: set[int], depth: int = 0) -> int:
     if isinstance(obj, torch.Tensor):
         if id(obj) in seen:
@@ -172,6 +190,26 @@ def _unpack(_: object) -> torch.Tensor:
     )
 
 
+class _OpCounter(TorchFunctionMode):
+    """Counts, for the innermost running module, the torch operations that return a tensor."""
+
+    def __init__(self, count: Callable[[], None]) -> None:
+        super().__init__()
+        self._count = count
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if _has_tensor(out):
+            self._count()
+        return out
+
+
 class Tracer:
     """Context manager that records module statistics for whatever forward passes run inside it.
 
@@ -208,6 +246,7 @@ class Tracer:
         self._first: dict[str, int] = {}
         self._saved: dict[str, int] = {}
         self._outputs: dict[str, int] = {}
+        self._ops: dict[str, int] = {}
         self._order: dict[str, list[str]] = {}
         self._seen_saved: dict[Any, weakref.ReferenceType[torch.Tensor]] = {}
         self._grad_recorded = False
@@ -257,6 +296,11 @@ class Tracer:
         call.end = self._now()
         self._outputs[path] = self._outputs.get(path, 0) + _output_bytes(output, set())
 
+    def _count_op(self) -> None:
+        if self._stack and threading.get_ident() == self._thread:
+            path = self._calls[self._stack[-1]].path
+            self._ops[path] = self._ops.get(path, 0) + 1
+
     def _pack(self, tensor: torch.Tensor) -> _Unpackable:
         nbytes = _tensor_bytes(tensor)
         if not self._stack or threading.get_ident() != self._thread:
@@ -301,6 +345,7 @@ class Tracer:
                 )
             stack.callback(self._remove_hooks)
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+            stack.enter_context(_OpCounter(self._count_op))
             _TRACING.depth = getattr(_TRACING, "depth", 0) + 1
             stack.callback(_leave_tracing)
         except BaseException:
@@ -356,6 +401,7 @@ class Tracer:
                 self_time_s=(exclusive.get(p, 0.0) if ran else 0.0) if self.measures else None,
                 saved_bytes=self._saved.get(p, 0),
                 output_bytes=self._outputs.get(p, 0),
+                own_ops=self._ops.get(p, 0),
             )
         return TraceResult(
             modules=MappingProxyType(modules),
