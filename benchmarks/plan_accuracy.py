@@ -26,7 +26,7 @@ predicted and compared with mp's measured step time and per-rank memory:
   rank: parameters, gradients and optimizer state, and the peak of the distinct storages that autograd's
   saved tensors keep alive during a steady step, in every thread (mp's pipeline runs stages in worker
   threads; saved-tensor hooks are thread-local), parameters' own storage left out (:class:`_SavedTracker`).
-  Ranks beyond the host's cores share them: the calibrated rate is scaled by cores / ranks.
+  Ranks beyond the host's cores take turns on them: the planner's ``Cluster.cores_per_host``.
 
 Run: ``python -m benchmarks.plan_accuracy [--part papers|machine|predict|all]``; results go to
 benchmarks/results/plan_accuracy.json and .md (the part not run is kept from the JSON; ``predict`` runs
@@ -226,9 +226,23 @@ def atp_consistency() -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ machine
-def _cpu(rate: float) -> Any:
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _cpu(rate: float, cores: int | None = None) -> Any:
+    """The cpu preset at ``rate`` FLOP/s per rank, on this host's cores (``cores``: 0 gives each rank a
+    core of its own), as calibrate_cpu makes it."""
     _, _, get_cluster = _load()
-    return get_cluster("cpu").with_(peak_flops_fp32=rate, peak_flops_half=rate, compute_efficiency=1.0)
+    return get_cluster("cpu").with_(
+        peak_flops_fp32=rate,
+        peak_flops_half=rate,
+        compute_efficiency=1.0,
+        cores_per_host=_cores() if cores is None else cores,
+    )
 
 
 def _step_flops(prof: Any, batch: int) -> float:
@@ -655,9 +669,10 @@ def memory_row(
     ranks, pins, batch = MEMORY_VARIANTS[variant]
     fastest = min(runs, key=_step_of)
     measured_step = _step_of(fastest)
-    # the calibration is one rank on a core of its own; more ranks than cores share them
-    cores = os.cpu_count() or 1
-    clus = _cpu(rate * min(1.0, cores / ranks)).with_(devices_per_host=ranks)
+    # the calibration is one rank on a core of its own; more ranks than cores take turns on them (the
+    # planner's cores_per_host)
+    cores = _cores()
+    clus = _cpu(rate).with_(devices_per_host=ranks)
     kwargs = {"checkpointing": False, "shard_optimizer_state": False, "sdp": False, "offload": False}
     kwargs.update(pins)
     res = plan.plan(prof, global_batch=batch, cluster=clus, **kwargs)
@@ -686,7 +701,7 @@ def memory_row(
     work_s = None
     if calibration_cpu:  # the same layout at the CPU-time rate, one core per rank (CPU time is per rank)
         rate_cpu = _step_flops(prof, 8) / min(calibration_cpu)
-        clus_cpu = _cpu(rate_cpu).with_(devices_per_host=ranks)
+        clus_cpu = _cpu(rate_cpu, cores=0).with_(devices_per_host=ranks)
         cpu_est = plan.plan(prof, global_batch=batch, cluster=clus_cpu, **kwargs).estimates[0]
         work_s = cpu_est.step_time - cpu_est.time.bubble  # all but idling: MPI and gloo spend CPU
     total_p, total_m = sum(predicted_mem.values()), sum(measured_mem.values())

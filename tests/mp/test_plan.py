@@ -18,13 +18,14 @@ from mp.plan import (
     ModelProfile,
     PlanError,
     StageProfile,
+    calibrate_cpu,
     estimate,
     get_cluster,
     profile_model,
     split_stages,
 )
 from mp.plan.cli import main as plan_main
-from mp.plan.report import checked_config, render_timeline
+from mp.plan.report import checked_config, format_estimates, render_timeline
 from tests.mp.plan_models import FACTORY, free_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -241,6 +242,46 @@ def test_zero1_adds_torch_zeros_parameter_broadcasts_after_the_step() -> None:
     )
     scatter = (rdp - 1) / rdp * params * 4 / bw + (rdp - 1) * lat
     assert smp_way.time.dp_comm == pytest.approx(scatter + (rdp - 1) / rdp * params * 4 / bw + tensors * lat)
+
+
+def test_more_ranks_than_cores_take_turns_on_them() -> None:
+    # 1 FLOP/s per rank: forward 1 s and backward 2 s per microbatch and stage, nothing else costs
+    stage = _stage(0, 10, flops=1.0)
+    common = {"seq_len": 1, "hidden": 1}
+    dp4 = Layout(pp=1, tp=1, rdp=4, microbatches=1)
+    own = estimate(dp4, (stage,), free_cluster(devices_per_host=4), global_batch=4, **common)
+    shared = estimate(
+        dp4, (stage,), free_cluster(devices_per_host=4, cores_per_host=2), global_batch=4, **common
+    )
+    assert own.step_time == pytest.approx(3.0) and own.time.shared_cores == 0.0
+    # 4 ranks of 3 s of work on 2 cores: 6 s, the 3 s beyond the work waiting for a core
+    assert shared.step_time == pytest.approx(4 * 3.0 / 2)
+    assert shared.time.shared_cores == pytest.approx(3.0)
+    assert shared.step_time == pytest.approx(shared.time.total)
+    one = estimate(
+        dp4, (stage,), free_cluster(devices_per_host=4, cores_per_host=1), global_batch=4, **common
+    )
+    assert one.step_time == pytest.approx(12.0) and one.time.bottleneck() == "shared cores"
+    # as many cores as ranks: nothing shared
+    enough = free_cluster(devices_per_host=4, cores_per_host=4)
+    assert estimate(dp4, (stage,), enough, global_batch=4, **common).step_time == pytest.approx(3.0)
+    # GPipe, pp=2, m=2: the simulated step is (m + pp - 1) x 3 = 9 s with a bubble, but both stages' 12 s
+    # of work on one core need 12 s (one rank's bubble is the other's turn on the core)
+    pp2 = Layout(pp=2, tp=1, rdp=1, microbatches=2, schedule="simple", active_microbatches=2)
+    stages = (_stage(0, 10, flops=1.0), _stage(1, 10, flops=1.0))
+    alone = estimate(pp2, stages, free_cluster(devices_per_host=2), global_batch=2, **common)
+    one_core = estimate(
+        pp2, stages, free_cluster(devices_per_host=2, cores_per_host=1), global_batch=2, **common
+    )
+    assert alone.step_time == pytest.approx(9.0)
+    assert one_core.step_time == pytest.approx(12.0) and one_core.time.shared_cores == pytest.approx(3.0)
+    with pytest.raises(PlanError, match="cores_per_host=-1"):
+        free_cluster(cores_per_host=-1)
+    # the cpu preset's calibration counts the cores this process may run on; the report says they are shared
+    calibrated = calibrate_cpu(seconds=0.01, size=32)
+    assert calibrated.cores_per_host == len(os.sched_getaffinity(0))
+    over = calibrated.with_(devices_per_host=2 * calibrated.cores_per_host)
+    assert "ranks per host on" in format_estimates([shared], over)
 
 
 def test_remote_calls_are_counted_from_the_trace_and_cost_the_clusters_call_overhead() -> None:

@@ -71,6 +71,12 @@ class Cluster:
     eager PyTorch runs them (``ModelProfile.traffic``). GPU presets: the data sheet's memory bandwidth.
     0: not costed apart from ``compute_efficiency`` (the ``cpu`` preset's FLOP/s is calibrated on whole
     steps, which hold that work already)."""
+    cores_per_host: int = 0
+    """CPU cores per host that the ranks compute on, where the "devices" are CPU cores (the ``cpu``
+    preset, one thread per rank as its calibration measures): a layout with more ranks on a host than
+    it has cores time-shares them, and a step lasts at least the host's work over its cores
+    (:func:`mp.plan.estimate.estimate`). 0: every device computes on its own (GPUs). ``calibrate_cpu``
+    sets it to the CPUs the planning process may run on."""
     overlaps_comm: bool = True
     """Whether a collective runs beside compute (GPUs: on its own engine; the 2-core CPU host: no,
     benchmarks/results/dp_overlap.md measured the overlapped reduction 1.08x slower there)."""
@@ -80,6 +86,13 @@ class Cluster:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name in ("name", "source", "overlaps_comm"):
+                continue
+            if f.name == "cores_per_host":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise PlanError(
+                        f"Cluster.cores_per_host={value!r} is invalid: expected an int >= 0 (0: a device "
+                        "computes on its own)"
+                    )
                 continue
             if f.name in ("call_overhead", "c10d_latency", "c10d_bandwidth", "elementwise_bandwidth"):
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -100,6 +113,13 @@ class Cluster:
     @property
     def world(self) -> int:
         return self.devices_per_host * self.hosts
+
+    @property
+    def ranks_per_core(self) -> float:
+        """Ranks per CPU core of a host when every device runs a rank (1: nothing time-shared)."""
+        if self.cores_per_host <= 0:
+            return 1.0
+        return max(1.0, self.devices_per_host / self.cores_per_host)
 
     def flops(self, half: bool) -> float:
         """Sustained FLOP/s of one device."""
@@ -213,7 +233,10 @@ PRESETS: dict[str, Cluster] = {
 
 def calibrate_cpu(cluster: Cluster | None = None, *, seconds: float = 0.5, size: int = 256) -> Cluster:
     """The ``cpu`` preset with its FLOP/s measured: float32 matmuls of ``size`` x ``size`` on one thread
-    (a rank's share of the host, as mp-launch binds ranks) for about ``seconds``."""
+    (a rank's share of the host, as mp-launch binds ranks) for about ``seconds``; ``cores_per_host``:
+    the CPUs this process may run on (more ranks than that time-share them)."""
+    import os
+
     import torch
 
     base = cluster or PRESETS["cpu"]
@@ -232,11 +255,17 @@ def calibrate_cpu(cluster: Cluster | None = None, *, seconds: float = 0.5, size:
         rate = 2.0 * size**3 * n / (time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
     return base.with_(
         peak_flops_half=rate,
         peak_flops_fp32=rate,
         compute_efficiency=1.0,
-        source=base.source.split("; FLOP/s")[0] + f"; FLOP/s measured now: {rate / 1e9:.1f} GFLOP/s per rank",
+        cores_per_host=cores,
+        source=base.source.split("; FLOP/s")[0]
+        + f"; FLOP/s measured now: {rate / 1e9:.1f} GFLOP/s per rank; {cores} cores",
     )
 
 

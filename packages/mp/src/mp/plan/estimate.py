@@ -22,7 +22,9 @@ each rank's broadcast of the parameters it stepped, one per parameter tensor, as
 ``ZeroRedundancyOptimizer`` does; what the last micro-batch's backward hides of it where mp
 overlaps it, see ``overlap_dp``), and the optimizer
 step (parameters and states streamed through device memory once). Activation offloading is taken as
-overlapped with compute (its traffic is reported, not added).
+overlapped with compute (its traffic is reported, not added). On a host with more ranks than CPU cores
+(``Cluster.cores_per_host``) the ranks take turns: the step lasts at least the host's work (each rank's
+forward and backward work, reduction and optimizer step) over its cores.
 
 Memory per device, for the stage that needs most: parameters, gradients, fp32 master copies (mixed
 precision) and Adam's two states, each divided by ``tp``; the master copies and optimizer state also by
@@ -162,11 +164,14 @@ class TimeBreakdown:
     """mp's pipeline runtime's cost of the remote calls (``Cluster.call_overhead`` each)."""
     memory_bound: float = 0.0
     """The operations other than matrix products, at ``Cluster.elementwise_bandwidth``."""
+    shared_cores: float = 0.0
+    """Waiting for a core: a host with more ranks than CPU cores (``Cluster.cores_per_host``) runs them
+    in turn, and the step lasts at least the host's work over its cores."""
 
     @property
     def total(self) -> float:
         parts = (self.compute, self.tp_comm, self.p2p, self.calls, self.bubble, self.dp_comm, self.optimizer)
-        return sum(parts) + self.memory_bound
+        return sum(parts) + self.memory_bound + self.shared_cores
 
     def bottleneck(self) -> str:
         parts = {
@@ -178,6 +183,7 @@ class TimeBreakdown:
             "optimizer step": self.optimizer,
             "pipeline calls": self.calls,
             "memory-bound ops": self.memory_bound,
+            "shared cores": self.shared_cores,
         }
         return max(parts, key=lambda k: parts[k])
 
@@ -385,6 +391,14 @@ def estimate(
         if best is None or cand.total > best.total:
             best = cand
     assert best is not None
+    step = makespan + dp + opt
+    shared = 0.0
+    if cluster.ranks_per_core > 1:
+        # the host's ranks compute on its cores in turn (one thread each): the step lasts at least their
+        # work over the cores; one rank's waits (the bubble, a peer's collective) overlap another's work
+        ranks_per_stage = tp * layout.rdp / cluster.hosts
+        work = ranks_per_stage * sum(m * (fwd[s] + bwd[s]) + dp + opt for s in range(layout.pp))
+        shared = max(0.0, work / cluster.cores_per_host - step)
     compute = m * comp[crit]
     time = TimeBreakdown(
         compute=compute,
@@ -395,12 +409,13 @@ def estimate(
         bubble=bubble,
         dp_comm=dp,
         optimizer=opt,
+        shared_cores=shared,
     )
     return Estimate(
         layout=layout,
         global_batch=global_batch,
         microbatch_size=b,
-        step_time=makespan + dp + opt,
+        step_time=step + shared,
         time=time,
         memory=best,
         fits=best.total <= cluster.device_memory_bytes,

@@ -78,6 +78,12 @@ def format_estimates(
         f"cluster {cluster.name}: {cluster.hosts} host(s) x {cluster.devices_per_host} devices, "
         f"{cluster.device_memory_bytes / _GB:.1f} GB usable per device"
     )
+    if cluster.ranks_per_core > 1:
+        lines.append(
+            f"{cluster.devices_per_host} ranks per host on {cluster.cores_per_host} CPU cores: they take "
+            f"turns ({cluster.ranks_per_core:.3g} ranks per core), each step at least the host's work over "
+            "its cores ('shared cores')"
+        )
     lines += [
         "  ".join(
             c.ljust(w) if j == 1 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True))
@@ -120,6 +126,7 @@ def to_dict(est: Estimate) -> dict[str, Any]:
             "optimizer": t.optimizer,
             "calls": t.calls,
             "memory_bound": t.memory_bound,
+            "shared_cores": t.shared_cores,
         },
         "memory_bytes": {
             "stage": m.stage,
