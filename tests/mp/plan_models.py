@@ -96,6 +96,8 @@ def free_cluster(**changes: object) -> Cluster:
         memory_bandwidth=1e30,
         c10d_latency=0.0,
         c10d_bandwidth=0.0,
+        c10d_reduce_scatter_latency=0.0,
+        c10d_reduce_scatter_bandwidth=0.0,
         call_overhead=0.0,
         device_memory_bytes=1000 * GB,
         devices_per_host=64,

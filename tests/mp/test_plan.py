@@ -244,6 +244,25 @@ def test_zero1_adds_torch_zeros_parameter_broadcasts_after_the_step() -> None:
     assert smp_way.time.dp_comm == pytest.approx(scatter + (rdp - 1) / rdp * params * 4 / bw + tensors * lat)
 
 
+def test_sdp_costs_fsdp2s_gathers_and_reduce_scatters_per_unit() -> None:
+    params, layers, rdp, bw, lat, rs_bw, rs_lat = 1_000_000, 3, 4, 1e9, 1e-3, 2.5e8, 4e-3
+    stage = _stage(0, params, flops=0.0, layers=layers)
+    common = {"global_batch": rdp, "seq_len": 1, "hidden": 1, "overlap_dp": False}
+    sdp = Layout(pp=1, tp=1, rdp=rdp, microbatches=1, sdp=rdp)
+    clus = free_cluster(c10d_bandwidth=bw, c10d_latency=lat)
+    units = layers + 1  # a unit per layer and the root
+    # per unit two all-gathers of parameters (forward, backward) and a reduce-scatter of gradients, each
+    # moving (n - 1) / n of the unit's bytes at the bus bandwidth
+    gathers = (rdp - 1) / rdp * 2 * params * 4 / bw + 2 * units * lat
+    same = estimate(sdp, (stage,), clus, **common)
+    assert same.time.dp_comm == pytest.approx(gathers + (rdp - 1) / rdp * params * 4 / bw + units * lat)
+    own = clus.with_(c10d_reduce_scatter_bandwidth=rs_bw, c10d_reduce_scatter_latency=rs_lat)
+    apart = estimate(sdp, (stage,), own, **common)
+    assert apart.time.dp_comm == pytest.approx(
+        gathers + (rdp - 1) / rdp * params * 4 / rs_bw + units * rs_lat
+    )
+
+
 def test_more_ranks_than_cores_take_turns_on_them() -> None:
     # 1 FLOP/s per rank: forward 1 s and backward 2 s per microbatch and stage, nothing else costs
     stage = _stage(0, 10, flops=1.0)

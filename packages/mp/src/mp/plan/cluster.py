@@ -58,7 +58,14 @@ class Cluster:
     ZeroRedundancyOptimizer and FSDP2 run under shard_optimizer_state and sdp; mp's own gradient
     reduction is not one); 0: the link's latency."""
     c10d_bandwidth: float = 0.0
-    """Bytes/s of those collectives (algorithm bandwidth); 0: the link's bandwidth."""
+    """Bytes/s of those collectives as a ring's bus bandwidth: a collective over ``n`` ranks moves
+    ``(n - 1) / n`` of its buffer at this rate (a 2-rank benchmark's algorithm bandwidth, buffer / time,
+    times 1/2); 0: the link's bandwidth."""
+    c10d_reduce_scatter_latency: float = 0.0
+    """Seconds per call of a torch.distributed reduce-scatter (FSDP2's gradients); 0: ``c10d_latency``."""
+    c10d_reduce_scatter_bandwidth: float = 0.0
+    """Bus bandwidth of a torch.distributed reduce-scatter (it also sums what it receives, and gloo's runs
+    slower than its all-gather); 0: ``c10d_bandwidth``."""
     call_overhead: float = 0.0
     """Seconds a training step gains per call of a module on another pipeline stage (its forward
     request and response and its backward's), beyond the module's compute and the p2p transfer: mp's
@@ -94,7 +101,14 @@ class Cluster:
                         "computes on its own)"
                     )
                 continue
-            if f.name in ("call_overhead", "c10d_latency", "c10d_bandwidth", "elementwise_bandwidth"):
+            if f.name in (
+                "call_overhead",
+                "c10d_latency",
+                "c10d_bandwidth",
+                "c10d_reduce_scatter_latency",
+                "c10d_reduce_scatter_bandwidth",
+                "elementwise_bandwidth",
+            ):
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                     raise PlanError(
                         f"Cluster.{f.name}={value!r} is invalid: expected a number >= 0 (0: see the field)"
@@ -220,12 +234,15 @@ PRESETS: dict[str, Cluster] = {
         offload_bandwidth=10e9,
         call_overhead=3.543e-3,
         c10d_latency=0.868e-3,
-        c10d_bandwidth=1.69e9,
+        c10d_bandwidth=0.845e9,
+        c10d_reduce_scatter_latency=2.238e-3,
+        c10d_reduce_scatter_bandwidth=0.373e9,
         overlaps_comm=False,
         source="this 2-core development host: p2p mp-mpi 6 GB/s and 90 us (comm_p2p.md); 3.5 ms per "
         "remote call (pipeline_vs_torch.md, per-call overhead: default config, every block on pp_rank 1, "
-        "load 16-18); torch.distributed (gloo) collectives 0.87 ms and 1.69 GB/s (comm_collectives.md, 2 "
-        "ranks, all-gather of 1 KB and of 16 MB); FLOP/s is a placeholder that calibrate_cpu() replaces "
+        "load 16-18); torch.distributed (gloo) collectives 0.87 ms and 0.85 GB/s of bus bandwidth, "
+        "reduce-scatters 2.24 ms and 0.37 GB/s (comm_collectives.md, 2 ranks, 1 KB and 16 MB: 1.69 and "
+        "0.75 GB/s of algorithm bandwidth); FLOP/s is a placeholder that calibrate_cpu() replaces "
         "by a measurement (mp-plan does so for --cluster cpu)",
     ),
 }

@@ -331,12 +331,15 @@ def estimate(
     # torch.distributed's collectives (ZeRO's broadcasts, FSDP2's gathers and reduce-scatters)
     c10d_bw = cluster.c10d_bandwidth or dp_bw
     c10d_lat = cluster.c10d_latency or dp_lat
+    rs_bw = cluster.c10d_reduce_scatter_bandwidth or c10d_bw
+    rs_lat = cluster.c10d_reduce_scatter_latency or c10d_lat
     if layout.sdp > 1:
         # FSDP2, a unit per layer and one for the rest: per unit an all-gather of parameters forward,
         # another backward, a reduce-scatter of gradients
         ranks = layout.rdp
         units = stages[heavy].layers + 1
-        dp = (ranks - 1) / ranks * (grad_bytes + 2 * p_dev * elt) / c10d_bw + 3 * units * c10d_lat
+        dp = (ranks - 1) / ranks * (2 * p_dev * elt / c10d_bw + grad_bytes / rs_bw)
+        dp += units * (2 * c10d_lat + rs_lat)
     elif layout.shard_optimizer_state and zero1_reduce_scatter and layout.rdp > 1:
         ranks = layout.rdp  # each gradient reduced to its owner only (smp paper, Appendix H.1)
         dp = (ranks - 1) / ranks * grad_bytes / dp_bw + (ranks - 1) * dp_lat
