@@ -11,10 +11,10 @@ import torch
 
 from mp_comm.transport import LoopbackHub, TransportConfig
 from mp_pipeline.context import ExecState, TaskContext, applied, capture, current, task_context
+from mp_pipeline.handoffs import Waiter
 from mp_pipeline.messages import TAG, Failure, Handoff, Request, Response, StepId
 from mp_pipeline.schedule import Phase, Task
 from mp_pipeline.server import Server
-from mp_pipeline.server_base import _Slot
 from mp_pipeline.workers import MAIN, Baton, ServerClosed
 
 
@@ -186,7 +186,7 @@ def test_pp_rank0_starts_a_ready_backward_before_the_messages_that_wait(phase: P
     driver = _ScriptedDriver(server, [Task(0, phase)])
     server.serve(driver)
     assert driver.unhandled_at_start == ([1] if phase is Phase.BACKWARD else [0])
-    assert key in server._handed  # the message was handled all the same
+    assert key in server.handoffs  # the message was handled all the same
     transport.close()
 
 
@@ -209,7 +209,7 @@ def test_simple_schedule_starts_its_forwards_before_the_responses_that_wait(case
     )
     driver = _ScriptedDriver(server, [Task(0, Phase.FORWARD), Task(1, Phase.FORWARD)])
     driver.early_forwards = case != "interleaved"
-    slot = _Slot()
+    slot = Waiter()
     server._pending[7] = slot
     resumed: list[int] = []  # how many tasks had started when the paused requester got its response
 

@@ -1,132 +1,78 @@
-"""Fast mode on the server: tensors handed straight from one module's owner to the next one's
-(mp_pipeline.fast), local waits for work of this rank, and posted calls with their acknowledgements
-(mp_pipeline.posted)."""
+"""Fast mode's handed-off tensors on one rank (mp_pipeline.fast), and the threads waiting for them.
+
+A tensor handed to this rank (by another rank's :class:`~mp_pipeline.messages.Handoff`, or by this rank's
+own work) is kept under its key until the request that names it takes it; a thread that wants it first
+waits under that key, as does one that waits for this rank's own work (a posted forward whose output a
+later request refers to). A wait that this rank's own work ends is resumed by the server's main thread
+next (:attr:`HandoffStore.ready`).
+"""
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
-from mp_pipeline.messages import TAG, Handoff, PostedAck, PostedSync, Request, Response
-from mp_pipeline.posted import PostedCheck, digest, shape_of
-from mp_pipeline.server_base import _Slot
-from mp_pipeline.timeline import RECORDER, EventKind
-from mp_pipeline.wire import Wire
+from mp_pipeline.messages import Response
 
-__all__ = ["Handoffs"]
+__all__ = ["HandoffKey", "HandoffStore", "Waiter"]
+
+HandoffKey = tuple[str, int, int, int]
+"""(kind, requester, forward or call id, index): see mp_pipeline.fast."""
 
 
-class Handoffs(Wire):
-    def post(self, dest: int, request: Request, check: PostedCheck) -> None:
-        """Fast mode: send ``request`` without waiting for its response, whose content the requester
-        predicted from earlier steps. On pp_rank 0 (the driver) the owner sends no response unless the
-        call fails or returns data; its digest comes in the owner's :class:`PostedAck` (see
-        :meth:`sync_posted`). Elsewhere the response comes back. ``check`` runs on either (it raises on a
-        failure or a wrong prediction). The step ends only after every posted request is answered."""
-        quiet = self._driver is not None and check.digest is not None
-        request.posted = quiet
-        self._posted[request.request_id] = (dest, check)
-        if quiet:
-            self._posted_to[dest] = self._posted_to.get(dest, 0) + 1
-        if self.replay is not None and self.replay.recording:
-            self.replay.record(dest, request, quiet)
-        self.stats["posted"] += 1
-        if RECORDER.enabled:
-            now = RECORDER.now()
-            self._record(EventKind.REQUEST, request, dest, now, now)
-        self._send_flow(dest, request, request)
+class Waiter:
+    """A paused thread of the server (its baton token) and what resumes it: the response it waits for
+    (Server.call) or the tensor handed over for it."""
 
-    def sync_posted(self) -> None:
-        """pp_rank 0, its tasks done: ask each owner of posted calls not acknowledged yet for its
-        acknowledgement once it has run as many as were posted to it (once per count)."""
-        for dest, count in self._posted_to.items():
-            if self._synced.get(dest) != count:
-                self._synced[dest] = count
-                self.send(dest, PostedSync(self.step, self.rank, count))
+    __slots__ = ("handed", "response")
 
-    def _acknowledged(self, message: PostedAck) -> None:
-        """pp_rank 0: check each acknowledged call's digest against its prediction."""
-        self.stats["acks"] += 1
-        for request_id, got in message.done:
-            entry = self._posted.pop(request_id, None)
-            if entry is not None:
-                entry[1].acked(got)
+    def __init__(self) -> None:
+        self.response: Response | None = None
+        self.handed: torch.Tensor | None = None
 
-    def _sync_wanted(self, message: PostedSync) -> None:
-        """Owner: acknowledge ``message.count`` posted calls of its requester once they have run."""
-        self._ack_wanted[message.requester] = message.count
-        self._maybe_ack(message.requester)
 
-    def _answer_quietly(self, request: Request, response: Response) -> bool:
-        """Owner: whether ``response`` (no failure) to pp_rank 0 is not sent as a message of the flow.
-        A data-free one carries its digest (awaited: sent in full, outside static mode's recording, which
-        must be the same whether or not the call is posted) or is only acknowledged (posted)."""
-        if request.requester != self.peers[0]:
-            return False
-        shape = shape_of(response)
-        if shape is None:
-            if request.posted:  # data after all: sent (the requester finds the flow change), listed as such
-                self._ran_posted(request, None)
-            return False
-        if request.posted:
-            self._ran_posted(request, digest(shape))
+class HandoffStore:
+    """One step's handed-off tensors and the waits for them, by key (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._handed: dict[HandoffKey, torch.Tensor] = {}
+        """Tensors handed to this rank (or kept here) for a later request."""
+        self._awaited: dict[HandoffKey, Waiter] = {}
+        self.ready: collections.deque[Waiter] = collections.deque()
+        """Threads whose wait this rank's own work ended (resumed by the main thread next)."""
+
+    def put(self, key: HandoffKey, tensor: torch.Tensor) -> Waiter | None:
+        """Keep ``tensor`` under ``key``; or, if a thread waits for it, give it to that thread's waiter,
+        returned (the caller resumes it)."""
+        waiter = self._awaited.pop(key, None)
+        if waiter is None:
+            self._handed[key] = tensor
         else:
-            response.digest = digest(shape)
-            self.send(request.requester, response)
-        return True
+            waiter.handed = tensor
+        return waiter
 
-    def _ran_posted(self, request: Request, fingerprint: int | None) -> None:
-        requester = request.requester
-        self._acks.setdefault(requester, []).append((request.request_id, fingerprint))
-        self._ran[requester] = self._ran.get(requester, 0) + 1
-        self._maybe_ack(requester)
+    def pop(self, key: HandoffKey) -> torch.Tensor | None:
+        """The tensor kept under ``key``, no longer kept (None: not here yet)."""
+        return self._handed.pop(key, None)
 
-    def _maybe_ack(self, requester: int) -> None:
-        wanted = self._ack_wanted.get(requester)
-        if wanted is not None and self._ran.get(requester, 0) >= wanted:
-            del self._ack_wanted[requester]
-            done = tuple(self._acks.pop(requester, ()))
-            self.send(requester, PostedAck(self.step, done))
+    def wait(self, key: HandoffKey) -> Waiter:
+        """The waiter of a thread that waits for ``key`` (paused on it by the caller)."""
+        waiter = Waiter()
+        self._awaited[key] = waiter
+        return waiter
 
-    def hand(self, dest: int, key: tuple[str, int, int, int], tensor: torch.Tensor) -> None:
-        """Fast mode: give ``tensor`` to rank ``dest`` (this rank too) for the request that will name
-        ``key`` (see mp_pipeline.fast)."""
-        self.stats["handoffs"] += 1
-        if dest == self.rank:
-            # the consumer here may already wait for it: its request was posted before this one ended
-            waiter = self._awaited.pop(key, None)
-            if waiter is None:
-                self._handed[key] = tensor
-            else:
-                waiter.handed = tensor
-                self._ready.append(waiter)
-        elif not self.closed:
-            self.stats["tensor_bytes"] += tensor.nbytes
-            self.count_sent("Handoff")
-            self._sends.append(self.transport.send(Handoff(self.step, key, tensor), dest, TAG))
-
-    def take(self, key: tuple[str, int, int, int]) -> torch.Tensor:
-        """Fast mode: the tensor handed over under ``key``, waiting for it (the rank serves other work
-        meanwhile): it comes from another rank than the request that names it, in no fixed order."""
-        found = self._handed.pop(key, None)
-        if found is None:
-            found = self._handoff_in_place(key)
-        if found is not None:
-            return found
-        slot = _Slot()
-        self._awaited[key] = slot
-        self.pause(slot)
-        assert slot.handed is not None
-        return slot.handed
-
-    def await_local(self, key: tuple[str, int, int, int]) -> None:
-        """Fast mode: wait (the rank serves other work meanwhile) until this rank's own work calls
-        :meth:`wake` with ``key``."""
-        slot = _Slot()
-        self._awaited[key] = slot
-        self.pause(slot)
-
-    def wake(self, key: tuple[str, int, int, int]) -> None:
-        """Resume the thread that waits for ``key`` in :meth:`await_local`, if any."""
+    def wake(self, key: HandoffKey) -> None:
+        """This rank's own work ended the wait for ``key``, if any: its thread is ready to resume."""
         waiter = self._awaited.pop(key, None)
         if waiter is not None:
-            self._ready.append(waiter)
+            self.ready.append(waiter)
+
+    def __contains__(self, key: object) -> bool:
+        """Whether a tensor is kept under ``key``."""
+        return key in self._handed
+
+    @property
+    def waiting(self) -> int:
+        """How many threads wait for a key."""
+        return len(self._awaited)
