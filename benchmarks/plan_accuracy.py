@@ -8,7 +8,7 @@ Papers (nothing runs; every model is built on the meta device):
 - RoBERTa and BERT 10B, smp paper §7.1 Tables 1-2: 16 x 8 A100, tp=4, pp=1, checkpointing, optimizer
   state sharding, sequence 512, batches 1024 and 8192: 385 and 327 sequences/s. Target: the same order.
 - T5-11B, smp paper Appendix D (Figures 9-10), pp=8: the encoder/decoder partition counts at alpha 1.0
-  (4/4) and 0.2 (3/5).
+  (4/4) and 0.2 (3/5), over assumed source and target lengths (the paper gives none).
 - ATP: the planner's TP time equals ATP's equation 2 for the (tp, 1) mesh of an NVSwitch node at the
   preset's per-direction NVLink bandwidth (300 GB/s; ATP's nvswitch preset counts both directions, 600).
 
@@ -161,33 +161,48 @@ def bert_roberta() -> list[dict[str, Any]]:
     return rows
 
 
+T5_SOURCES = (128, 256, 512)
+T5_TARGETS = (32, 64, 114, 128, 256)
+
+
 def t5_partitions() -> list[dict[str, Any]]:
+    """The encoder/decoder split of T5-11B at pp=8 over assumed source and target lengths (the paper gives
+    none): one sample traced on the meta device per pair, partitioned at alpha 1.0 and 0.2."""
     import torch
 
-    from mp_partition import auto_partition, build_hf_model
+    from mp_partition import auto_partition, build_hf_model, trace_model
 
     rows = []
-    for src, tgt in ((128, 128), (192, 128), (512, 114)):
-        built = build_hf_model("t5-11b", device="meta", seq_len=src)
-        kwargs = dict(built.example_kwargs)
-        kwargs["decoder_input_ids"] = torch.zeros(1, tgt, dtype=torch.long, device="meta")
-        for alpha in (1.0, 0.2):
-            p = auto_partition(built.model, 8, example_kwargs=kwargs, memory_weight=alpha)
-            enc = sorted({v for k, v in p.assignment.items() if k.startswith("encoder.block")})
-            dec = sorted({v for k, v in p.assignment.items() if k.startswith("decoder.block")})
-            costs = [s.cost for s in p.partitions]
-            rows.append(
-                {
-                    "source_len": src,
-                    "target_len": tgt,
-                    "alpha": alpha,
-                    "encoder_partitions": len(enc),
-                    "decoder_partitions": len(dec),
-                    "paper": "4/4" if alpha == 1.0 else "3/5",
-                    "cost_min": min(costs),
-                    "cost_max": max(costs),
-                }
-            )
+    for src in T5_SOURCES:
+        for tgt in T5_TARGETS:
+            built = build_hf_model("t5-11b", device="meta", seq_len=src)
+            kwargs = dict(built.example_kwargs)
+            kwargs["decoder_input_ids"] = torch.zeros(1, tgt, dtype=torch.long, device="meta")
+            trace = trace_model(built.model, (), kwargs)
+            params = {n: p.numel() * 4 for n, p in built.model.named_parameters()}
+            side = {
+                part: sum(v for k, v in params.items() if k.startswith(part + "."))
+                + sum(trace.activation_bytes(k) for k in trace.modules if k.startswith(part + "."))
+                for part in ("encoder", "decoder")
+            }
+            for alpha in (1.0, 0.2):
+                p = auto_partition(built.model, 8, example_kwargs=kwargs, memory_weight=alpha, trace=trace)
+                enc = sorted({v for k, v in p.assignment.items() if k.startswith("encoder.block")})
+                dec = sorted({v for k, v in p.assignment.items() if k.startswith("decoder.block")})
+                costs = [s.cost for s in p.partitions]
+                rows.append(
+                    {
+                        "source_len": src,
+                        "target_len": tgt,
+                        "alpha": alpha,
+                        "encoder_partitions": len(enc),
+                        "decoder_partitions": len(dec),
+                        "decoder_memory_share": side["decoder"] / (side["encoder"] + side["decoder"]),
+                        "paper": "4/4" if alpha == 1.0 else "3/5",
+                        "cost_min": min(costs),
+                        "cost_max": max(costs),
+                    }
+                )
     return rows
 
 
@@ -801,16 +816,37 @@ def markdown(data: dict[str, Any]) -> str:
         )
         out += [
             "",
-            "T5-11B, pp=8 (smp paper Appendix D):",
+            "T5-11B, pp=8 (smp paper Appendix D: 4/4 encoder/decoder partitions at alpha 1.0, 3/5 at 0.2; "
+            "no sequence lengths given). Encoder / decoder partitions at alpha 1.0 by assumed source (rows) "
+            "and target (columns) length, one sample, with the decoder's share of parameters and "
+            "activations:",
             "",
-            "| source / target length | alpha | encoder / decoder partitions | paper | costs |",
-            "|---|---:|---|---|---|",
+            "| source \\ target | " + " | ".join(str(t) for t in T5_TARGETS) + " |",
+            "|---:|" + "---|" * len(T5_TARGETS),
         ]
-        for r in papers["t5"]:
-            out.append(
-                f"| {r['source_len']} / {r['target_len']} | {r['alpha']} | {r['encoder_partitions']} / "
-                f"{r['decoder_partitions']} | {r['paper']} | {r['cost_min']:.3f}-{r['cost_max']:.3f} |"
-            )
+        t5 = papers["t5"]
+        for src in T5_SOURCES:
+            cells = []
+            for tgt in T5_TARGETS:
+                r = next(
+                    (
+                        r
+                        for r in t5
+                        if r["source_len"] == src and r["target_len"] == tgt and r["alpha"] == 1.0
+                    ),
+                    None,
+                )
+                cells.append(
+                    "-"
+                    if r is None
+                    else f"{r['encoder_partitions']}/{r['decoder_partitions']} "
+                    f"({r.get('decoder_memory_share', float('nan')):.0%})"
+                )
+            out.append(f"| {src} | " + " | ".join(cells) + " |")
+        low = sorted(
+            {f"{r['encoder_partitions']}/{r['decoder_partitions']}" for r in t5 if r["alpha"] == 0.2}
+        )
+        out += ["", f"At alpha 0.2: {', '.join(low)} at every length pair (paper: 3/5)."]
         a = papers["atp"]
         out += [
             "",
