@@ -158,6 +158,10 @@ def test_pp_rank_0_sends_no_request_in_the_steady_state(worlds: Any, layout: str
             assert owner["stats"][s]["requests"] == 0, (s, owner["stats"][s])
             if layout == "chain":  # only the first block's input and the last block's gradient
                 assert sent.get("Handoff", 0) == 2 * 2, (s, sent)
+            # the owner serves each microbatch's chain as one run (mp_pipeline.fused): every call but the
+            # first takes the output of the one before as it is, and the run has one backward
+            fused = 2 * (remote_blocks - 1) if layout == "chain" else 0
+            assert owner["stats"][s].get("fused", 0) == fused, (s, owner["stats"][s])
 
 
 def test_a_flow_change_in_a_replayed_step_runs_again_on_the_full_path(worlds: Any) -> None:
@@ -173,6 +177,9 @@ def test_a_flow_change_in_a_replayed_step_runs_again_on_the_full_path(worlds: An
     replayed = [s for s in range(steps) if top["stats"][s]["replayed"]]
     # the step run again learns nothing; the plan, predictions and two recordings take the next 4
     assert replayed == [REPLAYED_FROM, *range(change + 1 + REPLAYED_FROM, steps)], replayed
+    # the change came inside a run that the owner served as one graph
+    fused = [s for s in range(steps) if results[1]["stats"][s].get("fused", 0)]
+    assert fused == replayed, fused
 
 
 def test_a_data_dependent_branch_falls_back_and_stays_exact(worlds: Any) -> None:
@@ -331,3 +338,141 @@ def test_a_failure_in_a_replayed_call_ends_the_step_on_every_rank(worlds: Any) -
         assert r["error"] is not None and r["error"][0] == at, r
     top = results[0]["error"]
     assert "flaky block failed on purpose" in top[2] and "'blocks.4'" in top[2], top
+
+
+class Block(nn.Module):
+    """Linear and tanh, as the chain's blocks, but not an nn.Sequential: activation checkpointing marks it
+    as one call (an nn.Sequential's children would be marked instead)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+class Broken(Looped):
+    """A chain of 8 blocks on rank 1 whose runs are broken three ways: a forward hook inside block 1,
+    block 3 called through smp.checkpoint (its owner runs it under a checkpoint), and the parent reading
+    block 5's output (it adds zero, so the output comes back to rank 0 as data). Block 5 is marked by
+    set_activation_checkpointing, which checkpoints inside its own forward: no boundary. Joined: 4 -> 5
+    and 6 -> 7."""
+
+    READ_AT = 5
+
+    def __init__(self) -> None:
+        super().__init__(8)
+        torch.manual_seed(1)
+        self.blocks[3] = Block()
+        self.blocks[5] = Block()
+        self.hooked = 0
+        self.blocks[1][0].register_forward_hook(self._count)
+        self.distributed = False
+        """Under smp: block 3 through smp.checkpoint (plain PyTorch: called as it is, same values)."""
+
+    def _count(self, module: nn.Module, args: Any, out: Any) -> None:
+        self.hooked += 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for i, block in enumerate(self.blocks):
+            h = smp.checkpoint(block, h) if i == 3 and self.distributed else block(h)
+            if i == self.READ_AT:
+                h = h + 0.0  # the parent reads it: it comes back as data
+        return self.head(h).squeeze(-1)
+
+
+def train_broken(world: Any, steps: int) -> dict[str, Any]:
+    microbatches = 2
+    g = torch.Generator().manual_seed(6)
+    data = [(torch.randn(8, 6, generator=g), torch.randn(8, generator=g)) for _ in range(steps)]
+    ref = Broken()
+    ref_losses = plain_sgd(ref, data, microbatches, lr=0.01)
+    net = Broken()
+    net.distributed = True
+    model, opt, train_step = _trainer(net, dict.fromkeys(range(8), 1), microbatches, None)
+    smp.set_activation_checkpointing(net.blocks[5])
+    assert model._runtime is not None
+    losses, stats = [], []
+    for x, y in data:
+        losses.append(train_step(x, y).reduce_mean().item())
+        opt.step()
+        opt.zero_grad()
+        stats.append({**model._runtime.last_stats, "fell_back": model._runtime.relearned})
+    return {
+        "rank": smp.rank(),
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "params": first_difference(model.state_dict(), ref.state_dict()),
+        "stats": stats,
+        "hooked": net.hooked,
+        "error": None,
+    }
+
+
+def test_hooks_checkpointing_and_reads_break_runs_and_stay_exact(worlds: Any) -> None:
+    """Runs stop where a boundary can be observed: at a module with a hook inside, at a call made through
+    smp.checkpoint and at an output the parent reads; a module marked by set_activation_checkpointing
+    joins. Only 4 -> 5 and 6 -> 7 are joined (per microbatch); the rest is served call by call, and
+    training equals plain PyTorch."""
+    steps = REPLAYED_FROM + 3
+    results = worlds.run(2, train_broken, steps, timeout=300)
+    _exact(results)
+    top, owner = results
+    assert owner["hooked"] > 0, owner  # the hook ran on the owner
+    for s in range(steps):
+        assert top["stats"][s]["fell_back"] == 0, (s, top["stats"][s])
+        if s >= REPLAYED_FROM:
+            assert top["stats"][s]["replayed"] > 0, (s, top["stats"][s])
+            assert owner["stats"][s].get("fused", 0) == 2 * 2, (s, owner["stats"][s])
+
+
+class _FailBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("flaky block failed on purpose in its backward")
+
+
+class FlakyBackward(Flaky):
+    """A block whose backward raises when armed."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = nn.Sequential.forward(self, x)
+        return _FailBackward.apply(out) if self.armed else out  # type: ignore[no-untyped-call]
+
+
+def fail_in_run_backward(world: Any, at: int) -> dict[str, Any]:
+    net = Looped(6)
+    torch.manual_seed(2)
+    net.blocks[2] = FlakyBackward()
+    model, opt, train_step = _trainer(net, dict.fromkeys(range(6), 1), 2, None)
+    assert model._runtime is not None
+    g = torch.Generator().manual_seed(5)
+    error, fused = None, 0
+    for s in range(at + 1):
+        net.blocks[2].armed = s == at  # type: ignore[union-attr]
+        try:
+            train_step(torch.randn(8, 6, generator=g), torch.randn(8, generator=g))
+        except Exception as exc:  # the failure under test
+            error = (s, type(exc).__name__, str(exc))
+            break
+        opt.step()
+        opt.zero_grad()
+        fused += model._runtime.last_stats.get("fused", 0)
+    return {"rank": smp.rank(), "error": error, "fused": fused}
+
+
+def test_a_failure_in_the_backward_of_a_run_ends_the_step_on_every_rank(worlds: Any) -> None:
+    """Block 2 of a run of 6 (rank 1) raises in its backward, which runs inside the run's one backward:
+    every rank ends the step with its error, none hangs."""
+    at = REPLAYED_FROM + 1
+    results = worlds.run(2, fail_in_run_backward, at, timeout=240)
+    assert results[1]["fused"] > 0, results[1]  # the steps before served the chain as runs
+    for r in results:
+        assert r["error"] is not None and r["error"][0] == at, r
+    assert "failed on purpose in its backward" in results[0]["error"][2], results[0]["error"]

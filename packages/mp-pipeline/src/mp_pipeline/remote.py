@@ -14,7 +14,9 @@ edge and each input's gradient slot, not the tensors: what the module's graph sa
 memory, so activation checkpointing and offloading free what they promise. The backward request runs
 ``torch.autograd.backward`` on the kept edges; parameter gradients accumulate on the owner and the inputs'
 gradients go back. An output is also held as a tensor while a shortcut may still refer to it (below).
-Hooks registered on a module run once, on the rank that calls it.
+Hooks registered on a module run once, on the rank that calls it. Under per-rank replay a call may
+instead take the output that the call before it on this rank handed to it as it is, graph and all: a run
+of such calls is one graph with one backward (:mod:`mp_pipeline.fused` says where).
 
 The child-to-child shortcut (fast mode, docs/pipeline.md) comes in two forms, both named in the request
 (:attr:`Request.refs`). (1) A tensor that came back from a module's owner and goes, unchanged, into
@@ -42,10 +44,12 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils.hooks import RemovableHandle
 
 from mp_pipeline.context import TaskContext, applied, capture, current, task_context
 from mp_pipeline.errors import FlowChangedError, NotInStepError, PipelineError
 from mp_pipeline.fast import CallKey, FastPlan
+from mp_pipeline.fused import Fusion, note_gradient
 from mp_pipeline.link import Link, Received, RemoteFunction, Unpack, raise_failure, remote_error
 from mp_pipeline.messages import Ref, Request, Response, StepId
 from mp_pipeline.posted import Predictions
@@ -69,8 +73,9 @@ def _checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 class _Saved:
     grads: list[torch.Tensor | None]
     """Per input that requires grad: its gradient, filled by the backward (link.Received)."""
-    edges: list[GradientEdge]
-    """Per output that requires grad: where the backward starts."""
+    edges: list[GradientEdge | None]
+    """Per output that requires grad: where the backward starts (None while :attr:`outputs` holds it:
+    taken from it when it is let go, or at the backward; mp_pipeline.fused joins need none)."""
     outputs: list[torch.Tensor | None]
     """Per output that requires grad: the tensor, while a shortcut may still refer to it, else None."""
     routes: list[Ref | None]
@@ -83,6 +88,28 @@ class _Saved:
     nested: list[torch.Tensor] = field(default_factory=list)
     """Split backward: the anchors of the calls this call made to other ranks (backward_input's
     ``must_run``)."""
+    joins: bool = False
+    """The next call on this rank may take its output as it is, graph and all (mp_pipeline.fused)."""
+    joined: bool = False
+    """The next call took it so: that call's run's backward fills :attr:`grads`; its own only answers."""
+    hooks: list[RemovableHandle] = field(default_factory=list)
+    """The hooks that note the gradients of the inputs it took from the call before it (grads)."""
+
+    def let_go(self, k: int, *, joined: bool) -> None:
+        """Output ``k`` is no longer held (handed on): its gradient edge is kept instead, unless the call
+        that took it joined its graph (the run's backward then starts there)."""
+        output = self.outputs[k]
+        if output is not None and self.edges[k] is None and not joined:
+            self.edges[k] = get_gradient_edge(output)
+        self.outputs[k] = None
+
+    def edge(self, k: int) -> GradientEdge:
+        found = self.edges[k]
+        if found is None:
+            output = self.outputs[k]
+            assert output is not None, "an output let go without its gradient edge"
+            found = self.edges[k] = get_gradient_edge(output)
+        return found
 
 
 class _Produced(NamedTuple):
@@ -142,6 +169,9 @@ class Remote:
         that tells a placeholder still alive from a later tensor that reuses its freed id)."""
         self.backward_requests = 0
         """Backward requests this rank has executed (for the data-parallel reduction decision)."""
+        self.fusion = Fusion(self.owners, self.pp_rank, peers[0])
+        """Owner, per-rank replay: which programmed calls join the graph of the call before them (a run
+        served as one graph with one backward, mp_pipeline.fused)."""
 
     # -- installation ----------------------------------------------------------------------------------
     def install(self, root: nn.Module, assignment: Mapping[str, int]) -> None:
@@ -285,6 +315,7 @@ class Remote:
         self._calls.clear()
         self._taken.clear()
         self._forwarded.clear()
+        self.fusion.begin_step()
         self._produced_step = step
         if self.shortcut:
             self.plan.begin_step()
@@ -348,15 +379,34 @@ class Remote:
         grads: list[torch.Tensor | None] = []
         routes: list[Ref | None] = []
         inputs: list[GradientEdge] = []
-        anchor = torch.empty(0, requires_grad=True)
+        anchor: torch.Tensor | None = None
         if self.weights is not None:
             self.weights.make_room(request.microbatch)
         by_slot = {ref.slot: ref for ref in request.refs}
-        held = {
-            ref.slot: self._kept_output(request, ref.forward_id, ref.kept_index, ref.handoff)
-            for ref in request.refs
-            if ref.producer == self.rank
-        }
+        joinable = self.fusion.joinable(request, module, self.weights is not None)
+        joined: set[int] = set()  # inputs taken as they are, graph and all, from the call before here
+        held: dict[int, tuple[torch.Tensor, int]] = {}
+        for mine in request.refs:
+            if mine.producer != self.rank:
+                continue
+            output, producer = self._kept_output(request, mine.forward_id, mine.kept_index)
+            join = (
+                joinable
+                and mine.handoff
+                and producer.joins
+                and not producer.joined
+                and request.requires_grad[mine.slot]
+            )
+            if mine.handoff:  # one consumer (the requester checks): no longer held there
+                producer.let_go(mine.kept_index, joined=join)
+            if join:
+                producer.joined = True
+                joined.add(mine.slot)
+                taken = output
+            else:
+                taken = output.detach()
+            held[mine.slot] = (taken, taken._version)
+        hooks: list[RemovableHandle] = []
         for j, (received, r) in enumerate(zip(request.tensors, request.requires_grad, strict=True)):
             # a shortcut input becomes a fresh leaf (on the kept output's memory, or a handed-off one)
             ref = by_slot.get(j)
@@ -368,13 +418,22 @@ class Remote:
                 t = held[j][0]
             else:
                 t = self.server.take(("act", request.requester, ref.forward_id, ref.kept_index))
-            if r:
+            if r and j in joined:  # its gradient comes from its run's one backward, noted here
+                hooks.append(t.register_hook(note_gradient(grads, len(grads))))  # type: ignore[no-untyped-call]
+                grads.append(None)
+                routes.append(None)
+            elif r:
+                if anchor is None:
+                    anchor = torch.empty(0, requires_grad=True)
                 with torch.enable_grad():  # r says the requester's mode records it (this thread may not)
                     t = Received.apply(grads, len(grads), anchor, t)  # type: ignore[no-untyped-call]
-                    inputs.append(get_gradient_edge(t))
+                    if self.weights is not None:  # split backward's input edges
+                        inputs.append(get_gradient_edge(t))
                 grads.append(None)
                 routes.append(ref if ref is not None and ref.handoff else None)
             tensors.append(t)
+        if joined:
+            self.server.stats["fused"] = self.server.stats.get("fused", 0) + 1
         args, kwargs = unflatten(request.payload, tensors)
         task = TaskContext(request.microbatch, request.position)
         outer, self._nested.anchors = getattr(self._nested, "anchors", None), []
@@ -403,13 +462,26 @@ class Remote:
         if any(out_requires):
             wired = [i for i, r in enumerate(out_requires) if r]
             kept = [outs[i] for i in wired]
-            edges = [get_gradient_edge(t) for t in kept]
             # Without shortcuts no later request refers to an output: the edges are all the backward needs.
-            holding: list[torch.Tensor | None] = list(kept) if self.shortcut else [None] * len(kept)
+            # With them an output is held (its edge taken when it is let go, see _Saved.let_go).
+            holding: list[torch.Tensor | None]
+            edges: list[GradientEdge | None]
+            if self.shortcut:
+                holding, edges = list(kept), [None] * len(kept)
+            else:
+                holding, edges = [None] * len(kept), [get_gradient_edge(t) for t in kept]
             # whole backward for a checkpointed call (its recomputation serves one pass)
             split = self.weights is not None and not (request.checkpoint and request.state.grad_enabled)
             self.saved[(request.requester, request.request_id)] = _Saved(
-                grads, edges, holding, routes, inputs, list(module.parameters()) if split else None, nested
+                grads,
+                edges,
+                holding,
+                routes,
+                inputs,
+                list(module.parameters()) if split else None,
+                nested,
+                joins=joinable and Fusion.produces(kept, nested),
+                hooks=hooks,
             )
             if self.shortcut:
                 self._forwarded.add((request.requester, request.request_id))
@@ -421,15 +493,12 @@ class Remote:
                     else:  # handed over: no request refers to it here again
                         key = ("act", request.requester, request.request_id, k)
                         self.server.hand(dest, key, sent[wired[k]])
-                        holding[k] = None
+                        self.saved[(request.requester, request.request_id)].let_go(k, joined=False)
                     sent[wired[k]] = torch.empty_like(kept[k], device="meta")
         return Response(request.step, request.request_id, self.rank, skeleton, sent, out_requires)
 
-    def _kept_output(
-        self, request: Request, forward_id: int, index: int, handed: bool
-    ) -> tuple[torch.Tensor, int]:
-        """The output a shortcut refers to, detached, with its version counter now. A handed-off output
-        has one consumer (the requester checks): once taken, it is no longer held here."""
+    def _kept_output(self, request: Request, forward_id: int, index: int) -> tuple[torch.Tensor, _Saved]:
+        """The output a shortcut refers to (as its producer returned it), with its producer's record."""
         saved = self.saved.get((request.requester, forward_id))
         if saved is None and (request.requester, forward_id) not in self._forwarded:
             # the producer's forward was posted too and has not run here yet: wait for it
@@ -443,10 +512,7 @@ class Remote:
                 "mode's child-to-child shortcut); its backward already ran, or a consumer took it"
             )
         assert saved is not None
-        if handed:
-            saved.outputs[index] = None
-        kept = output.detach()
-        return kept, kept._version
+        return output, saved
 
     def _check_untouched(self, request: Request, held: dict[int, tuple[torch.Tensor, int]]) -> None:
         # A shortcut input shares memory (and the version counter) with the producer's kept output: a
@@ -477,10 +543,13 @@ class Remote:
                 f"{request.forward_id} from rank {request.requester}) to run backward on; was its "
                 "backward requested twice?"
             )
-        given = list(request.tensors)
-        for k in request.handed:  # gradients the consumers of handed-off outputs sent here themselves
-            given[k] = self.server.take(("grad", request.requester, request.forward_id, k))
-        pairs = [(e, g) for e, g in zip(saved.edges, given, strict=True) if g is not None]
+        given: list[torch.Tensor | None] = list(request.tensors)
+        if saved.joined:  # the next call took its output as it was: the run's one backward ran this one's
+            given = [None] * len(given)
+        else:
+            for k in request.handed:  # gradients the consumers of handed-off outputs sent here themselves
+                given[k] = self.server.take(("grad", request.requester, request.forward_id, k))
+        pairs = [(saved.edge(k), g) for k, g in enumerate(given) if g is not None]
         task = TaskContext(request.microbatch, request.position)
         if pairs and saved.params is not None and self.weights is not None:
             with self._recorded(EventKind.BWD, request), task_context(task), applied(request.state):
@@ -505,6 +574,8 @@ class Remote:
                 grads.append(torch.empty_like(grad, device="meta"))
             else:
                 grads.append(grad)
+        for hook in saved.hooks:  # (after the backward: the last call's fire in it)
+            hook.remove()
         return Response(request.step, request.request_id, self.rank, tensors=grads)
 
 
