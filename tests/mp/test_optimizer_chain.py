@@ -101,3 +101,19 @@ def test_schedulers_see_every_step_and_wrong_order_still_warns(
             want = _plain("wrong")
             for name, tensor in want.items():
                 torch.testing.assert_close(wrong["params"][name], tensor, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _optimizer_first(world: Any) -> str:
+    smp.init({})
+    try:
+        smp.DistributedOptimizer(torch.optim.SGD(_net().parameters(), lr=0.1))
+    except smp.DistributedModelNotWrappedError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_an_optimizer_registered_before_the_model_is_refused(worlds: Any) -> None:
+    """smp refused ``smp.DistributedOptimizer`` before ``smp.DistributedModel``; so does mp: its parts
+    are bound to the model (its placement and parameter names) when it is registered."""
+    message = worlds.run(1, _optimizer_first)[0]
+    assert "call smp.DistributedModel(model) before smp.DistributedOptimizer" in message, message

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -39,37 +40,39 @@ from mp_memory import (
     segments,
 )
 from mp_memory import checkpoint_sequential as checkpoint_segments
-from mp_partition import is_tracing
+from mp_partition import Placement, is_tracing
+
+if TYPE_CHECKING:
+    from mp.model import DistributedModel
 
 __all__ = ["checkpoint", "checkpoint_attentions", "checkpoint_sequential", "set_activation_checkpointing"]
 
 log = logging.getLogger(__name__)
+
+AfterPartition = Callable[[Callable[[], None]], None]
+"""``after_partition(fn)``: run ``fn`` once the model is partitioned (a post-partition hook)."""
 
 
 def _strategy_error(exc: CheckpointArgumentError) -> CheckpointingConfigError:
     return CheckpointingConfigError(str(exc))
 
 
-def _path(model: Any, module: nn.Module) -> str | None:
-    return next((p for p, m in model.module.named_modules() if m is module), None)
+def _path(root: nn.Module, module: nn.Module) -> str | None:
+    return next((p for p, m in root.named_modules() if m is module), None)
 
 
-def _owners(model: Any, path: str, module: nn.Module) -> set[int]:
+def _owners(placement: Placement, path: str, module: nn.Module) -> set[int]:
     """The pp_ranks holding ``module`` and its submodules."""
     prefix = f"{path}." if path else ""
-    return {model.placement.module_owner(prefix + sub if sub else path) for sub, _ in module.named_modules()}
+    return {placement.module_owner(prefix + sub if sub else path) for sub, _ in module.named_modules()}
 
 
-def _owns(model: Any, path: str, module: nn.Module) -> bool:
+def _owns(placement: Placement, path: str, module: nn.Module) -> bool:
     """Whether this rank owns ``module`` and everything inside it."""
-    return _owners(model, path, module) == {int(model.placement.pp_rank)}
+    return _owners(placement, path, module) == {placement.pp_rank}
 
 
-def _pipelined(model: Any) -> bool:
-    return model is not None and bool(model.placement.pipelined)
-
-
-def _split(model: Any, path: str, owners: set[int]) -> bool:
+def _split(path: str, owners: set[int]) -> bool:
     """A module split across partitions: an error with manual partitioning, else warn and skip."""
     where = f"module {path or '<root>'!r} is split across pp_ranks {sorted(owners)}"
     if not state.require()[0].auto_partition:
@@ -81,15 +84,14 @@ def _split(model: Any, path: str, owners: set[int]) -> bool:
     return False
 
 
-def _check_partition(model: Any, marks: list[Mark]) -> None:
+def _check_partition(root: nn.Module, placement: Placement, marks: list[Mark]) -> None:
     """After partitioning: a checkpointed module must lie in one partition (smp's rule)."""
-    root = model.module
     for mark in marks:
         module = root.get_submodule(mark.path) if mark.path else root
-        owners = _owners(model, mark.path, module)
+        owners = _owners(placement, mark.path, module)
         if len(owners) <= 1 or (isinstance(module, nn.Sequential) and mark_of(module) is mark):
             continue  # a Sequential's segments never span partitions
-        mark.enabled = _split(model, mark.path, owners)
+        mark.enabled = _split(mark.path, owners)
 
 
 def set_activation_checkpointing(
@@ -109,6 +111,30 @@ def set_activation_checkpointing(
             "smp.set_activation_checkpointing needs the model wrapped: call it after "
             "smp.DistributedModel(model)"
         )
+    _mark(
+        module,
+        root=model.module,
+        placement=lambda: model.placement,
+        after_partition=model.after_partition,
+        preserve_rng_state=preserve_rng_state,
+        pack_args_as_tuple=pack_args_as_tuple,
+        strategy=strategy,
+    )
+
+
+def _mark(
+    module: nn.Module,
+    *,
+    root: nn.Module,
+    placement: Callable[[], Placement],
+    after_partition: AfterPartition,
+    preserve_rng_state: bool = True,
+    pack_args_as_tuple: bool = False,
+    strategy: str = "each",
+) -> None:
+    """``set_activation_checkpointing`` for ``module`` inside ``root`` (a DistributedModel's module):
+    ``placement()`` is the model's placement when asked (it changes once, at partitioning);
+    ``after_partition`` runs the check that no marked module is split over stages."""
     if not isinstance(module, nn.Module):
         raise CheckpointingConfigError(
             f"set_activation_checkpointing needs a torch.nn.Module; got {type(module).__name__}"
@@ -123,13 +149,13 @@ def set_activation_checkpointing(
         group_size(strategy)
     except CheckpointArgumentError as exc:
         raise _strategy_error(exc) from exc
-    path = _path(model, module)
+    path = _path(root, module)
     if path is None:
         raise CheckpointingConfigError(
             f"the {type(module).__name__} passed to set_activation_checkpointing is not part of the "
             "DistributedModel's module; pass one of its submodules"
         )
-    if model.placement.pipelined:
+    if placement().pipelined:
         raise StepFunctionCalledError(
             "set_activation_checkpointing must be called before the first @smp.step (which partitions "
             "the model); call it right after smp.DistributedModel"
@@ -145,19 +171,19 @@ def set_activation_checkpointing(
             strategy,
             preserve_rng_state,
             skip=is_tracing,
-            owner=lambda i: model.placement.module_owner(children[i][0]),
-            local=lambda i: _owns(model, *children[i]),
+            owner=lambda i: placement().module_owner(children[i][0]),
+            local=lambda i: _owns(placement(), *children[i]),
         )
     else:
         marks = [mark_module(module, path, preserve_rng_state, skip=is_tracing)]
-    if not model.partitioned:
-        model.register_post_partition_hook(lambda m, _opt: _check_partition(m, marks))
+    if not placement().partitioned:
+        after_partition(lambda: _check_partition(root, placement(), marks))
 
 
 @contextlib.contextmanager
-def _checkpointed_remotely(model: Any, path: str) -> Iterator[None]:
-    """Calls of module ``path`` made inside ask its owner to run it under a checkpoint."""
-    flagged = model.runtime.remote.checkpointed
+def _checkpointed_remotely(flagged: set[str], path: str) -> Iterator[None]:
+    """Calls of module ``path`` made inside ask its owner to run it under a checkpoint (``flagged``:
+    the pipeline runtime's set of such paths)."""
     added = path not in flagged
     flagged.add(path)
     try:
@@ -165,6 +191,25 @@ def _checkpointed_remotely(model: Any, path: str) -> Iterator[None]:
     finally:
         if added:
             flagged.discard(path)
+
+
+@dataclass(frozen=True)
+class _Pipelined:
+    """A pipelined model as a checkpoint call inside its forward needs it."""
+
+    root: nn.Module
+    """The DistributedModel's module (module paths are relative to it)."""
+    placement: Placement
+    flagged: set[str]
+    """The pipeline runtime's paths of modules whose remote calls run under a checkpoint."""
+
+
+def _pipelined(model: DistributedModel | None) -> _Pipelined | None:
+    """What ``checkpoint`` needs of ``model`` when it is pipelined now; None otherwise."""
+    if model is None or not model.placement.pipelined:
+        return None
+    assert model.runtime is not None  # a pipelined model has one
+    return _Pipelined(model.module, model.placement, model.runtime.remote.checkpointed)
 
 
 def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True, **kwargs: Any) -> Any:
@@ -176,22 +221,32 @@ def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True, *
             f"smp.checkpoint checkpoints a module call; got {type(module).__name__}. Pass an nn.Module "
             "(wrap a function in a module, or use torch.utils.checkpoint for functions)"
         )
-    model = state.model
     if is_tracing():
         return module(*args, **kwargs)  # the partitioner measures the plain call
-    if not _pipelined(model):
+    return _checkpoint(module, _pipelined(state.model), args, kwargs, preserve_rng_state)
+
+
+def _checkpoint(
+    module: nn.Module,
+    pipelined: _Pipelined | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    preserve_rng_state: bool,
+) -> Any:
+    """``checkpoint`` of ``module`` in a model that is ``pipelined`` (``_pipelined``) or not (None)."""
+    if pipelined is None:
         return checkpoint_module(module, *args, preserve_rng_state=preserve_rng_state, **kwargs)
-    path = _path(model, module)
+    placement = pipelined.placement
+    path = _path(pipelined.root, module)
     if path is None:  # not part of the partitioned model: it runs here
         return checkpoint_module(module, *args, preserve_rng_state=preserve_rng_state, **kwargs)
-    assert model is not None  # _pipelined(model)
-    owners = _owners(model, path, module)
-    if owners == {int(model.placement.pp_rank)}:
+    owners = _owners(placement, path, module)
+    if owners == {placement.pp_rank}:
         return checkpoint_module(module, *args, preserve_rng_state=preserve_rng_state, **kwargs)
     if len(owners) == 1:
-        with _checkpointed_remotely(model, path):
+        with _checkpointed_remotely(pipelined.flagged, path):
             return module(*args, **kwargs)
-    _split(model, path, owners)
+    _split(path, owners)
     return module(*args, **kwargs)
 
 
@@ -215,36 +270,39 @@ def checkpoint_sequential(
         group_size(strategy)
     except CheckpointArgumentError as exc:
         raise _strategy_error(exc) from exc
-    model = state.model
-    path = _path(model, sequential_module) if _pipelined(model) else None
+    pipelined = _pipelined(state.model)
+    path = _path(pipelined.root, sequential_module) if pipelined is not None else None
     if is_tracing():
         return run_children(list(sequential_module), input, pack_args_as_tuple)
-    if path is None:
+    if pipelined is None or path is None:
         return checkpoint_segments(sequential_module, input, strategy, preserve_rng_state, pack_args_as_tuple)
-    assert model is not None  # a path is found in a pipelined model only
+    placement = pipelined.placement
     prefix = f"{path}." if path else ""
     children = [(prefix + name, child) for name, child in sequential_module.named_children()]
     x = input
-    for segment in segments(strategy, len(children), lambda i: model.placement.module_owner(children[i][0])):
+    for segment in segments(strategy, len(children), lambda i: placement.module_owner(children[i][0])):
         part = [children[i] for i in segment]
-        if len(part) > 1 and all(_owns(model, p, m) for p, m in part):
+        if len(part) > 1 and all(_owns(placement, p, m) for p, m in part):
             x = checkpoint_run([m for _, m in part], x, preserve_rng_state, pack_args_as_tuple)
             continue
         for _, child in part:
             args = (x,) if pack_args_as_tuple or not isinstance(x, tuple) else x
-            x = checkpoint(child, *args, preserve_rng_state=preserve_rng_state)
+            x = _checkpoint(child, pipelined, args, {}, preserve_rng_state)
     return x
 
 
-def checkpoint_attentions(model: Any) -> int:
+def checkpoint_attentions(
+    root: nn.Module, placement: Callable[[], Placement], after_partition: AfterPartition
+) -> int:
     """smp's ``checkpoint_attentions`` config key: checkpoint the attention of every distributed
-    transformer layer of ``model`` (smp.nn.DistributedTransformerLayer, also those smp's
-    tensor_parallelism() swapped in). Returns how many were marked."""
+    transformer layer of ``root``, a DistributedModel's module (smp.nn.DistributedTransformerLayer,
+    also those smp's tensor_parallelism() swapped in; ``placement`` and ``after_partition`` as for
+    :func:`_mark`). Returns how many were marked."""
     from mp_tensor import DistributedTransformerLayer
 
-    layers = [m for m in model.module.modules() if isinstance(m, DistributedTransformerLayer)]
+    layers = [m for m in root.modules() if isinstance(m, DistributedTransformerLayer)]
     for layer in layers:
-        set_activation_checkpointing(layer.attention)
+        _mark(layer.attention, root=root, placement=placement, after_partition=after_partition)
     if not layers:
         log.warning(
             "checkpoint_attentions: the model has no smp.nn.DistributedTransformerLayer; nothing to do"

@@ -19,9 +19,10 @@ import os
 import pickle
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+from torch import nn
 
 from mp.checkpoint_layout import load_merged_model, original_names
 from mp.errors import (
@@ -32,7 +33,7 @@ from mp.errors import (
     SMPCheckpointError,
     UntrustedCheckpointFileError,
 )
-from mp.sharded import partial_file_names
+from mp.sharded import partial_file_names, sharding_of
 from mp.state import state
 from mp_comm import GroupKind
 from mp_memory import (
@@ -61,6 +62,10 @@ from mp_memory import (
     save_partial,
     tmp_name,
 )
+
+if TYPE_CHECKING:
+    from mp.model import DistributedModel
+    from mp_memory import ShardedDataParallel
 
 __all__ = [
     "CorruptCheckpointError",
@@ -170,9 +175,9 @@ def save(  # noqa: PLR0917 - smp's positional signature
             if c.rank == 0:
                 save_full(obj, path, c.rank, **args)
             return
-        if state.initialized and state.model is not None:
-            # not the path: ranks may name files apart
-            state.model.placement.enter("smp.save(partial=True)")
+        model = state.model if state.initialized else None
+        if model is not None:  # not the path: ranks may name files apart
+            model.placement.enter("smp.save(partial=True)")
         kind = GroupKind.WORLD if v3 else GroupKind.MP
         group = _group(kind)
         group_rank = dist.get_rank(group) if group is not None else 0
@@ -352,7 +357,7 @@ def save_checkpoint(  # noqa: PLR0917 - smp's positional signature
     model = model if model is not None else state.model
     files: dict[str, Any] = {}
     shares = False
-    sharded = partial_file_names(model)  # sharded data parallelism: one part per shard index
+    sharded = partial_file_names(sharding_of(model))  # sharded data parallelism: one part per shard index
     if partial:
         model_name, opt_name = _partial_names(c)
         writes = c.rdp_rank == 0
@@ -452,7 +457,16 @@ def resume_from_checkpoint(  # noqa: PLR0917 - smp's positional signature
     error: BaseException | None = None
     try:
         with _smp_errors():
-            loaded = _read(path, tag, partial, c, load_optimizer=load_optimizer, trusted=trusted)
+            loaded = _read(
+                path,
+                tag,
+                partial,
+                c,
+                module=model.module,
+                sharding=model.sharding,
+                load_optimizer=load_optimizer,
+                trusted=trusted,
+            )
     except Exception as exc:  # agreed on below: no rank loads anything unless every rank read its parts
         error = exc
     with _smp_errors():
@@ -471,10 +485,19 @@ def resume_from_checkpoint(  # noqa: PLR0917 - smp's positional signature
 
 
 def _read(
-    path: str, tag: str | None, partial: bool, c: Layout, *, load_optimizer: bool, trusted: bool
+    path: str,
+    tag: str | None,
+    partial: bool,
+    c: Layout,
+    *,
+    module: nn.Module,
+    sharding: ShardedDataParallel | None,
+    load_optimizer: bool,
+    trusted: bool,
 ) -> Any:
     """(model state, optimizer state or None, user content, whether the partial checkpoint moves to
-    another pipeline degree) of the checkpoint, every file checked."""
+    another pipeline degree) of the checkpoint, every file checked, for the model ``module`` (sharded
+    by ``sharding``, if any)."""
     tag = tag if tag is not None else read_newest(path)
     ckpt = CheckpointFolder(path, tag, partial)
     ckpt.check()
@@ -496,11 +519,8 @@ def _read(
             return sd, opt_sd, user, True
         model_parts = {(p, t): ckpt.load(f"model_{p}_{t}_0.pt") for p in stages for t in tps}
 
-        model = state.model
-        assert model is not None  # resume_from_checkpoint refuses to run without one
-
         def translate(full: dict[str, Any]) -> dict[str, Any]:
-            return original_names(model.module, full)
+            return original_names(module, full)
 
         sd = full_model_from_parts(model_parts, len(tps), translate)
         opt_sd = None
@@ -511,7 +531,7 @@ def _read(
         return sd, opt_sd, user, False
     if partial:
         model_name, opt_name = _partial_names(c)
-        sharded = partial_file_names(state.model)
+        sharded = partial_file_names(sharding)
         if sharded is not None:
             model_name, opt_name, _ = sharded
             if not ckpt.has(model_name):
@@ -585,7 +605,7 @@ def _partial_layout_change(ckpt: CheckpointFolder, c: Layout) -> str | None:
     return "pp" if saved["pp"] != c.pp else None
 
 
-def _load_optimizer_when_ready(model: Any, opt_sd: dict[str, Any]) -> None:
+def _load_optimizer_when_ready(model: DistributedModel, opt_sd: dict[str, Any]) -> None:
     """Load now if the optimizer exists, else once the model is partitioned (smp's deferred load)."""
     if state.optimizer is not None:
         state.optimizer.load_state_dict(opt_sd)

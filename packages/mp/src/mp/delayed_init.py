@@ -26,13 +26,15 @@ from typing import Any
 
 import torch
 
-from mp.optimizer_chain import OptimizerPart
-from mp_memory import DelayedInitError, has_meta_parameters, materialize, parameters_on_meta, read_header
+from mp.optimizer_chain import ModelView, OptimizerPart
+from mp_memory import DelayedInitError, has_meta_parameters, materialize, parameters_on_meta
+from mp_partition import Placement
 from mp_tensor import is_distributed_parameter, param_init
 
 __all__ = [
     "DelayedLoads",
     "check",
+    "defers_loads",
     "delay_param_initialization",
     "delayed",
     "prepare",
@@ -101,41 +103,31 @@ def own_draws(root: torch.nn.Module) -> Callable[[torch.nn.Parameter], Callable[
     return _own_draws(root)
 
 
-def prepare(model: Any) -> None:
-    """For a ``DistributedModel`` whose module has meta parameters: materialize this rank's parameters
-    right after partitioning."""
-    if not delayed(model.module):
+def prepare(
+    module: torch.nn.Module,
+    placement: Callable[[], Placement],
+    after_partition: Callable[[Callable[[], None]], None],
+) -> None:
+    """For a ``DistributedModel``'s ``module`` with meta parameters: materialize this rank's parameters
+    (by ``placement()``, the model's placement then) right after partitioning (``after_partition``)."""
+    if not delayed(module):
         return
-    real = [t for t in [*model.module.parameters(), *model.module.buffers()] if not t.is_meta]
+    real = [t for t in [*module.parameters(), *module.buffers()] if not t.is_meta]
     device = real[0].device if real else torch.device("cpu")
 
-    def hook(m: Any, _optimizer: Any) -> None:
-        n = materialize(m.module, m.placement.is_local, device, own=_own_draws(m.module))
+    def materialize_own() -> None:
+        n = materialize(module, placement().is_local, device, own=_own_draws(module))
         log.info("delayed initialization: %d parameter elements materialized on %s", n, device)
 
-    model.register_post_partition_hook(hook)
-    _defer_loads(model)
+    after_partition(materialize_own)
 
 
-def _defer_loads(model: Any) -> None:
-    """A state loaded before partitioning would be copied into meta parameters (nothing: copy_ into
-    meta is a no-op) and then overwritten by the initialization. Until the model is partitioned, loads
-    are kept and replayed right after this rank's parameters are materialized (the partition a partial
-    state was saved with is still pinned at once, so that it is the one used)."""
-    original = model.load_state_dict
-
-    def load_state_dict(state_dict: Any, strict: bool = True, *args: Any, **kwargs: Any) -> Any:
-        if model.partitioned or not delayed(model.module):
-            return original(state_dict, strict, *args, **kwargs)
-        saved_partition = read_header(state_dict)[0].partition if isinstance(state_dict, dict) else None
-        same_partition = kwargs.get("same_partition_load", args[1] if len(args) > 1 else True)
-        if saved_partition is not None and same_partition and model.placement.pp_size > 1:
-            model.pin_partition(saved_partition)
-        model.register_post_partition_hook(lambda m, _opt: original(state_dict, strict, *args, **kwargs))
-        log.info("delayed initialization: the loaded state is applied after partitioning")
-        return None
-
-    model.load_state_dict = load_state_dict
+def defers_loads(module: torch.nn.Module, placement: Placement) -> bool:
+    """Whether a state loaded into ``module`` now must wait until partitioning: a state loaded into meta
+    parameters would be lost (copy_ into meta is a no-op) and then overwritten by the initialization, so
+    the model's ``load_state_dict`` keeps it and loads it right after this rank's parameters are
+    materialized (mp.model_state; the partition a partial state was saved with is pinned at once)."""
+    return not placement.partitioned and delayed(module)
 
 
 class DelayedLoads(OptimizerPart):
@@ -145,11 +137,12 @@ class DelayedLoads(OptimizerPart):
 
     name = "delayed loads"
 
-    def load_state_dict(self, inner: Callable[[dict[str, Any]], None], state_dict: dict[str, Any]) -> None:
-        from mp.state import state
+    def __init__(self, model: ModelView) -> None:
+        self.model = model
 
-        model = state.model
-        if model is None or model.partitioned or not delayed(model.module):
+    def load_state_dict(self, inner: Callable[[dict[str, Any]], None], state_dict: dict[str, Any]) -> None:
+        model = self.model
+        if model.placement.partitioned or not delayed(model.module):
             inner(state_dict)
             return
-        model.register_post_partition_hook(lambda _m, _opt: inner(state_dict))
+        model.after_partition(lambda: inner(state_dict))

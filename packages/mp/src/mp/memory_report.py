@@ -16,17 +16,19 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from mp.errors import DistributedModelNotWrappedError
 from mp.state import state
 from mp.zero import sharding_of
 from mp_memory import ActivationTracker, MemoryReport, tensor_bytes
+from mp_partition import Placement
 from mp_pipeline import TASK_HOOKS
 
 if TYPE_CHECKING:
     from mp.model import DistributedModel
 
-__all__ = ["MEMORY_REPORT_ENV", "install_memory_trace", "memory_report"]
+__all__ = ["MEMORY_REPORT_ENV", "install_memory_trace", "local_report", "memory_report"]
 
 MEMORY_REPORT_ENV = "MP_MEMORY_REPORT"
 """Set to 1 to trace and log every rank's memory report after the first step (mp-launch --memory-report)."""
@@ -119,16 +121,21 @@ def memory_report(model: DistributedModel | None = None) -> MemoryReport:
             "smp.memory_report() reports a DistributedModel's memory; got no model. Call it after "
             "smp.DistributedModel(model)"
         )
-    params: list[torch.Tensor] = list(model.placement.local_parameters(model.module))
-    tracker: ActivationTracker | None = model.memory_trace
+    return local_report(model.module, model.placement, model.memory_trace, state.optimizer)
+
+
+def local_report(
+    module: nn.Module, placement: Placement, tracker: ActivationTracker | None, optimizer: Any
+) -> MemoryReport:
+    """The memory report of this rank's part of ``module`` (by ``placement``): its parameters and
+    gradients, ``optimizer``'s state (None: no optimizer) and ``tracker``'s peak activations."""
+    params: list[torch.Tensor] = list(placement.local_parameters(module))
     on_cuda = torch.cuda.is_available() and any(p.is_cuda for p in params)
     return MemoryReport(
         rank=state.require()[1].rank,
         parameters=tensor_bytes(params),
         gradients=tensor_bytes(p.grad for p in params if p.grad is not None),
-        optimizer_state=tensor_bytes(_optimizer_tensors(state.optimizer, params))
-        if state.optimizer is not None
-        else 0,
+        optimizer_state=tensor_bytes(_optimizer_tensors(optimizer, params)) if optimizer is not None else 0,
         peak_activations=tracker.peak if tracker is not None else None,
         device_peak=torch.cuda.max_memory_allocated() if on_cuda else None,
     )

@@ -164,7 +164,7 @@ class DistributedModel(nn.Module):
         # whose flow changed is taken back and run again on the full path (mp.model_retry)
         auto = cfg.fast_mode is None and not cfg.static_mode
         # sharded_data_parallel_degree > 1: FSDP2 shards the model now and reduces its gradients itself
-        self._sharded = shard_model(self.module)
+        self._sharded = shard_model(self.module, placement=lambda: self.placement)
         if self._pp > 1:
             transport = pipeline_transport(world)
             # static_mode: record the first steps' messages, then send them compact (mp_pipeline.static);
@@ -220,15 +220,16 @@ class DistributedModel(nn.Module):
             module=self.module,
             partitioner=self._partitioner,
             sharded=self._sharded,
-            after_partition=self._after_partition_check,
+            after_partition=self.after_partition,
         )
         self._kv_cache = KvCacheSwitch(self.module, self._pp)  # HF's use_cache, off in pipelined training
         state.model = self
         if cfg.resolved_checkpoint_attentions:  # smp's key: each distributed layer's attention recomputed
-            checkpoint_attentions(self)
+            checkpoint_attentions(self.module, lambda: self.placement, self.after_partition)
         self._offloader = install_offloading(self)  # offload_activations (mp.offload)
         self._memory_trace = install_memory_trace(self, trace_memory_usage)  # mp.memory_report
-        prepare_delayed_init(self)  # a model built on the meta device: materialized after partitioning
+        # a model built on the meta device: this rank's parameters materialized after partitioning
+        prepare_delayed_init(self.module, lambda: self.placement, self.after_partition)
 
     # ------------------------------------------------------------------------------ the nn.Module side
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -570,9 +571,10 @@ class DistributedModel(nn.Module):
         for hook in list(hooks.values()):
             hook(self, state.optimizer)
 
-    def _after_partition_check(self, check: Callable[[], None]) -> None:
-        """Run ``check`` once the model is partitioned (a post-partition hook; mp.model_state)."""
-        self.register_post_partition_hook(lambda _model, _optimizer: check())
+    def after_partition(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the model is partitioned (a post-partition hook): what the collaborators that
+        need the partition get as ``after_partition`` (docs/architecture.md)."""
+        self.register_post_partition_hook(lambda _model, _optimizer: fn())
 
     # ------------------------------------------------------------------ state dicts (mp.model_state)
     def local_state_dict(self, *args: Any, cast_to_cpu: bool = True, **kwargs: Any) -> dict[str, Any]:
@@ -632,7 +634,7 @@ class DistributedModel(nn.Module):
         """Context manager for replicas with different numbers of batches (DDP's ``join``): a replica
         that leaves it early shadows the others' steps until all have left. Enter it on every rank."""
         if enable:
-            refuse_under_sharding(self, "join")
+            refuse_under_sharding(self._sharded, "join")
         return join(self, self._replicas, self._shadow_step, divide_by_initial_world_size, enable)
 
     def _shadow_step(self) -> None:
@@ -646,5 +648,5 @@ class DistributedModel(nn.Module):
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """torch DDP's communication hook, run on each data-parallel gradient bucket instead of the
         all-reduce; it receives gradients summed over microbatches and must average them itself."""
-        refuse_under_sharding(self, "register_comm_hook")
+        refuse_under_sharding(self._sharded, "register_comm_hook")
         register_comm_hook(self._replicas, state, hook)

@@ -5,6 +5,7 @@ partial state fits this run's layout. The model's methods of those names call th
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mp.delayed_init import defers_loads
 from mp.errors import IncompatibleCheckpointFoundError
 from mp.model_partition import Partitioner
 from mp.sharded import load_local_state_dict as load_sharded_local_state_dict
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
     from mp_memory import ShardedDataParallel
 
 __all__ = ["ModelStateDicts"]
+
+log = logging.getLogger(__name__)
 
 
 _FULL_STATE_FIX = (
@@ -112,7 +116,18 @@ class ModelStateDicts:
         translate_function: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         same_partition_load: bool = True,
     ) -> Any:
-        """DistributedModel.load_state_dict (its docstring says what loads where)."""
+        """DistributedModel.load_state_dict (its docstring says what loads where). A model under delayed
+        initialization keeps a state loaded before partitioning and loads it once its parameters are
+        materialized (mp.delayed_init.defers_loads); it then returns None."""
+        if defers_loads(self.module, self._placement):
+            saved = read_header(state_dict)[0].partition if isinstance(state_dict, dict) else None
+            if saved is not None and same_partition_load and self._pp > 1:
+                self.pin_partition(saved)  # pinned at once, so that it is the partition used
+            self._after_partition(
+                lambda: self.load_state_dict(state_dict, strict, translate_function, same_partition_load)
+            )
+            log.info("delayed initialization: the loaded state is applied after partitioning")
+            return None
         sd = dict(state_dict)
         if translate_function is not None:
             sd = dict(translate_function(sd))

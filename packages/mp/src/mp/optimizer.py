@@ -14,23 +14,27 @@ ordered list of parts, built in :func:`_parts`, ending with :class:`PlainPart` (
 
 from __future__ import annotations
 
-import types
+import functools
 import warnings
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from mp.delayed_init import DelayedLoads
-from mp.errors import IncompatibleCheckpointFoundError, SMPValidationError
-from mp.optimizer_chain import OptimizerPart, install, part_of
+from mp.errors import DistributedModelNotWrappedError, IncompatibleCheckpointFoundError, SMPValidationError
+from mp.optimizer_chain import ModelView, OptimizerPart, install, part_of
 from mp.optimizer_state import has_tp_roots, load_named_state, named_state
 from mp.state import state
 from mp.state_dicts import layout_of, local_layout_check
 from mp_comm import GroupKind
 from mp_memory import Header, read_header, write_header
 from mp_partition import Placement
+
+if TYPE_CHECKING:
+    from mp.model import DistributedModel
 
 __all__ = ["DistributedOptimizer", "PlainPart", "keep_local_parameters"]
 
@@ -67,69 +71,60 @@ def _global_indices(optimizer: torch.optim.Optimizer) -> list[list[int]]:
     return [[index[id(p)] for p in g["params"]] for g in optimizer.param_groups]
 
 
-def _param_names(optimizer: torch.optim.Optimizer) -> list[list[str | None]]:
+def _param_names(optimizer: torch.optim.Optimizer, model: ModelView) -> list[list[str | None]]:
     """Per group, the model's name of each parameter the group holds now (None if not the model's)."""
-    model = state.model
-    names = {id(p): n for n, p in model.module.named_parameters()} if model is not None else {}
+    names = model.param_names()
     return [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
 
 
-def _pipelined(model: Any) -> bool:
-    return model is not None and bool(model.placement.pipelined)
-
-
-def _local_state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
+def _local_state_dict(self: torch.optim.Optimizer, model: ModelView) -> dict[str, Any]:
     """This rank's optimizer state, with the names of its parameters and the layout (checked when
     loading: a TP shard's state must not load on another tp_rank)."""
-    model = state.model
-    layout = layout_of(model.module, model.placement) if model is not None else None
+    layout = layout_of(model.module, model.placement)
     header = Header(
         partial=True,
-        param_names=_param_names(self),
-        tp_layout=layout if layout is not None and layout.split else None,
+        param_names=_param_names(self, model),
+        tp_layout=layout if layout.split else None,
     )
     return write_header(torch.optim.Optimizer.state_dict(self), header)
 
 
-def _param_name_to_index(self: torch.optim.Optimizer) -> dict[str, int]:
-    """smp's extra: each local parameter's name (as ``model.named_parameters()`` gives it) and its index
-    in ``local_state_dict()``."""
-    model = state.model
-    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+NamedParameters = Callable[[], Iterator[tuple[str, nn.Parameter]]]
+
+
+def _param_name_to_index(self: torch.optim.Optimizer, named: NamedParameters) -> dict[str, int]:
+    """smp's extra: each local parameter's name (as ``model.named_parameters()`` gives it: ``named``)
+    and its index in ``local_state_dict()``."""
+    names = {id(p): n for n, p in named()}
     flat = [p for group in self.param_groups for p in group["params"]]
     return {names[id(p)]: i for i, p in enumerate(flat) if id(p) in names}
 
 
-def _param_index_to_name(self: torch.optim.Optimizer) -> dict[int, str]:
+def _param_index_to_name(self: torch.optim.Optimizer, named: NamedParameters) -> dict[int, str]:
     """The inverse of ``param_name_to_index``."""
-    return {i: n for n, i in _param_name_to_index(self).items()}
+    return {i: n for n, i in _param_name_to_index(self, named).items()}
 
 
-def _state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
+def _state_dict(self: torch.optim.Optimizer, model: ModelView) -> dict[str, Any]:
     """The full optimizer state, numbered as the unpartitioned optimizer numbers its parameters.
 
     With pp > 1 it is gathered over the pipeline group: call it on every rank of the pipeline. It
     carries the full groups' parameter names (in its header). Under tensor parallelism it is keyed
     by the original model's parameter names instead, with full tensors (``mp.optimizer_state``):
     collective over the TP group too."""
-    model = state.model
-    if has_tp_roots(model):
-        assert model is not None
-        return named_state(self, model, _all_params(self))
+    placement = model.placement
+    if has_tp_roots(model.module):
+        return named_state(self, model.module, placement, _all_params(self))
     local = dict(torch.optim.Optimizer.state_dict(self))
-    param_names = None
-    if model is not None:
-        names = {id(p): n for n, p in model.module.named_parameters()}
-        param_names = [[names.get(id(p)) for p in g] for g in _all_params(self)]
-    if not _pipelined(model):
+    names = model.param_names()
+    param_names = [[names.get(id(p)) for p in g] for g in _all_params(self)]
+    if not placement.pipelined:
         return write_header(local, Header(param_names=param_names))
     flat = [i for group in _global_indices(self) for i in group]
     mine = {
         flat[i]: {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
         for i, s in local["state"].items()
     }
-    assert model is not None  # _pipelined(model)
-    placement = model.placement
     placement.enter("optimizer.state_dict()")
     parts: list[Any] = [None] * placement.pp_size
     dist.all_gather_object(parts, mine, group=placement.pp_group)
@@ -174,30 +169,29 @@ def _localize(optimizer: torch.optim.Optimizer, full: dict[str, Any]) -> dict[st
     return {"state": local_state, "param_groups": groups}
 
 
-def _load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+def _load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any], model: ModelView) -> None:
     """Load a local (``local_state_dict``) or full (``state_dict``) optimizer state.
 
     Before the model is partitioned (pp > 1) a local state is kept until partitioning has cut the
     groups down to this rank's parameters; a full state loads at once (the groups are still full)."""
     header, sd = read_header(state_dict)
     partial, names = header.partial, header.param_names
-    model = state.model
-    if header.keyed_by_name or (not partial and names is not None and has_tp_roots(model)):
-        assert model is not None
+    placement = model.placement
+    if header.keyed_by_name or (not partial and names is not None and has_tp_roots(model.module)):
         if not header.keyed_by_name:
             assert names is not None
             sd = _by_name(sd, names)  # saved without TP, loading with it
         # tp_shards: a partial state moved to another pp degree (this rank's shards, mp's names)
-        load_named_state(self, model, sd, _all_params(self), translate=not header.tp_shards)
-        return
-    if partial and model is not None:
-        local_layout_check(model.module, model.placement, header.tp_layout)
-    if partial and model is not None and not model.partitioned and model.placement.pp_size > 1:
-        model.register_post_partition_hook(lambda _model, _opt: _load_local(self, sd, names))
+        load_named_state(self, model.module, sd, _all_params(self), translate=not header.tp_shards)
         return
     if partial:
-        _load_local(self, sd, names)
-    elif _pipelined(model):
+        local_layout_check(model.module, placement, header.tp_layout)
+    if partial and not placement.partitioned and placement.pp_size > 1:
+        model.after_partition(lambda: _load_local(self, sd, names, model))
+        return
+    if partial:
+        _load_local(self, sd, names, model)
+    elif placement.pipelined:
         torch.optim.Optimizer.load_state_dict(self, _localize(self, sd))
     else:
         torch.optim.Optimizer.load_state_dict(self, sd)
@@ -212,17 +206,18 @@ def _by_name(sd: dict[str, Any], names: list[list[str | None]]) -> dict[str, Any
     return {"state": {flat[i]: st for i, st in sd["state"].items()}, "param_groups": groups}
 
 
-def _load_local(optimizer: torch.optim.Optimizer, sd: dict[str, Any], names: Any) -> None:
+def _load_local(optimizer: torch.optim.Optimizer, sd: dict[str, Any], names: Any, model: ModelView) -> None:
     """Load this rank's part, after checking it was saved for the same parameters."""
     if names is not None:
-        running = _param_names(optimizer)
+        running = _param_names(optimizer, model)
         if names != running:
             flat_saved = [n for g in names for n in g]
             flat_running = [n for g in running for n in g]
             raise IncompatibleCheckpointFoundError(
                 f"the partial optimizer state was saved for parameters {_short(flat_saved)}; this rank "
-                f"(pp_rank {_pp_rank()}) holds {_short(flat_running)}: load it with the layout and "
-                "partition it was saved with, or save the full optimizer.state_dict() to change layouts"
+                f"(pp_rank {model.placement.pp_rank}) holds {_short(flat_running)}: load it with the "
+                "layout and partition it was saved with, or save the full optimizer.state_dict() to "
+                "change layouts"
             )
     torch.optim.Optimizer.load_state_dict(optimizer, sd)
 
@@ -283,11 +278,6 @@ def clip_by_global_norm(
     return norm.float()
 
 
-def _pp_rank() -> int:
-    model = state.model
-    return int(model.placement.pp_rank) if model is not None else 0
-
-
 def _note_loss_scaling(static: float | None, dynamic: bool, dynamic_args: dict[str, Any]) -> None:
     """smp's loss scaling takes effect only under fp16 (its docs), and smp's own GPT-2 example passes
     ``dynamic_loss_scale=True`` in fp32 runs too: accepted without effect, as in smp, but said once."""
@@ -322,25 +312,28 @@ def _loss_args(dynamic_loss_args: dict[str, Any]) -> dict[str, Any]:
 
 class PlainPart(OptimizerPart):
     """The last part: torch's own step, and smp's state dicts and clipping over this rank's parameters
-    (this module's docstring)."""
+    (this module's docstring) of ``model``."""
 
     name = "plain"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, step: Callable[[Any], Any]) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, step: Callable[[Any], Any], model: ModelView
+    ) -> None:
         self.optimizer = optimizer
         self.step_fn = step  # the optimizer's step as it was (a scheduler's wrapper, or torch's)
+        self.model = model
 
     def step(self, inner: Callable[[Any], Any], closure: Any) -> Any:
         return self.step_fn(closure)
 
     def state_dict(self, inner: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        return _state_dict(self.optimizer)
+        return _state_dict(self.optimizer, self.model)
 
     def local_state_dict(self, inner: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        return _local_state_dict(self.optimizer)
+        return _local_state_dict(self.optimizer, self.model)
 
     def load_state_dict(self, inner: Callable[[dict[str, Any]], None], state_dict: dict[str, Any]) -> None:
-        _load_state_dict(self.optimizer, state_dict)
+        _load_state_dict(self.optimizer, state_dict, self.model)
 
     def clip_master_grads(
         self, inner: Callable[[float, float], torch.Tensor], max_norm: float, norm_type: float
@@ -348,24 +341,33 @@ class PlainPart(OptimizerPart):
         return _clip_master_grads(self.optimizer, max_norm, norm_type)
 
 
-def _parts(optimizer: torch.optim.Optimizer, cfg: Any) -> list[OptimizerPart]:
-    """The optimizer's features, outermost first: each runs before the ones below it and decides
-    whether they run (``mp.optimizer_chain``). Under fp16/bf16 smp's half-precision optimizer is
-    returned over all of them (``DistributedOptimizer``)."""
+def _parts(optimizer: torch.optim.Optimizer, cfg: Any, model: ModelView) -> list[OptimizerPart]:
+    """The optimizer's features over ``model``'s parameters, outermost first: each runs before the
+    ones below it and decides whether they run (``mp.optimizer_chain``). Under fp16/bf16 smp's
+    half-precision optimizer is returned over all of them (``DistributedOptimizer``)."""
     previous = part_of(optimizer, PlainPart)  # DistributedOptimizer called again: the same torch step
     parts: list[OptimizerPart] = []
-    sharding = state.model.sharding if state.model is not None else None
-    if sharding is not None:  # sharded data parallelism: clips in step(), DCP state dicts, refusals
+    if model.sharding is not None:  # sharded data parallelism: clips in step(), DCP state dicts, refusals
         from mp.sharded import ShardedPart
 
-        parts.append(ShardedPart(optimizer, sharding))
+        parts.append(ShardedPart(optimizer, model.sharding, model))
     if cfg.shard_optimizer_state:  # ZeRO-1 over the RDP group: its own step and per-rank state
         from mp.zero import ZeroPart
 
-        parts.append(ZeroPart(optimizer))
-    parts.append(DelayedLoads())  # a delayed model's parameters are on meta until partitioning
-    parts.append(PlainPart(optimizer, previous.step_fn if previous is not None else optimizer.step))
+        parts.append(ZeroPart(optimizer, model))
+    parts.append(DelayedLoads(model))  # a delayed model's parameters are on meta until partitioning
+    parts.append(PlainPart(optimizer, previous.step_fn if previous is not None else optimizer.step, model))
     return parts
+
+
+def model_view(model: DistributedModel) -> ModelView:
+    """What the optimizer's parts get of ``model`` (``mp.optimizer_chain.ModelView``)."""
+    return ModelView(
+        module=model.module,
+        where=lambda: model.placement,
+        after_partition=model.after_partition,
+        sharding=model.sharding,
+    )
 
 
 def DistributedOptimizer(
@@ -378,6 +380,12 @@ def DistributedOptimizer(
     it returns smp's half-precision optimizer instead (``mp.precision``: fp32 master weights, loss
     scaling with these arguments under fp16; ``.optimizer`` is the one passed in)."""
     cfg = state.require()[0]
+    model = state.model
+    if model is None:
+        raise DistributedModelNotWrappedError(
+            "smp.DistributedOptimizer needs the model wrapped first (its state dicts and sharding follow "
+            "the model's partition): call smp.DistributedModel(model) before smp.DistributedOptimizer"
+        )
     loss_args = _loss_args(dynamic_loss_args)
     if cfg.precision == "fp32":
         _note_loss_scaling(static_loss_scale, dynamic_loss_scale, loss_args)
@@ -389,17 +397,23 @@ def DistributedOptimizer(
         ("param_name_to_index", _param_name_to_index),
         ("param_index_to_name", _param_index_to_name),
     ):
-        setattr(optimizer, name, types.MethodType(fn, optimizer))
-    install(optimizer, _parts(optimizer, cfg))
+        setattr(optimizer, name, functools.partial(fn, optimizer, model.named_parameters))
+    view = model_view(model)
+    install(optimizer, _parts(optimizer, cfg, view))
     registered: Any = optimizer
     if cfg.precision != "fp32":  # smp's face over it all: fp32 masters, loss scaling (mp.precision)
         from mp.precision import bit16_optimizer
 
         registered = bit16_optimizer(
-            optimizer, cfg.precision, static_loss_scale, dynamic_loss_scale, loss_args
+            optimizer,
+            cfg.precision,
+            static_loss_scale,
+            dynamic_loss_scale,
+            loss_args,
+            model=view,
+            backward=model.backward,
         )
     state.optimizer = registered
-    model = state.model
-    if model is not None and model.partitioned:
+    if model.partitioned:
         keep_local_parameters(registered, model.placement)
     return registered

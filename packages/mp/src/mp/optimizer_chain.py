@@ -20,11 +20,26 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+from torch import nn
 
-__all__ = ["CHAIN_METHODS", "OptimizerChain", "OptimizerPart", "chain_of", "install", "part_of"]
+from mp_partition import Placement
+
+if TYPE_CHECKING:
+    from mp_memory import ShardedDataParallel
+
+__all__ = [
+    "CHAIN_METHODS",
+    "ModelView",
+    "OptimizerChain",
+    "OptimizerPart",
+    "chain_of",
+    "install",
+    "part_of",
+]
 
 _ATTR = "_mp_chain"
 _LR_MARK = "_wrapped_by_lr_sched"  # torch.optim.lr_scheduler: this step notes its calls
@@ -35,6 +50,31 @@ CHAIN_METHODS = ("step", "state_dict", "load_state_dict", "local_state_dict", "c
 name for ``local_state_dict``)."""
 
 StateDict = dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelView:
+    """What the optimizer's parts know of the model whose parameters they step, bound once by
+    ``smp.DistributedOptimizer``: its module, where it lives now, and a way to run something once it
+    is partitioned. The parts take the placement from here instead of asking the model."""
+
+    module: nn.Module
+    """The user's model (``DistributedModel.module``): the parameter names in state dicts are its own."""
+    where: Callable[[], Placement]
+    """The model's placement now (it is replaced once, when the first step partitions the model)."""
+    after_partition: Callable[[Callable[[], None]], None]
+    """``after_partition(fn)`` runs ``fn`` once the model is partitioned (a post-partition hook)."""
+    sharding: ShardedDataParallel | None = None
+    """The model's sharded data parallelism (``sharded_data_parallel_degree`` > 1), else None."""
+
+    @property
+    def placement(self) -> Placement:
+        """The model's placement now (mp_partition.Placement)."""
+        return self.where()
+
+    def param_names(self) -> dict[int, str]:
+        """``id(parameter)`` -> its name in ``module``."""
+        return {id(p): n for n, p in self.module.named_parameters()}
 
 
 class OptimizerPart:

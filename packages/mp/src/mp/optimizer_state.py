@@ -12,30 +12,29 @@ parameter names it carries.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from mp.errors import IncompatibleCheckpointFoundError
 from mp_memory import Header, write_header
 from mp_partition import Placement
 from mp_tensor import ORIGINAL_ATTR, DistributedModule, Replacement, distributed_roots, param_spec
 
-if TYPE_CHECKING:
-    from mp.model import DistributedModel
-
 __all__ = ["has_tp_roots", "load_named_state", "named_state", "param_names_by_id"]
 
 Roots = list[tuple[str, DistributedModule]]
 
 
-def has_tp_roots(model: DistributedModel | None) -> bool:
-    return model is not None and any(True for _ in distributed_roots(model.module))
+def has_tp_roots(module: nn.Module) -> bool:
+    """Whether ``module`` holds tensor-parallel modules (its full optimizer state is then name-keyed)."""
+    return any(True for _ in distributed_roots(module))
 
 
-def param_names_by_id(model: DistributedModel) -> dict[int, str]:
-    return {id(p): n for n, p in model.module.named_parameters()}
+def param_names_by_id(module: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in module.named_parameters()}
 
 
 def _root(name: str, roots: Roots) -> tuple[str, DistributedModule] | None:
@@ -84,16 +83,17 @@ def _gather(root: DistributedModule, shards: dict[str, torch.Tensor]) -> dict[st
 
 
 def named_state(
-    optimizer: torch.optim.Optimizer, model: DistributedModel, all_groups: list[list[Any]]
+    optimizer: torch.optim.Optimizer, module: nn.Module, placement: Placement, all_groups: list[list[Any]]
 ) -> dict[str, Any]:
-    """The full optimizer state by original parameter names (collective over the TP and PP groups)."""
-    roots: Roots = list(distributed_roots(model.module))
-    names = param_names_by_id(model)
+    """The full optimizer state of ``module``'s parameters, placed by ``placement``, by original
+    parameter names (collective over the TP and PP groups)."""
+    roots: Roots = list(distributed_roots(module))
+    names = param_names_by_id(module)
     mine: dict[str, dict[str, Any]] = {}
     by_root: dict[str, dict[str, dict[str, Any]]] = {}
     # A root the pipeline split over stages (the whole GPT-2's LM head) is translated once every stage's
     # part is in: its translation needs the whole module (prefix -> state key -> own name -> tensor).
-    split = _split_roots(model.placement, roots)
+    split = _split_roots(placement, roots)
     deferred: dict[str, dict[str, Any]] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -133,7 +133,6 @@ def named_state(
                     mine.setdefault(orig, {})[key] = (
                         value.clone() if isinstance(value, torch.Tensor) else value
                     )
-    placement = model.placement
     if placement.pipelined:
         placement.enter("optimizer.state_dict()")
         parts: list[Any] = [None] * placement.pp_size
@@ -149,7 +148,7 @@ def named_state(
                     else:
                         into[key] = value
         _translate_deferred(mine, deferred, roots)
-    full = {"state": mine, "param_groups": _named_groups(optimizer, model, all_groups, roots, names)}
+    full = {"state": mine, "param_groups": _named_groups(optimizer, all_groups, roots, names)}
     return write_header(full, Header(keyed_by_name=True))
 
 
@@ -177,7 +176,6 @@ def _split_roots(placement: Placement, roots: Roots) -> set[str]:
 
 def _named_groups(
     optimizer: torch.optim.Optimizer,
-    model: DistributedModel,
     all_groups: list[list[Any]],
     roots: Roots,
     names: dict[int, str],
@@ -200,13 +198,14 @@ def _named_groups(
 
 def load_named_state(
     optimizer: torch.optim.Optimizer,
-    model: DistributedModel,
+    module: nn.Module,
     sd: dict[str, Any],
     all_groups: list[list[Any]],
     *,
     translate: bool = True,
 ) -> None:
-    """Load a name-keyed state: this rank's parameters, TP shards cut from the full tensors
+    """Load a name-keyed state into the optimizer of ``module``'s parameters: this rank's parameters
+    (those its groups hold), TP shards cut from the full tensors
     (``translate=False``: the state already holds this rank's shards under mp's names)."""
     saved_groups = sd["param_groups"]
     if len(saved_groups) != len(all_groups):
@@ -214,8 +213,8 @@ def load_named_state(
             f"the optimizer state has {len(saved_groups)} parameter groups; this optimizer has "
             f"{len(all_groups)}: build the optimizer as in the saving job"
         )
-    roots: Roots = list(distributed_roots(model.module)) if translate else []
-    names = param_names_by_id(model)
+    roots: Roots = list(distributed_roots(module)) if translate else []
+    names = param_names_by_id(module)
     saved: dict[str, dict[str, Any]] = sd["state"]
     cache: dict[str, dict[str, dict[str, Any]]] = {}
     local: dict[int, dict[str, Any]] = {}

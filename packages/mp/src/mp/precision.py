@@ -22,10 +22,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mp.config_combinations import REFUSED_USES
@@ -34,6 +36,7 @@ from mp.errors import (
     SMPValidationError,
 )
 from mp.optimizer import clip_by_global_norm
+from mp.optimizer_chain import ModelView
 from mp.state import state
 from mp.zero import sharding_of
 from mp_comm import GroupKind
@@ -47,6 +50,9 @@ from mp_memory import (
     read_header,
     write_header,
 )
+
+if TYPE_CHECKING:
+    from mp_memory import ShardedDataParallel
 
 __all__ = ["DistributedBit16Optimizer", "bit16_optimizer", "half_dtype"]
 
@@ -80,40 +86,46 @@ def _gathered(v: Any) -> Any:
     return _cpu(v.full_tensor() if isinstance(v, DTensor) else v)
 
 
-def _model_sharding() -> Any:
-    """The model's sharded data parallelism (mp.sharded), or None."""
-    return state.model.sharding if state.model is not None else None
-
-
-def refuse_full_half_state_under_tp(what: str, precision: str) -> None:
+def refuse_full_half_state_under_tp(
+    what: str, precision: str, module: nn.Module, sharding: ShardedDataParallel | None
+) -> None:
     """The full fp16/bf16 state holds each TP rank's masters of its own shards under mp's names, and a
-    full checkpoint keeps rank 0's only: under tensor parallelism (with or without sharded data
-    parallelism) an error, not TP rank 0's shards loaded everywhere."""
+    full checkpoint keeps rank 0's only: under tensor parallelism of ``module`` (with or without
+    sharded data parallelism, ``sharding``) an error, not TP rank 0's shards loaded everywhere."""
     from mp.optimizer_state import has_tp_roots
 
     group = state.process_groups.get(GroupKind.TP)
     tp = dist.get_world_size(group) if group is not None else 1
-    sharding = _model_sharding()
-    if (tp > 1 and has_tp_roots(state.model)) or (sharding is not None and sharding.tp is not None):
+    if (tp > 1 and has_tp_roots(module)) or (sharding is not None and sharding.tp is not None):
         raise REFUSED_USES["full_half_state_under_tp"].refusal(
             f"{what} under {precision} with tensor_parallel_degree {tp}"
         )
 
 
 class DistributedBit16Optimizer(Bit16Optimizer):
-    """smp's fp16/bf16 optimizer (Bit16_Optimizer) over this rank's parameters (module docstring)."""
+    """smp's fp16/bf16 optimizer (Bit16_Optimizer) over this rank's parameters (module docstring) of
+    ``model``; ``backward(loss)`` is the model's backward (``optimizer.backward(loss)`` calls it)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, precision: str, scaler: Any) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        precision: str,
+        scaler: Any,
+        model: ModelView,
+        backward: Callable[[torch.Tensor], None],
+    ) -> None:
         super().__init__(optimizer, scaler, agree=_agree, check_overflow=precision == "fp16")
         self.precision = precision
+        self._model = model
+        self._backward = backward
         self._pending: dict[str, Any] | None = None
 
     def _ready(self, what: str) -> None:
         """Make the masters (once the groups hold only this rank's parameters) and load a pending state."""
         if self.masters_ready:
             return
-        model = state.model
-        if model is not None and model.placement.pp_size > 1 and not model.partitioned:
+        placement = self._model.placement
+        if placement.pp_size > 1 and not placement.partitioned:
             raise SMPValidationError(
                 f"optimizer.{what}() under {self.precision} needs the model partitioned (the fp32 master "
                 "weights are made for this rank's parameters only); call it after the first @smp.step"
@@ -126,10 +138,7 @@ class DistributedBit16Optimizer(Bit16Optimizer):
     # -- training --------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """``model.backward(loss)``: the loss is scaled there (smp scripts call either)."""
-        model = state.model
-        if model is None:
-            raise SMPValidationError("optimizer.backward(loss) needs a DistributedModel")
-        model.backward(loss)
+        self._backward(loss)
 
     def update_master_grads(self) -> None:
         """Unscale the gradients into the fp32 masters now (``step`` and ``clip_master_grads`` do it
@@ -147,7 +156,7 @@ class DistributedBit16Optimizer(Bit16Optimizer):
         self._ready("clip_master_grads")
         if self.prepare_grads():
             return torch.tensor(float("inf"))
-        sharded = _model_sharding()
+        sharded = self._model.sharding
         if sharded is not None:  # DTensor gradients: the global norm over every shard (mp.sharded)
             from mp.sharded import clip_sharded
 
@@ -168,9 +177,7 @@ class DistributedBit16Optimizer(Bit16Optimizer):
         return self.optimizer.state if sharding is None else sharding.build().optim.state
 
     def _names(self) -> dict[int, str]:
-        model = state.model
-        assert model is not None
-        by_param = {id(p): n for n, p in model.module.named_parameters()}
+        by_param = self._model.param_names()
         return {id(m): by_param[id(p)] for p, m in self.pairs() if id(p) in by_param}
 
     def local_state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -193,7 +200,7 @@ class DistributedBit16Optimizer(Bit16Optimizer):
                 if m in store:
                     states[n] = {k: save(v) for k, v in store[m].items()}
         zero = self._zero_params()
-        sharded = _model_sharding()
+        sharded = self._model.sharding
         sdp_layout = None
         if sharded is not None and not full:
             from mp.sharded import layout_of
@@ -222,17 +229,16 @@ class DistributedBit16Optimizer(Bit16Optimizer):
                 f"optimizer.state_dict() (the full optimizer state) under shard_optimizer_state with "
                 f"{self.precision}"
             )
-        refuse_full_half_state_under_tp("optimizer.state_dict()", self.precision)
+        self._refuse_under_tp("optimizer.state_dict()")
         sd = self._collect(full=True)
-        model = state.model
-        if model is None or model.placement.pp_size == 1:
+        placement = self._model.placement
+        if placement.pp_size == 1:
             return sd
-        placement = model.placement
         placement.enter("optimizer.state_dict()")
         parts: list[Any] = [None] * placement.pp_size
         mine = (sd["param_groups"], sd["state"], sd["fp32_master_params"])
         dist.all_gather_object(parts, mine, group=placement.pp_group)
-        order = {n: i for i, (n, _) in enumerate(model.module.named_parameters())}
+        order = {n: i for i, (n, _) in enumerate(self._model.module.named_parameters())}
         for gi, group in enumerate(sd["param_groups"]):
             names = {n for groups, _, _ in parts for n in groups[gi]["params"]}
             group["params"] = sorted(names, key=lambda n: order.get(n, len(order)))
@@ -256,9 +262,12 @@ class DistributedBit16Optimizer(Bit16Optimizer):
         self._pending = dict(state_dict)
         # the scale is needed before the masters exist: the next backward multiplies the loss by it
         self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
-        model = state.model
-        if model is None or model.placement.pp_size == 1 or model.partitioned:
+        placement = self._model.placement
+        if placement.pp_size == 1 or placement.partitioned:
             self._ready("load_state_dict")
+
+    def _refuse_under_tp(self, what: str) -> None:
+        refuse_full_half_state_under_tp(what, self.precision, self._model.module, self._model.sharding)
 
     def _apply(self, state_dict: dict[str, Any]) -> None:
         header, sd = read_header(state_dict)
@@ -289,10 +298,10 @@ class DistributedBit16Optimizer(Bit16Optimizer):
                 "shard_optimizer_state with this layout: load a local_state_dict() saved with the same "
                 "layout, partition and data-parallel size"
             )
-        sharded = _model_sharding()
+        sharded = self._model.sharding
         full = not header.partial
         if full:
-            refuse_full_half_state_under_tp("optimizer.load_state_dict() of a full state", self.precision)
+            self._refuse_under_tp("optimizer.load_state_dict() of a full state")
         if sharded is not None and header.partial:
             from mp.sharded import check_layout
 
@@ -323,8 +332,12 @@ def bit16_optimizer(
     static_loss_scale: float | None,
     dynamic_loss_scale: bool,
     dynamic_loss_args: dict[str, Any],
+    *,
+    model: ModelView,
+    backward: Callable[[torch.Tensor], None],
 ) -> DistributedBit16Optimizer:
-    """The fp16/bf16 optimizer for smp's ``DistributedOptimizer`` arguments."""
+    """The fp16/bf16 optimizer for smp's ``DistributedOptimizer`` arguments, over ``model``'s parameters
+    (``backward``: the model's)."""
     if precision == "bf16" and (
         dynamic_loss_scale or dynamic_loss_args or static_loss_scale not in (None, 1.0)
     ):
@@ -337,4 +350,4 @@ def bit16_optimizer(
         scaler = make_loss_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
     except PrecisionError as exc:
         raise SMPValidationError(f"smp.DistributedOptimizer: {exc}") from exc
-    return DistributedBit16Optimizer(optimizer, precision, scaler)
+    return DistributedBit16Optimizer(optimizer, precision, scaler, model, backward)

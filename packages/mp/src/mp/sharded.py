@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from mp.config_combinations import REFUSED_USES
 from mp.errors import IncompatibleCheckpointFoundError, SMPValidationError
-from mp.optimizer_chain import OptimizerPart, chain_of
+from mp.optimizer_chain import ModelView, OptimizerPart, chain_of
 from mp.state import state
 from mp_comm import GroupKind
 from mp_memory import (
@@ -38,6 +38,7 @@ from mp_memory import (
     read_header,
     write_header,
 )
+from mp_partition import Placement
 
 __all__ = [
     "ShardedPart",
@@ -51,14 +52,16 @@ __all__ = [
 ]
 
 
-def sharding_of(model: Any) -> ShardedDataParallel | None:
-    """The sharding of a DistributedModel under sharded data parallelism (else None)."""
-    found: ShardedDataParallel | None = getattr(model, "sharding", None)
-    return found
+def sharding_of(model: object) -> ShardedDataParallel | None:
+    """The sharding of a DistributedModel under sharded data parallelism (else None; None for an object
+    that is not a DistributedModel, e.g. a model passed to ``smp.save_checkpoint``)."""
+    found = getattr(model, "sharding", None)
+    return found if isinstance(found, ShardedDataParallel) else None
 
 
-def shard_model(module: nn.Module) -> ShardedDataParallel | None:
-    """Shard ``module`` in place if the config asks for it (collective over the world)."""
+def shard_model(module: nn.Module, placement: Callable[[], Placement]) -> ShardedDataParallel | None:
+    """Shard ``module`` in place if the config asks for it (collective over the world); ``placement()``
+    is the model's placement when a full state is gathered."""
     cfg, world, topo = state.require()
     degree = cfg.sharded_data_parallel_degree
     if degree == 1:
@@ -119,24 +122,19 @@ def shard_model(module: nn.Module) -> ShardedDataParallel | None:
     if tp is not None:  # the full state in the original model's names, as without sharding
         from mp.state_dicts import full_state_dict
 
-        def gather() -> dict[str, Any]:
-            model = state.model
-            assert model is not None  # set by the DistributedModel being built, before any state dict
-            return dict(full_state_dict(module, model.placement, True))
-
-        sharding.gather_tp_state = gather
-        sharding.local_tp_state = _tp_values
+        sharding.gather_tp_state = lambda: dict(full_state_dict(module, placement(), True))
+        sharding.local_tp_state = lambda sd: _tp_values(module, sd)
     return sharding
 
 
-def _tp_values(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """A full state (the original model's names, as ``model.state_dict()`` gives it) as this TP rank's
-    values under the module's own names: each distributed module's part translated from the original
-    layout (when given so) and cut to this rank's TP shard, the rest as it is. No communication."""
+def _tp_values(module: nn.Module, sd: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A full state of ``module`` (the original model's names, as ``model.state_dict()`` gives it) as
+    this TP rank's values under the module's own names: each distributed module's part translated from
+    the original layout (when given so) and cut to this rank's TP shard, the rest as it is. No
+    communication."""
     from mp_tensor import ORIGINAL_ATTR, Replacement, distributed_roots, param_spec
 
-    assert state.model is not None
-    roots = list(distributed_roots(state.model.module))
+    roots = list(distributed_roots(module))
     out = {k: v for k, v in sd.items() if not any(k.startswith(p) for p, _ in roots)}
     for prefix, root in roots:
         part = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
@@ -151,10 +149,9 @@ def _tp_values(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
-def partial_file_names(model: Any) -> tuple[str, str, bool] | None:
+def partial_file_names(sharding: ShardedDataParallel | None) -> tuple[str, str, bool] | None:
     """(model file, optimizer file, whether this rank writes them) of a partial checkpoint under
-    sharding: one pair per shard index, written by the first replica's ranks. None without sharding."""
-    sharding = sharding_of(model)
+    ``sharding``: one pair per shard index, written by the first replica's ranks. None without it."""
     if sharding is None:
         return None
     layout = layout_of(sharding)
@@ -224,11 +221,14 @@ def clip_sharded(sharding: ShardedDataParallel, max_norm: float, norm_type: floa
 class ShardedPart(OptimizerPart):
     """Sharded data parallelism in the optimizer's chain (module docstring): clips by
     ``sdp_gradient_clipping`` before the parts below step, and saves and loads through
-    torch.distributed.checkpoint (never through the parts below)."""
+    torch.distributed.checkpoint (never through the parts below). ``model``: the model ``sharding``
+    shards (its full state under TP is keyed by its parameter names)."""
 
     name = "sharded"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, sharding: ShardedDataParallel) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, sharding: ShardedDataParallel, model: ModelView
+    ) -> None:
         live = {id(p) for p in sharding.module.parameters()}
         stale = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in live]
         if stale:
@@ -240,6 +240,7 @@ class ShardedPart(OptimizerPart):
             )
         self.optimizer = optimizer
         self.sharding = sharding
+        self.model = model
         self.max_norm = float(state.require()[0].sdp_gradient_clipping)
 
     def step(self, inner: Callable[[Any], Any], closure: Any) -> Any:
@@ -255,7 +256,7 @@ class ShardedPart(OptimizerPart):
 
     def state_dict(self, inner: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         if self.sharding.tp is not None:
-            return _full_tp_state(self.optimizer)
+            return _full_tp_state(self.optimizer, self.model.module, self.model.placement)
         with chain_of(self.optimizer).torch_methods():
             return self.sharding.full_optimizer_state_dict(self.optimizer)
 
@@ -270,7 +271,7 @@ class ShardedPart(OptimizerPart):
             load_local_optimizer_state(self.optimizer, sd)
             return
         if self.sharding.tp is not None:
-            _load_full_tp_state(self.optimizer, sd, header.param_names)
+            _load_full_tp_state(self.optimizer, self.model.module, sd, header.param_names)
             return
         # a name-keyed state (its header dropped) is what DCP's full state is too
         with chain_of(self.optimizer).torch_methods():
@@ -293,25 +294,28 @@ class _WholeStates:
                     }
 
 
-def _full_tp_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _full_tp_state(
+    optimizer: torch.optim.Optimizer, module: nn.Module, placement: Placement
+) -> dict[str, Any]:
     """The full optimizer state under sharding and TP: keyed by the original model's parameter names
     with full tensors, as under TP without sharding (mp.optimizer_state); collective over the world."""
     from mp.optimizer_state import named_state
 
-    assert state.model is not None
     groups = [list(g["params"]) for g in optimizer.param_groups]
-    return named_state(cast(torch.optim.Optimizer, _WholeStates(optimizer)), state.model, groups)
+    return named_state(cast(torch.optim.Optimizer, _WholeStates(optimizer)), module, placement, groups)
 
 
 def _load_full_tp_state(
-    optimizer: torch.optim.Optimizer, sd: dict[str, Any], names: list[list[str | None]] | None
+    optimizer: torch.optim.Optimizer,
+    module: nn.Module,
+    sd: dict[str, Any],
+    names: list[list[str | None]] | None,
 ) -> None:
     """Load a full state (without its header) keyed by parameter names (``_full_tp_state``'s, TP's
     without sharding, FSDP2's full state of the model without TP), or an index-numbered one with the
     ``names`` its header carries: each rank keeps its TP shard's part of this rank's shard."""
     from mp.optimizer_state import load_named_state
 
-    assert state.model is not None
     if names is not None:  # index-numbered (a job without TP or sharding): by the names it carries
         flat = [n for group in names for n in group]
         sd = {
@@ -329,7 +333,7 @@ def _load_full_tp_state(
             "with optimizer.state_dict() of a DistributedOptimizer"
         )
     groups = [list(g["params"]) for g in optimizer.param_groups]
-    load_named_state(optimizer, state.model, sd, groups)
+    load_named_state(optimizer, module, sd, groups)
     for p in (p for g in optimizer.param_groups for p in g["params"]):  # full tensors -> shards
         st = optimizer.state.get(p)
         if st and isinstance(p, DTensor):
@@ -338,9 +342,9 @@ def _load_full_tp_state(
                     st[k] = as_like(v, p, full=True)
 
 
-def refuse_under_sharding(model: Any, what: str) -> None:
+def refuse_under_sharding(sharding: ShardedDataParallel | None, what: str) -> None:
     """DDP-side features that the FSDP2 path does not run: an error instead of a silent no-op."""
-    if sharding_of(model) is not None:
+    if sharding is not None:
         raise REFUSED_USES["ddp_feature_under_sdp"].refusal(
             f"model.{what}() under sharded_data_parallel_degree > 1"
         )

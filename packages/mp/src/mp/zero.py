@@ -20,10 +20,11 @@ from typing import Any
 import torch
 
 from mp.errors import IncompatibleCheckpointFoundError, SMPCheckpointError, SMPValidationError
-from mp.optimizer_chain import OptimizerPart, part_of
+from mp.optimizer_chain import ModelView, OptimizerPart, part_of
 from mp.state import state
 from mp_comm import GroupKind
 from mp_memory import Header, ZeroSharding, read_header, write_header
+from mp_partition import Placement
 
 __all__ = ["ZeroPart", "sharding_of"]
 
@@ -34,41 +35,41 @@ def sharding_of(optimizer: Any) -> ZeroSharding | None:
     return None if part is None else part.sharding
 
 
-def _ready(sharding: ZeroSharding, what: str) -> None:
-    model = state.model
-    if sharding.zero is None and model is not None and model.placement.pp_size > 1 and not model.partitioned:
+def _ready(sharding: ZeroSharding, placement: Placement, what: str) -> None:
+    if sharding.zero is None and placement.pp_size > 1 and not placement.partitioned:
         raise SMPValidationError(
             f"optimizer.{what}() under shard_optimizer_state needs the model partitioned (the state is "
             "sharded over this stage's parameters); call it after the first @smp.step"
         )
 
 
-def _names(params: list[torch.Tensor]) -> list[str | None]:
-    model = state.model
-    by_id = {id(p): n for n, p in model.module.named_parameters()} if model is not None else {}
+def _names(params: list[torch.Tensor], model: ModelView) -> list[str | None]:
+    by_id = model.param_names()
     return [by_id.get(id(p)) for p in params]
 
 
 class ZeroPart(OptimizerPart):
     """ZeRO-1 in the optimizer's chain (module docstring): steps, saves and loads through the ZeRO
-    optimizer over the RDP group; never calls the parts below, and refuses the full state."""
+    optimizer over the RDP group; never calls the parts below, and refuses the full state. ``model``:
+    the model whose parameters it steps (the shards follow its partition)."""
 
     name = "zero"
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, model: ModelView) -> None:
         self.sharding = ZeroSharding(optimizer, state.process_groups.get(GroupKind.RDP))
+        self.model = model
         self._pending: list[dict[str, Any]] = []
 
     def step(self, inner: Callable[[Any], Any], closure: Any) -> Any:
-        _ready(self.sharding, "step")
+        _ready(self.sharding, self.model.placement, "step")
         if self.sharding.zero is None and self._pending:  # a state loaded before partitioning
             self.sharding.build()
             self._load(self._pending.pop())
         return self.sharding.step(closure)
 
     def local_state_dict(self, inner: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        _ready(self.sharding, "local_state_dict")
-        header = Header(partial=True, zero_param_names=_names(self.sharding.local_params()))
+        _ready(self.sharding, self.model.placement, "local_state_dict")
+        header = Header(partial=True, zero_param_names=_names(self.sharding.local_params(), self.model))
         return write_header(self.sharding.local_state_dict(), header)
 
     def state_dict(self, inner: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -81,7 +82,7 @@ class ZeroPart(OptimizerPart):
     def _load(self, sd: dict[str, Any]) -> None:
         header, sd = read_header(sd)
         names = header.zero_param_names
-        running = _names(self.sharding.local_params())
+        running = _names(self.sharding.local_params(), self.model)
         if names is None or names != running:
             raise IncompatibleCheckpointFoundError(
                 f"the optimizer state was not saved as this rank's share under shard_optimizer_state with "
@@ -100,7 +101,7 @@ class ZeroPart(OptimizerPart):
             self._load(state_dict)
             return
         self._pending[:] = [state_dict]  # loaded at the first step, once the shards are known
-        model = state.model
-        if model is None or model.placement.pp_size == 1 or model.partitioned:
+        placement = self.model.placement
+        if placement.pp_size == 1 or placement.partitioned:
             self.sharding.build()
             self._load(self._pending.pop())
