@@ -117,6 +117,22 @@ def test_containers_are_decided_from_the_trace_not_the_class() -> None:
     assert not root.is_container  # the root (pp_rank 0's) is never split off
     assert not _node(root, "0").is_container  # a leaf
     assert not _node(build_module_tree(model), "1").is_container  # no trace: unknown
+
+    class Twice(nn.Module):
+        """Computes nothing itself but runs one child before and after the other (as T5's stack runs
+        its dropout): not a chain, so no container: moving ``after`` alone would send the tensor back."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.drop = nn.Dropout(0.0)
+            self.body = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.drop(self.body(self.drop(x)))  # type: ignore[no-any-return]
+
+    twice = nn.Sequential(nn.Linear(8, 8), Twice())
+    tree = build_module_tree(twice, _trace(twice))
+    assert _node(tree, "1").own_ops == 0 and not _node(tree, "1").is_container
     stack = build_module_tree(Stack(layers=2), _trace(Stack(layers=2), 16))
     assert _node(stack, "layers").is_container and not _node(stack, "layers.0").is_container
 

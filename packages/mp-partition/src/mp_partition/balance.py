@@ -13,9 +13,10 @@ different stages, ``caller_overhead`` on the caller's stage and ``callee_overhea
 units on different stages, one move at a time, always the move that lowers the largest load most
 (ties: the lower sum of squared loads, then the earlier candidate, whole units before their parts),
 until no move helps. A candidate is a boundary unit or, where the unit is a pure container
-(:attr:`ModuleNode.is_container`: its own code ran no tensor operation in the trace, as an
-``nn.Sequential`` of blocks or an ``nn.ModuleList``), the part of it next to the boundary: its last child
-when moving forward, its first when moving back, and so on down while that part is a container too.
+(:attr:`ModuleNode.is_container`: its own code ran no tensor operation in the trace and each child ran
+once per call of it, as an ``nn.Sequential`` of blocks, or an ``nn.ModuleList``), the part of it next
+to the boundary: its last child when moving forward, its first when moving back, and so on down while
+that part is a container too.
 Splitting a container adds a call boundary between two of its children, priced like any other, and no
 round trip through the container, which computes nothing; a container whose children end up on two
 stages stays on the stage of its first child (the one its caller reaches first), so that the calls

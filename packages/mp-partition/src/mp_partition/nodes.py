@@ -65,12 +65,19 @@ class ModuleNode:
 
     @property
     def is_container(self) -> bool:
-        """Whether the node only holds and calls its children: it has children, is not the root, and its
-        own code ran no tensor operation in the trace (an ``nn.Sequential`` chaining its children, an
-        ``nn.ModuleList`` that never runs). Where its children run does not add a round trip through it,
-        so the balancer may split it between stages; a block whose own forward computes (a residual
-        add, attention) is not one. Decided from the trace, not from the class."""
-        return bool(self.children) and self.parent is not None and self.own_ops == 0
+        """Whether the node only holds and chains its children: it has children, is not the root, its own
+        code ran no tensor operation in the trace, and each child ran as often as it did (each once per
+        call: an ``nn.Sequential`` of blocks), or, for a node that never ran itself (an
+        ``nn.ModuleList``), all its children ran equally often. Where such a node's children run adds no
+        round trip through it, so the balancer may split it between stages. A block whose own forward
+        computes (a residual add, attention) is not one, nor a module that calls a child twice (T5's
+        stack runs its dropout before and after its blocks). Decided from the trace, not the class."""
+        if not self.children or self.parent is None or self.own_ops != 0:
+            return False
+        ran = {c.calls for c in self.children}
+        if self.calls > 0:
+            return ran == {self.calls}
+        return len(ran) == 1 and min(ran) > 0
 
     @property
     def path(self) -> str:
