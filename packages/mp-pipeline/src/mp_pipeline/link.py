@@ -23,7 +23,7 @@ from mp_pipeline.schedule import Phase
 if TYPE_CHECKING:
     from mp_pipeline.remote import Remote
 
-__all__ = ["Link", "RemoteFunction", "Unpack", "raise_failure", "remote_error"]
+__all__ = ["Chained", "Link", "RemoteFunction", "Unpack", "raise_failure", "remote_error"]
 
 
 def raise_failure(response: Response) -> None:
@@ -193,6 +193,25 @@ class Unpack(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, None, torch.Tensor]:
         ctx.link.grads = grads
         return None, None, torch.zeros(0)
+
+
+class Chained(torch.autograd.Function):
+    """A remote call in the requester's graph as one node: :class:`RemoteFunction` and :class:`Unpack` in
+    one, without the anchor, for a replayed call whose outputs are CPU tensors or ``meta`` placeholders
+    (their node runs on the thread that called backward, which may wait) and that has inputs requiring grad
+    (they join it to the graph). A chain of blocks on another rank costs pp_rank 0 one node per call."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, link: Link, received: list[torch.Tensor], *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.link = link
+        ctx.set_materialize_grads(False)
+        return tuple(received)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return (None, None, *ctx.link.backward(grads))
 
 
 class Received(torch.autograd.Function):

@@ -50,7 +50,7 @@ from mp_pipeline.context import TaskContext, applied, capture, current, task_con
 from mp_pipeline.errors import FlowChangedError, NotInStepError, PipelineError
 from mp_pipeline.fast import CallKey, FastPlan
 from mp_pipeline.fused import Fusion, note_gradient
-from mp_pipeline.link import Link, Received, RemoteFunction, Unpack, raise_failure, remote_error
+from mp_pipeline.link import Chained, Link, Received, RemoteFunction, Unpack, raise_failure, remote_error
 from mp_pipeline.messages import Ref, Request, Response, StepId
 from mp_pipeline.posted import Predictions
 from mp_pipeline.schedule import Phase
@@ -252,7 +252,9 @@ class Remote:
             grad = state.grad_enabled
             predicted = self.predictions.predicted(call, Phase.FORWARD, grad) if call is not None else None
             replay = server.replay
-            if call is not None and replay is not None and replay.active is not None:
+            replaying = call is not None and replay is not None and replay.active is not None
+            if replaying:
+                assert call is not None and replay is not None
                 # per-rank replay (mp_pipeline.replay): the owner runs it from its program
                 check = None
                 if predicted is not None:
@@ -280,6 +282,31 @@ class Remote:
                     self.predictions.learn(call, Phase.FORWARD, grad, response)
             outputs: list[Any] = list(response.tensors)
             wire = [i for i, r in enumerate(response.requires_grad) if r]
+            if wire and state.grad_enabled and replaying and not learning and any(requires):
+                # per-rank replay: one node (link.Chained); its inputs join it to the graph
+                grad_inputs = [t for t, r in zip(tensors, requires, strict=True) if r]
+                received = [outputs[i] for i in wire]
+                if getattr(self._nested, "anchors", None) is None and all(
+                    t.device.type in ("cpu", "meta") for t in received
+                ):
+                    link = Link(
+                        self,
+                        dest,
+                        server.step,
+                        request_id,
+                        path,
+                        microbatch,
+                        position,
+                        len(grad_inputs),
+                        len(wire),
+                        call,
+                    )
+                    wired = Chained.apply(link, received, *grad_inputs)  # type: ignore[no-untyped-call]
+                    for i, t in zip(wire, wired, strict=True):
+                        outputs[i] = t
+                    if call is not None:
+                        self._remember(link, wired, dict(handoff))
+                    return unflatten(response.payload, outputs)
             if wire and state.grad_enabled:
                 grad_inputs = [t for t, r in zip(tensors, requires, strict=True) if r]
                 link = Link(
