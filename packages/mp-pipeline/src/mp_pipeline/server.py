@@ -42,6 +42,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -173,7 +174,7 @@ class Server:
             flow=flow,
             idle=idle,
             stats=self.stats,
-            waiting=self._waiting,
+            waiting=weakref.WeakMethod(self._waiting),
         )
         self.handoffs = HandoffStore()
         """Fast mode: tensors handed to this rank for a later request, and the threads waiting for them."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -42,8 +43,10 @@ class Wire:
     """One step's sending and receiving on one rank (see the module docstring).
 
     ``stats``: the server's counters, of which the wire keeps ``compact_sent``, ``compact_received`` and
-    ``tensor_bytes``. ``waiting``: what the server waits for, for the error of a wait that timed out.
-    The other arguments are the server's (mp_pipeline.server.Server).
+    ``tensor_bytes``. ``waiting``: a weak reference to the server's description of what it waits for,
+    for the error of a wait that timed out (weak: the server holds the wire, and a cycle would keep both
+    until a full garbage collection). The other arguments are the server's
+    (mp_pipeline.server.Server).
     """
 
     def __init__(
@@ -59,7 +62,7 @@ class Wire:
         flow: FlowRecorder | None,
         idle: Callable[[], bool] | None,
         stats: dict[str, int],
-        waiting: Callable[[], str],
+        waiting: weakref.WeakMethod[Callable[[], str]],
     ) -> None:
         self.transport = transport
         self.rank = rank
@@ -179,7 +182,7 @@ class Wire:
                     return None
                 raise PipelineTimeoutError(
                     f"rank {self.rank} received no pipeline message within {timeout:g} s in step "
-                    f"{self.step.step} ({self._waiting()}). A rank of "
+                    f"{self.step.step} ({self._waiting_for()}). A rank of "
                     f"pipeline {list(self.peers)} is stuck (alive but not answering, e.g. a deadlock: a "
                     "stopped or dead rank is found sooner, by MP_HEARTBEAT_TIMEOUT); raise "
                     "MP_PIPELINE_TIMEOUT for very long module executions. This rank was "
@@ -201,6 +204,10 @@ class Wire:
                 self._early.append(message)
                 continue
             return message
+
+    def _waiting_for(self) -> str:
+        describe = self._waiting()
+        return describe() if describe is not None else "its server is gone"
 
     def _check_function(self, step: StepId, source: int | None) -> None:
         """A message of this step number from another step function: the script called a step function
