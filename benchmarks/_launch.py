@@ -58,11 +58,11 @@ def relaunch(script: str, ranks: int) -> int:
     if exe is None:
         print("mpiexec not found; install it with `pip install mpich`", file=sys.stderr)
         return 2
-    from mp.launch import bind_arguments, placement
+    from mp.launch import Mpiexec, bind_arguments, placement
 
     env = root_env()
     env["OMP_NUM_THREADS"] = "1"
-    cpu_sets = placement("auto", ranks, exe)
+    cpu_sets = placement("auto", ranks, Mpiexec(exe))
     bind = bind_arguments(cpu_sets) if cpu_sets else []
     cmd = [exe, "-n", str(ranks), *bind, *python_command(script), *sys.argv[1:]]
     return subprocess.call(cmd, env=env, cwd=ROOT)

@@ -189,9 +189,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     exe = mpiexec()
     if exe is None:
         raise SystemExit("mpiexec not found; install it with `pip install mpich`")
-    from mp.launch import bind_arguments, placement
+    from mp.launch import Mpiexec, bind_arguments, placement
 
-    cpu_sets = placement("auto", RANKS, exe)
+    cpu_sets = placement("auto", RANKS, Mpiexec(exe))
     bind = bind_arguments(cpu_sets) if cpu_sets else []
     model = {
         k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "seq", "batch", "check_steps")
