@@ -282,31 +282,6 @@ class Remote:
                     self.predictions.learn(call, Phase.FORWARD, grad, response)
             outputs: list[Any] = list(response.tensors)
             wire = [i for i, r in enumerate(response.requires_grad) if r]
-            if wire and state.grad_enabled and replaying and not learning and any(requires):
-                # per-rank replay: one node (link.Chained); its inputs join it to the graph
-                grad_inputs = [t for t, r in zip(tensors, requires, strict=True) if r]
-                received = [outputs[i] for i in wire]
-                if getattr(self._nested, "anchors", None) is None and all(
-                    t.device.type in ("cpu", "meta") for t in received
-                ):
-                    link = Link(
-                        self,
-                        dest,
-                        server.step,
-                        request_id,
-                        path,
-                        microbatch,
-                        position,
-                        len(grad_inputs),
-                        len(wire),
-                        call,
-                    )
-                    wired = Chained.apply(link, received, *grad_inputs)  # type: ignore[no-untyped-call]
-                    for i, t in zip(wire, wired, strict=True):
-                        outputs[i] = t
-                    if call is not None:
-                        self._remember(link, wired, dict(handoff))
-                    return unflatten(response.payload, outputs)
             if wire and state.grad_enabled:
                 grad_inputs = [t for t, r in zip(tensors, requires, strict=True) if r]
                 link = Link(
@@ -321,12 +296,26 @@ class Remote:
                     len(wire),
                     call,
                 )
+                received = [outputs[i] for i in wire]
+                if (
+                    replaying
+                    and not learning
+                    and grad_inputs
+                    and getattr(self._nested, "anchors", None) is None
+                    and all(t.device.type in ("cpu", "meta") for t in received)
+                ):
+                    # per-rank replay: one node (link.Chained); its inputs join it to the graph
+                    wired = Chained.apply(link, received, *grad_inputs)  # type: ignore[no-untyped-call]
+                    for i, t in zip(wire, wired, strict=True):
+                        outputs[i] = t
+                    if call is not None:
+                        self._remember(link, wired, dict(handoff))
+                    return unflatten(response.payload, outputs)
                 anchor = torch.empty(0, requires_grad=True)
                 collect = getattr(self._nested, "anchors", None)
                 if collect is not None:  # a call inside a forward this rank runs for another
                     collect.append(anchor)
                 token = RemoteFunction.apply(link, anchor, *grad_inputs)  # type: ignore[no-untyped-call]
-                received = [outputs[i] for i in wire]
                 wired = Unpack.apply(link, received, token)  # type: ignore[no-untyped-call]
                 for i, t in zip(wire, wired, strict=True):
                     outputs[i] = t
