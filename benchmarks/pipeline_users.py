@@ -47,9 +47,14 @@ measured step, ``T1`` the ``single acc`` step of the same round.
     python -m benchmarks.pipeline_users --smoke      # tiny sizes, 1 round, results in a temporary folder
     python -m benchmarks.pipeline_users --pp 4 --models gpt gpt2 --microbatches 8 --rounds 3
 
-Writes benchmarks/results/pipeline_users.json and .md (``--out`` elsewhere; ``--timeline`` adds mp's
-timeline of each (model, m) beside them; both files are rewritten after each (model, m), so a run cut
-short keeps what it finished). A full run takes about 10-15 minutes on a quiet 2-core host.
+The last timed step of mp, mp zero_bubble, torch 1F1B and torch ZBV is also split per rank into compute,
+waiting for a peer and the runtime's own time (benchmarks/_pipeline_where.py): the table "where the time
+went" under each model's. ``--timeline [M ...]`` draws those steps, stacked, one row per rank, as
+``pipeline_users_<model>_m<M>.png`` beside the results (``--timeline`` alone: every m >= 8 of the run).
+
+Writes benchmarks/results/pipeline_users.json and .md (``--out`` elsewhere; both files are rewritten after
+each (model, m), so a run cut short keeps what it finished). A full run takes about 10-15 minutes on a
+quiet 2-core host.
 """
 
 from __future__ import annotations
@@ -89,6 +94,8 @@ SYSTEMS = (
     "single 2 threads",
     "single acc",
 )
+OBSERVED = ("mp", "mp zero_bubble", "torch 1F1B", "torch ZBV")
+"""The systems whose last timed step is split per rank (the table "where the time went", --timeline)."""
 
 
 @contextlib.contextmanager
@@ -139,19 +146,6 @@ class Single:
         pass
 
 
-def _timed(runner: Any, fn: Any) -> Any:
-    """``fn``, adding its time to ``runner.busy`` (compute, without the waits around it)."""
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            runner.busy += time.perf_counter() - t0
-
-    return wrapper
-
-
 class Torch:
     """torch.distributed.pipelining: this rank's stage of the hand split, GPipe or 1F1B."""
 
@@ -161,7 +155,9 @@ class Torch:
         import torch
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+        from benchmarks._pipeline_where import LOSS, ActionClock
         from benchmarks.models import Chain
+        from mp_pipeline.timeline import EventKind
 
         self.case, self.rank, self.last = case, rank, len(cuts)
         model = case.build()
@@ -176,27 +172,28 @@ class Torch:
             stage_cuda_p2p_through_host()
             device = torch.device("cuda", torch.cuda.current_device())
         self.stage = PipelineStage(self.module, rank, len(bounds) - 1, device)
-        self.busy = 0.0
-        for name in ("forward_one_chunk", "backward_one_chunk"):  # compute, without the waits around it
-            setattr(self.stage, name, self._timed(getattr(self.stage, name)))
+        self.busy, self.clock = 0.0, ActionClock(rank)
+        for name, action in (("forward_one_chunk", EventKind.FWD), ("backward_one_chunk", EventKind.BWD)):
+            timed = self.clock.wrap(self, getattr(self.stage, name), action, f"stage {rank}")
+            setattr(self.stage, name, timed)  # compute, without the waits around it
         kind = ScheduleGPipe if schedule == "GPipe" else Schedule1F1B
-        self.schedule = kind(self.stage, m, loss_fn=self._timed(case.loss_fn))  # the loss: compute too
+        loss_fn = self.clock.wrap(self, case.loss_fn, EventKind.FWD, LOSS)  # the loss: compute too
+        self.schedule = kind(self.stage, m, loss_fn=loss_fn)
         self.opt = torch.optim.AdamW(self.module.parameters(), lr=LR)
-
-    def _timed(self, fn: Any) -> Any:
-        return _timed(self, fn)
 
     def step(self) -> float | None:
         import torch
 
         loss = None
-        if self.rank == 0:
-            self.schedule.step(*self.case.stage_args(self.case.batch))
-        elif self.rank < self.last:
-            self.schedule.step()
-        else:
-            losses: list[torch.Tensor] = []
-            self.schedule.step(target=self.case.target(self.case.batch), losses=losses)
+        losses: list[torch.Tensor] = []
+        with self.clock.step():
+            if self.rank == 0:
+                self.schedule.step(*self.case.stage_args(self.case.batch))
+            elif self.rank < self.last:
+                self.schedule.step()
+            else:
+                self.schedule.step(target=self.case.target(self.case.batch), losses=losses)
+        if self.rank == self.last:
             loss = float(torch.stack([t.detach() for t in losses]).mean())
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -218,7 +215,9 @@ class TorchZBV:
         import torch
         from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
 
+        from benchmarks._pipeline_where import LOSS, WEIGHTS, ActionClock
         from benchmarks.models import Chain
+        from mp_pipeline.timeline import EventKind
 
         self.case, self.rank = case, rank
         model = case.build()
@@ -238,31 +237,35 @@ class TorchZBV:
             PipelineStage(mod, s, n, device)
             for mod, s in zip(self.modules, (rank, n - 1 - rank), strict=True)
         ]
-        self.busy = 0.0
-        for stage in stages:
-            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                setattr(stage, name, self._timed(getattr(stage, name)))
-        self.schedule = ScheduleZBVZeroBubble(stages, m, loss_fn=self._timed(case.loss_fn))
+        self.busy, self.clock = 0.0, ActionClock(rank)
+        for stage, s in zip(stages, (rank, n - 1 - rank), strict=True):
+            for name, action, module in (
+                ("forward_one_chunk", EventKind.FWD, f"stage {s}"),
+                ("backward_one_chunk", EventKind.BWD, f"stage {s}"),  # the input half
+                ("backward_weight_one_chunk", EventKind.BWD, f"stage {s}{WEIGHTS}"),
+            ):
+                setattr(stage, name, self.clock.wrap(self, getattr(stage, name), action, module))
+        loss_fn = self.clock.wrap(self, case.loss_fn, EventKind.FWD, LOSS)
+        self.schedule = ScheduleZBVZeroBubble(stages, m, loss_fn=loss_fn)
         params = [q for mod in self.modules for q in mod.parameters()]
         self.opt = torch.optim.AdamW(params, lr=LR)
-
-    def _timed(self, fn: Any) -> Any:
-        return _timed(self, fn)
 
     def step(self) -> float | None:
         import torch
 
         loss = None
-        if self.rank == 0:  # the first and the last stage
-            losses: list[torch.Tensor] = []
-            self.schedule.step(
-                *self.case.stage_args(self.case.batch),
-                target=self.case.target(self.case.batch),
-                losses=losses,
-            )
+        losses: list[torch.Tensor] = []
+        with self.clock.step():
+            if self.rank == 0:  # the first and the last stage
+                self.schedule.step(
+                    *self.case.stage_args(self.case.batch),
+                    target=self.case.target(self.case.batch),
+                    losses=losses,
+                )
+            else:
+                self.schedule.step()
+        if self.rank == 0:
             loss = float(torch.stack([t.detach() for t in losses]).mean())
-        else:
-            self.schedule.step()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss
@@ -439,7 +442,35 @@ def markdown(out: dict[str, Any]) -> str:
             cells = [str(r["m"]), r["system"], _fmt(r["samples_per_s"], ".1f"), _fmt(r["vs_torch_1f1b"])]
             cells += [_fmt(r["vs_single_1_thread"]), busy, _fmt(r["efficiency_bubble"])]
             lines.append("| " + " | ".join(cells) + " |")
+        lines += _where_lines(info.get("where", {}), p)
     return "\n".join(lines) + "\n"
+
+
+def _where_lines(where: dict[Any, dict[str, list[dict[str, Any]]]], p: int) -> list[str]:
+    """The table "where the time went" of one model (``info["where"]``: m -> system -> ranks)."""
+    from benchmarks._pipeline_where import RankTime, cause
+
+    if not where:
+        return []
+    lines = [
+        "",
+        "Where the time went, the last timed step of each pipelined system (ms per rank): *compute* = "
+        "its actions (mp: the recorder's executions, on pp_rank 0 the step function's forward and "
+        "backward with the Python of its calls; torch: its stages' forward, loss and backward calls), "
+        "*waiting* = blocked receiving from a peer outside any action, *own* = the rest of its step "
+        "(scheduling, messages, the guard).",
+        "",
+        "| m | system | rank | step | compute | waiting | own | beyond compute |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for m, systems in where.items():
+        for system, ranks in systems.items():
+            for d in ranks:
+                t = RankTime(**d)
+                cells = [str(m), system, str(t.rank)]
+                cells += [f"{v:.1f}" for v in (t.step, t.compute, t.wait, t.own)]
+                lines.append("| " + " | ".join([*cells, cause(t, p)]) + " |")
+    return lines
 
 
 @dataclass
@@ -525,8 +556,21 @@ def _build(run: Run, case: Any, base: dict[str, Any], m: int, cuts: list[int]) -
     return runners
 
 
-def _time(run: Run, case: Any, m: int, group: int, runners: dict[str, Any]) -> None:
-    """``--rounds`` rounds of ``--steps`` timed steps of every runner, in a rotating order."""
+def _observing(runner: Any, mp_like: bool, rank: int) -> contextlib.AbstractContextManager[None]:
+    """The observed step's blocking receives recorded (mp: into its recorder, already on for its steps;
+    torch: into the runner's clock, started here)."""
+    from benchmarks._pipeline_where import recording_mp_receives, recording_torch_waits
+    from mp_pipeline.timeline import RECORDER
+
+    if mp_like:
+        return recording_mp_receives(RECORDER, rank)
+    runner.clock.recorder.start()
+    return recording_torch_waits(runner.clock)
+
+
+def _time(run: Run, case: Any, m: int, group: int, runners: dict[str, Any]) -> dict[str, Any]:
+    """``--rounds`` rounds of ``--steps`` timed steps of every runner, in a rotating order. Returns, on
+    rank 0, the merged timeline of the last timed step of each system of :data:`OBSERVED`."""
     import torch
 
     from benchmarks._launch import idle_barrier
@@ -534,30 +578,34 @@ def _time(run: Run, case: Any, m: int, group: int, runners: dict[str, Any]) -> N
 
     comm, rank, args = run.comm, run.rank, run.args
     cuda = args.device == "cuda"
+    observed: dict[str, Any] = {}
     for rnd in range(args.rounds):
         for system in rotated(list(runners), rnd + group):
             runner = runners[system]
+            mp_like = system.startswith("mp")
             for i in range(args.steps):
+                observe = system in OBSERVED and rnd == args.rounds - 1 and i == args.steps - 1
                 idle_barrier(comm)
-                if system.startswith("mp"):
+                if mp_like:
                     RECORDER.start()
                 runner.busy = 0.0
                 t0 = time.perf_counter()
-                runner.step()
+                with _observing(runner, mp_like, rank) if observe else contextlib.nullcontext():
+                    runner.step()
                 if cuda:
                     torch.cuda.synchronize()
                 idle_barrier(comm)
                 elapsed = time.perf_counter() - t0
                 busy = runner.busy
-                if system.startswith("mp"):  # the timeline's compute, its waits cut out
+                trace = None
+                if mp_like:  # the timeline's compute, its waits cut out
                     trace = RECORDER.stop()
                     segments = Timeline.merge([trace]).compute_segments(rank)
                     busy = sum(b - a for _, segs in segments for a, b in segs) / 1e9
-                    if args.timeline and rnd == args.rounds - 1 and i == args.steps - 1:
-                        traces = comm.gather(trace, root=0)
-                        if rank == 0:
-                            prefix = _folder(args) / f"pipeline_users_{case.name}_m{m}"
-                            Timeline.merge(traces).write(prefix, title=f"mp, {case.name}, m = {m}")
+                if observe:
+                    traces = comm.gather(trace if mp_like else runner.clock.recorder.stop(), root=0)
+                    if rank == 0:
+                        observed[system] = Timeline.merge(traces)
                 fractions = comm.gather(busy / elapsed, root=0)
                 if rank == 0:
                     record = {"model": case.name, "m": m, "system": system, "round": rnd}
@@ -566,6 +614,31 @@ def _time(run: Run, case: Any, m: int, group: int, runners: dict[str, Any]) -> N
         run.say(
             f"   m={m} round {rnd}: " + ", ".join(f"{r['system']} {r['step_s'] * 1e3:.0f} ms" for r in this)
         )
+    return observed
+
+
+def _where(run: Run, case: Any, m: int, observed: dict[str, Any]) -> None:
+    """Rank 0: each observed system's step split per rank (into ``info["where"]``) and, for the m that
+    ``--timeline`` draws, the stacked picture ``pipeline_users_<model>_m<m>.png``."""
+    from benchmarks._pipeline_where import render, split
+
+    if run.rank != 0 or not observed:
+        return
+    order = [s for s in OBSERVED if s in observed]
+    run.info[case.name].setdefault("where", {})[m] = {
+        s: [t.as_dict() for t in split(observed[s])] for s in order
+    }
+    drawn = run.args.timeline
+    if drawn is None:
+        return
+    if not drawn:  # --timeline alone: m >= 8 (the targets' rows), or every m of a run without them
+        drawn = [k for k in run.args.microbatches if k >= 8] or list(run.args.microbatches)
+    if m in drawn:
+        panels = [(s, observed[s], s == "mp zero_bubble") for s in order]
+        path = _folder(run.args) / f"pipeline_users_{case.name}_m{m}.png"
+        title = f"{case.name}, m = {m}, pp = {run.p}: the last timed step of each system"
+        if render(panels, path, title=title) is None:
+            run.say("   no timeline picture: matplotlib is not installed")
 
 
 def _size(text: str) -> dict[str, int]:
@@ -627,7 +700,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per (model, m)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps of each system per round")
     parser.add_argument("--smoke", action="store_true", help="tiny models, m = 4, 1 round of 1 step")
-    parser.add_argument("--timeline", action="store_true", help="also write mp's timeline of each (model, m)")
+    parser.add_argument(
+        "--timeline",
+        type=int,
+        nargs="*",
+        default=None,
+        metavar="M",
+        help="also draw the last timed step of each pipelined system per rank, stacked, for these m "
+        "(alone: every m >= 8 of the run, or every m if it has none)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: results/)")
     parser.add_argument("--pp", type=int, default=P, help="pipeline degree = ranks (default 2)")
     parser.add_argument(
@@ -690,7 +771,7 @@ def main() -> None:
             cuts, info["torch_split"][m] = _hand_split(run, case, ref, m)
             run.say(f"   m={m}: torch's hand split: {info['torch_split'][m]}")
             runners = _build(run, case, base, m, cuts)
-            _time(run, case, m, group, runners)
+            _where(run, case, m, _time(run, case, m, group, runners))
             for r in runners.values():
                 r.close()
             del runners
