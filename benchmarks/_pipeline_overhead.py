@@ -24,6 +24,12 @@ it.
 Every variant's first step checks the scale parameter's gradient against plain PyTorch. Variants are
 interleaved: each repetition runs every variant once, in a rotating order.
 
+After the repetitions, one step of ``remote default`` is recorded per kind of block (``smp.timeline``
+around one step after the warm-up) and reduced to where a call's time goes (:func:`chain_split`):
+pp_rank 0's forward per call (its Python: the guard and posting the call), the owner's spacing between
+consecutive forwards and one forward's execution, pp_rank 0's backward per call (up to its request for
+the run's backward) and the owner's backward of the run.
+
 ``device="cuda"`` puts the chain, its input and every variant on each rank's GPU (torch's stages then
 send through host memory when the ranks share a GPU under gloo, as mp's MPI route does); the raw round
 trips then send the CUDA tensor on mp's transport and gloo (staged by hand), mpi4py its host copy.
@@ -31,6 +37,7 @@ trips then send the CUDA tensor on mp's transport and gloo (staged by hand), mpi
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -42,7 +49,7 @@ from torch import nn
 
 from benchmarks._launch import idle_barrier, stage_cuda_p2p_through_host
 
-__all__ = ["BLOCKS", "PLACEMENTS", "Chain", "measure_overhead"]
+__all__ = ["BLOCKS", "PLACEMENTS", "Chain", "chain_split", "measure_overhead"]
 
 WIDTH = 16
 BLOCKS = ("identity", "linear")
@@ -217,6 +224,61 @@ def _torch_session(calls: int, kind: str, placement: str, rank: int, device: str
     return train, grad, lambda: None
 
 
+def chain_split(timeline: Any, calls: int) -> dict[str, float | None]:
+    """One recorded step of the ``remote`` chain (an mp_pipeline Timeline, pp_rank 0 = rank 0, the owner
+    rank 1) in µs: pp_rank 0's forward per call (from its step function's forward to its last forward
+    request, over ``calls``), the owner's median spacing between consecutive forward executions and their
+    median length, pp_rank 0's backward per call (from its step function's backward to its first backward
+    request, over ``calls``), the owner's backward executions (their number, and their total over
+    ``calls``). None where the step recorded no such event."""
+    from mp_pipeline.timeline import STEP_MODULE, EventKind
+
+    def mine(kind: EventKind, rank: int) -> list[Any]:
+        return sorted(timeline.select(kind, rank=rank), key=lambda e: e.start_ns)
+
+    own_f, own_b = mine(EventKind.FWD, 1), mine(EventKind.BWD, 1)
+    step_f = [e for e in mine(EventKind.FWD, 0) if e.module == STEP_MODULE]
+    step_b = [e for e in mine(EventKind.BWD, 0) if e.module == STEP_MODULE]
+    requests = mine(EventKind.REQUEST, 0)
+    req_f = [e.start_ns for e in requests if e.phase == "FWD"]
+    req_b = [e.start_ns for e in requests if e.phase == "BWD"]
+    us = 1e-3
+    return {
+        "pp_rank0_forward_per_call": (req_f[-1] - step_f[0].start_ns) * us / calls
+        if req_f and step_f
+        else None,
+        "owner_forward_spacing": statistics.median(
+            (b.start_ns - a.start_ns) * us for a, b in itertools.pairwise(own_f)
+        )
+        if len(own_f) > 1
+        else None,
+        "owner_forward_execution": statistics.median(e.duration_ns * us for e in own_f) if own_f else None,
+        "pp_rank0_backward_per_call": (req_b[0] - step_b[0].start_ns) * us / calls
+        if req_b and step_b
+        else None,
+        "owner_backward_executions": float(len(own_b)),
+        "owner_backward_per_call": sum(e.duration_ns for e in own_b) * us / calls if own_b else None,
+    }
+
+
+def _recorded_chain(comm: Any, calls: int, kind: str, device: str) -> dict[str, float | None] | None:
+    """One recorded step of ``remote default`` after the warm-up, reduced by :func:`chain_split` (on rank
+    0; None elsewhere)."""
+    import mp as smp
+
+    train, _, close = _mp_session(calls, kind, "remote", True, device)
+    try:
+        for _ in range(WARMUP):
+            train()
+        idle_barrier(comm)
+        smp.timeline.start()
+        train()
+        timeline = smp.timeline.stop()
+    finally:
+        close()
+    return None if timeline is None else chain_split(timeline, calls)
+
+
 def _timed(comm: Any, fn: Callable[[], None], steps: int) -> float:
     idle_barrier(comm)
     t0 = time.perf_counter()
@@ -364,6 +426,7 @@ def measure_overhead(
                         grad_diff[kind][name] = max(grad_diff[kind].get(name, 0.0), diff)
                 close()
     loads.append(os.getloadavg()[0])
+    recorded = {kind: _recorded_chain(comm, calls, kind, device) for kind in BLOCKS}
 
     def per_call(kind: str, name: str, base: str) -> float:
         a, b = step_s[kind][name], step_s[kind][base]
@@ -393,6 +456,7 @@ def measure_overhead(
         "wire_samples": WIRE_SAMPLES * reps,
         "load_average_1min": loads,
     }
+    out["recorded_remote_default_us"] = recorded  # (None off rank 0)
     if device != "cpu":
         out["device"] = torch.cuda.get_device_name() if device == "cuda" else device
     return out

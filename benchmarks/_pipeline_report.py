@@ -640,6 +640,7 @@ def overhead_lines(o: dict[str, Any]) -> list[str]:
     ):
         if key in wire:  # results before the header-only row lack it
             lines.append(f"| {what} | {wire[key]:.1f} | {wire[key] / 2:.1f} |")
+    lines += _recorded_lines(o)
     lines += [
         "",
         "Step times (ms), identity / linear: "
@@ -652,6 +653,42 @@ def overhead_lines(o: dict[str, Any]) -> list[str]:
         + ".",
         "",
     ]
+    return lines
+
+
+BLOCKS_SHOWN = ("identity", "linear")
+_RECORDED_ROWS = (
+    ("pp_rank0_forward_per_call", "pp_rank 0's forward per call (its guard and posting the call)"),
+    ("owner_forward_spacing", "owner: spacing between consecutive forwards"),
+    ("owner_forward_execution", "owner: one forward's execution"),
+    ("pp_rank0_backward_per_call", "pp_rank 0's backward per call (up to its request for the backward)"),
+    ("owner_backward_per_call", "owner: its backward executions, per call"),
+)
+
+
+def _recorded_lines(o: dict[str, Any]) -> list[str]:
+    """Where a call of ``remote default`` spends its time, from one recorded step (results before this
+    measurement lack it)."""
+    rec = o.get("recorded_remote_default_us")
+    if not rec or not all(rec.get(k) for k in BLOCKS_SHOWN):
+        return []
+
+    def cell(kind: str, key: str) -> str:
+        v = rec[kind].get(key)
+        return "-" if v is None else f"{v:.0f}"
+
+    lines = [
+        "",
+        f"Where a call of *remote default* goes: one step recorded after the warm-up (`smp.timeline`; "
+        f"{o['calls_per_step']} calls, µs; the owner ran "
+        + " / ".join(f"{rec[k]['owner_backward_executions']:.0f}" for k in BLOCKS_SHOWN)
+        + " backward executions for identity / linear: a run of calls joined into one backward counts once).",
+        "",
+        "| one recorded step of remote default | `nn.Identity` µs | `nn.Linear(16, 16)` µs |",
+        "|---|---:|---:|",
+    ]
+    for key, what in _RECORDED_ROWS:
+        lines.append(f"| {what} | {cell('identity', key)} | {cell('linear', key)} |")
     return lines
 
 
