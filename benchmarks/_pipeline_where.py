@@ -45,6 +45,8 @@ RECV = "recv"
 WEIGHTS = " weights"
 """Suffix of a torch stage's module name on its weight-gradient half (ZBV's ``backward_weight_one_chunk``)."""
 LOSS = "loss"
+WAITING: dict[str, Any] = {"facecolor": "white", "edgecolor": "#d62728", "hatch": "...", "lw": 0}
+"""How the pictures draw waiting for a peer: red dots, apart from every microbatch's solid colour."""
 
 
 class ActionClock:
@@ -260,7 +262,7 @@ def _letter(timeline: Timeline, split_backward: bool) -> Callable[[Any], str]:
 def render(panels: Sequence[tuple[str, Timeline, bool]], path: str | Path, *, title: str) -> Path | None:
     """One picture, the systems stacked (``(name, timeline, split_backward)`` each), one row per rank on
     one time axis from each system's step start: the step as a light band (the runtime's own time where
-    nothing else covers it), waiting for a peer in light red, each action's computing part coloured by
+    nothing else covers it), waiting for a peer as red dots, each action's computing part coloured by
     microbatch (forward solid, backward hatched ``///``, weight half hatched ``xx``). None without
     matplotlib."""
     try:
@@ -294,7 +296,7 @@ def render(panels: Sequence[tuple[str, Timeline, bool]], path: str | Path, *, ti
             ax.broken_barh(
                 [(a * scale, (b - a) * scale) for a, b in _union(_receives(tl, rank), 0, 1 << 62)],
                 (row - 0.45, 0.9),
-                facecolors="#f6c7c0",
+                **WAITING,
             )
             for e, segs in tl.compute_segments(rank):
                 if not segs:
@@ -338,7 +340,7 @@ def render(panels: Sequence[tuple[str, Timeline, bool]], path: str | Path, *, ti
         Patch(facecolor="white", edgecolor="0.15", label="forward"),
         Patch(facecolor="white", edgecolor="0.15", hatch="///", label="backward (input half under ZB)"),
         Patch(facecolor="white", edgecolor="0.15", hatch="xx", label="weight-gradient half"),
-        Patch(facecolor="#f6c7c0", label="waiting for a peer"),
+        Patch(**WAITING, label="waiting for a peer"),
         Patch(facecolor="0.9", label="runtime's own (step, nothing else)"),
         *(Patch(facecolor=color(m), label=f"microbatch {m}") for m in mbs),
     ]
@@ -347,5 +349,5 @@ def render(panels: Sequence[tuple[str, Timeline, bool]], path: str | Path, *, ti
     fig.tight_layout()
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, dpi=110)
+    fig.savefig(target, dpi=110, bbox_inches="tight")  # (the legend right of the axes)
     return target
