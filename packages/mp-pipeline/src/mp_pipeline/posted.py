@@ -38,7 +38,7 @@ from mp_pipeline.messages import Response
 from mp_pipeline.schedule import Phase
 from mp_pipeline.structure import Slot
 
-__all__ = ["PostedCheck", "Predictions", "Shape", "digest", "shape_of"]
+__all__ = ["PostedCheck", "Prediction", "Predictions", "Shape", "digest", "shape_of"]
 
 TensorMeta = tuple[torch.Size, torch.dtype] | None
 """A response tensor's placeholder: its shape and dtype (None: no tensor, e.g. an unused gradient)."""
@@ -118,10 +118,29 @@ def _memo_key(shape: Shape) -> Shape | None:
     return shape if _plain(shape.payload) else None
 
 
-class _Prediction(NamedTuple):
+class Prediction(NamedTuple):
+    """A call's predicted response (what :meth:`Predictions.predicted` gives)."""
+
     shape: Shape
     digest: int | None
     """The owner's digest of the response (None: its owner sends responses to posted calls)."""
+    bases: tuple[torch.Tensor | None, ...]
+    """Per tensor of :attr:`shape`: a ``meta`` tensor of its shape and dtype, made once when learned; each
+    placeholder is a ``detach()`` of it (a new tensor in a fraction of ``torch.empty``'s time; a meta
+    tensor has no data to share, and the version counter it shares is only this call's, across steps)."""
+
+    def placeholders(self) -> list[torch.Tensor | None]:
+        """The shape's placeholders (as :meth:`Shape.placeholders`)."""
+        return [None if b is None else b.detach() for b in self.bases]
+
+    def response(self, step: Any, request_id: int, responder: int) -> Response:
+        """The response a call predicted so gets (as :meth:`Shape.response`)."""
+        shape = self.shape
+        return Response(step, request_id, responder, shape.payload, self.placeholders(), shape.requires_grad)
+
+
+def _bases(shape: Shape) -> tuple[torch.Tensor | None, ...]:
+    return tuple(None if m is None else torch.empty(m[0], dtype=m[1], device="meta") for m in shape.tensors)
 
 
 class PostedCheck:
@@ -132,7 +151,7 @@ class PostedCheck:
 
     def __init__(  # noqa: PLR0917 - internal, built in one place
         self,
-        expected: _Prediction,
+        expected: Prediction,
         phase: Phase,
         module: str,
         microbatch: int,
@@ -175,7 +194,7 @@ class Predictions:
     """One rank's predicted responses, by call, phase and grad mode (learned from the last response)."""
 
     def __init__(self) -> None:
-        self._shapes: dict[_Key, _Prediction] = {}
+        self._shapes: dict[_Key, Prediction] = {}
 
     def learn(self, call: CallKey, phase: Phase, grad: bool, response: Response) -> None:
         key = (call, phase, grad)
@@ -183,11 +202,10 @@ class Predictions:
         if shape is None:
             self._shapes.pop(key, None)
         else:
-            self._shapes[key] = _Prediction(shape, response.digest)
+            self._shapes[key] = Prediction(shape, response.digest, _bases(shape))
 
-    def predicted(self, call: CallKey, phase: Phase, grad: bool) -> Shape | None:
-        found = self._shapes.get((call, phase, grad))
-        return found.shape if found is not None else None
+    def predicted(self, call: CallKey, phase: Phase, grad: bool) -> Prediction | None:
+        return self._shapes.get((call, phase, grad))
 
     def checker(
         self, call: CallKey, phase: Phase, grad: bool, module: str, raise_failure: Callable[[Response], None]

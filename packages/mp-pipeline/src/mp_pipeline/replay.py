@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 from mp_pipeline.errors import FlowChangedError
 from mp_pipeline.messages import Request, StepId
-from mp_pipeline.static import Meta, tensor_metas
+from mp_pipeline.static import Key, Meta, Template, request_template, tensor_metas
 
 __all__ = ["REPLAY_BASE", "Program", "ProgramCall", "Replay", "fill"]
 
@@ -72,6 +72,28 @@ class _Call(NamedTuple):
     """Its index among the calls to the same owner in the same microbatch."""
 
 
+class _Expected(NamedTuple):
+    """A programmed call as :meth:`Replay.match` compares it (made once, when the flow is learned)."""
+
+    call: _Call
+    fields: tuple[Any, ...]
+    """The request's :data:`_COMPARED` fields, then its tensors' metas and whether it is posted."""
+    static: tuple[Key, Template]
+    """Static mode's key (occurrence 0) and template of the request it stands for (Wire.account)."""
+
+
+_COMPARED = ("requires_grad", "state", "checkpoint", "forward_id", "refs", "handoff", "handed")
+_COMPARED_VALUES = operator.attrgetter(*_COMPARED)
+
+
+def _expected(dest: int, call: _Call) -> _Expected:
+    request = call.request
+    fields = (*_COMPARED_VALUES(request), call.metas, call.posted)
+    key = Key(dest, False, request.phase, request.module, request.position, request.microbatch, 0)
+    # the template of every request that matches the call (Replay.match compares all it holds)
+    return _Expected(call, fields, (key, request_template(request, call.metas)))
+
+
 def _key_of(dest: int, request: Request, counts: Counter[FlowKey]) -> FlowKey:
     base = (dest, request.phase.value, request.module, request.position, request.microbatch, 0)
     n = counts[base]
@@ -88,8 +110,7 @@ def _same(a: object, b: object) -> bool:
 
 def _difference(expected: _Call, request: Request, metas: tuple[Meta, ...], posted: bool) -> str | None:
     """What differs between a programmed call and the one made (None: they match)."""
-    fields = ("requires_grad", "state", "checkpoint", "forward_id", "refs", "handoff", "handed")
-    for name in fields:
+    for name in _COMPARED:
         a, b = getattr(expected.request, name), getattr(request, name)
         if a != b:
             return f"its {name} ({b!r}, the program has {a!r})"
@@ -125,6 +146,11 @@ class Replay:
     def __init__(self) -> None:
         self.active: dict[FlowKey, _Call] | None = None
         """The program being replayed (None: not replaying)."""
+        self._expected: dict[FlowKey, _Expected] = {}
+        """:attr:`active`'s calls as :meth:`match` compares them."""
+        self.static: dict[int, tuple[Key, Template]] = {}
+        """By the id of each call of :attr:`active`: static mode's key and template of its request
+        (Server.replayed accounts for it without building them per call, Wire.account)."""
         self.recording = False
         self._previous: dict[FlowKey, _Call] | None = None
         self._sent: list[tuple[FlowKey, int, Request, tuple[Meta, ...], bool]] = []
@@ -166,6 +192,8 @@ class Replay:
             log.debug("replay: two recorded steps differ (%s)", why)
             return None
         self.active = flow
+        self._expected = {key: _expected(key[0], call) for key, call in flow.items()}
+        self.static = {e.call.request.request_id: e.static for e in self._expected.values()}
         self._previous = None
         programs: dict[int, Program] = {}
         for key, call in sorted(flow.items(), key=lambda kv: kv[1].seq):
@@ -207,15 +235,20 @@ class Replay:
         FlowChangedError when the program has no such call or it differs."""
         assert self.active is not None
         key = _key_of(dest, request, self._counts)
-        expected = self.active.get(key)
-        if expected is None:
+        found = self._expected.get(key)
+        if found is None:
             raise FlowChangedError(
                 f"{_describe(key)} is not among the calls learned from earlier steps: the flow changed "
                 "(set 'fast_mode' to False, or keep the flow the same in every step)"
             )
+        expected = found.call
         where = (dest, request.microbatch)
         metas = tensor_metas(request.tensors)
-        why = _difference(expected, request, metas, posted)
+        # one comparison of everything but the payload; _difference names what differs
+        same = found.fields == (*_COMPARED_VALUES(request), metas, posted)
+        why = None
+        if not (same and _same(expected.request.payload, request.payload)):
+            why = _difference(expected, request, metas, posted) or "the fields of its request"
         if why is None and expected.seq != self._seq[where]:
             made = self._seq[where] + 1
             why = f"its order (call {made} to that rank in the microbatch, learned as {expected.seq + 1})"

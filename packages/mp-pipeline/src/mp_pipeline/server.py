@@ -256,9 +256,9 @@ class Server:
         program's). Its owner runs it without a request: only the tensors it needs from here travel.
         ``check``: a posted call (checked on its acknowledgement; returns None); else its response, which
         the owner sends unprompted (it may have come already: owners run ahead)."""
-        self.wire.account(dest, request)
-        self.stats["replayed"] += 1
         rid = request.request_id
+        self.wire.account(dest, request, self.replay.static.get(rid) if self.replay is not None else None)
+        self.stats["replayed"] += 1
         early = self._unclaimed.pop(rid, None)
         slot = Waiter()
         if check is not None:

@@ -47,6 +47,7 @@ __all__ = [
     "TemplateStore",
     "default_record_steps",
     "expand",
+    "request_template",
     "template_of",
     "tensor_metas",
 ]
@@ -151,12 +152,12 @@ class FlowRecorder:
         self.mismatch = None
 
     def counted(self, key: Key) -> Key:
-        """``key`` with its occurrence set: how many like it were sent before in this step. Call it once
-        per message sent."""
-        base = key._replace(occurrence=0)
-        n = self._counts[base]
-        self._counts[base] = n + 1
-        return key._replace(occurrence=n)
+        """``key`` (its occurrence 0) with its occurrence set: how many like it were sent before in this
+        step. Call it once per message sent."""
+        counts = self._counts
+        n = counts[key]
+        counts[key] = n + 1
+        return key if n == 0 else Key(key[0], key[1], key[2], key[3], key[4], key[5], n)
 
     def outgoing(self, key: Key, template: Template) -> Plan | None:
         """How to send a replayed message, or None to send it as in dynamic mode. Raises FlowChangedError
@@ -281,20 +282,26 @@ def template_of(message: Request | Response) -> Template:
     """What static mode compares between steps: everything but the step, the ids and tensor values."""
     metas = tensor_metas(message.tensors)
     if isinstance(message, Request):
-        flow = (
-            message.phase,
-            message.module,
-            message.position,
-            message.requires_grad,
-            message.state,
-            message.checkpoint,
-            metas,
-            tuple(ref.slot for ref in message.refs),
-            message.handoff,
-            message.handed,
-        )
-        return Template(flow, message.payload)
+        return request_template(message, metas)
     return Template((message.requires_grad, metas), message.payload)
+
+
+def request_template(request: Request, metas: tuple[Meta, ...]) -> Template:
+    """:func:`template_of` a request whose tensors have ``metas`` (per-rank replay makes it once per
+    programmed call, mp_pipeline.replay)."""
+    flow = (
+        request.phase,
+        request.module,
+        request.position,
+        request.requires_grad,
+        request.state,
+        request.checkpoint,
+        metas,
+        tuple(ref.slot for ref in request.refs),
+        request.handoff,
+        request.handed,
+    )
+    return Template(flow, request.payload)
 
 
 def expand(template: Request | Response, m: Compact) -> Request | Response:

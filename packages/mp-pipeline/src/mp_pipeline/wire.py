@@ -32,7 +32,7 @@ from mp_pipeline.messages import (
     is_pipeline_tag,
     static_tag,
 )
-from mp_pipeline.static import FlowRecorder, Key, TemplateStore, expand, template_of
+from mp_pipeline.static import FlowRecorder, Key, Template, TemplateStore, expand, template_of
 
 log = logging.getLogger("mp_pipeline.server")
 
@@ -134,14 +134,17 @@ class Wire:
             self.count_sent(type(message).__name__)
             self._sends.append(self.transport.send(out, dest, tag, static=True))
 
-    def account(self, dest: int, request: Request) -> None:
+    def account(self, dest: int, request: Request, static: tuple[Key, Template] | None = None) -> None:
         """Per-rank replay: static mode's bookkeeping of a request its owner runs without receiving it
-        (recorded and checked as if sent, so that the recording stays the same)."""
+        (recorded and checked as if sent, so that the recording stays the same). ``static``: its key
+        (occurrence 0) and template, when known already (a programmed call's, mp_pipeline.replay)."""
         flow = self.flow
         if flow is None or self.closed:
             return
-        key = Key(dest, False, request.phase, request.module, request.position, request.microbatch, 0)
-        flow.outgoing(flow.counted(key), template_of(request))
+        if static is None:
+            key = Key(dest, False, request.phase, request.module, request.position, request.microbatch, 0)
+            static = (key, template_of(request))
+        flow.outgoing(flow.counted(static[0]), static[1])
 
     def close(self) -> None:
         """The step is over here: nothing more is sent."""
