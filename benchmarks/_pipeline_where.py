@@ -4,9 +4,11 @@ For one observed step of each pipelined system, every rank's actions and its blo
 :class:`mp_pipeline.timeline.Event` on one clock:
 
 * mp: its recorder's ``FWD`` / ``BWD`` executions (mp_pipeline.timeline; on pp_rank 0 the step
-  function's own forward and backward of each microbatch, which include the Python of the calls it makes)
-  and every receive of its transport (``Mailbox.take``, recorded here as ``WAIT`` events of phase
-  :data:`RECV` while the step is observed);
+  function's own forward and backward of each microbatch), every receive of its transport
+  (``Mailbox.take``, recorded here as ``WAIT`` events of phase :data:`RECV` while the step is observed)
+  and the runtime's path of each call made to another rank (``Remote.call``, and ``Link.backward`` for
+  its backward: phase :data:`CALL`), which is cut out of the execution it runs in: on pp_rank 0 that is
+  the guard and the posting of each call, the runtime's own time, not the module's compute;
 * torch.distributed.pipelining: its stages' ``forward_one_chunk``, the loss, ``backward_one_chunk``
   (the input-gradient half under ZBV) and ``backward_weight_one_chunk`` calls (:class:`ActionClock`),
   and its waits on send/recv work (``schedules._wait_batch_p2p``, phase :data:`RECV`).
@@ -26,22 +28,27 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mp_pipeline.timeline import EventKind, Recorder, Timeline
+from mp_pipeline.timeline import EventKind, Recorder, Timeline, busy_segments
 from mp_pipeline.timeline_record import EXECUTIONS
 
 __all__ = [
+    "CALL",
     "RECV",
     "ActionClock",
     "RankTime",
     "cause",
-    "recording_mp_receives",
+    "recording_mp",
     "recording_torch_waits",
     "render",
     "split",
 ]
 
 RECV = "recv"
-"""Phase of the WAIT events recorded here (a blocking receive), apart from the runtime's own WAITs."""
+"""Phase of the WAIT events recorded here for a blocking receive, apart from the runtime's own WAITs."""
+CALL = "call"
+"""Phase of the WAIT events recorded here around the runtime's path of a call to another rank (its
+forward in ``Remote.call``, its backward in ``Link.backward``): cut out of compute like a wait, counted
+as the runtime's own time (less the receives inside it)."""
 WEIGHTS = " weights"
 """Suffix of a torch stage's module name on its weight-gradient half (ZBV's ``backward_weight_one_chunk``)."""
 LOSS = "loss"
@@ -82,7 +89,7 @@ class ActionClock:
         return self.recorder.span(EventKind.STEP, rank=self.rank, step=0, module="<step>", microbatch=-1)
 
 
-def _wait_event(recorder: Recorder, rank: int, t0: int, peer: int | None) -> None:
+def _wait_event(recorder: Recorder, rank: int, t0: int, peer: int | None, phase: str = RECV) -> None:
     recorder.add(
         EventKind.WAIT,
         rank=rank,
@@ -91,7 +98,7 @@ def _wait_event(recorder: Recorder, rank: int, t0: int, peer: int | None) -> Non
         microbatch=-1,
         start_ns=t0,
         end_ns=time.perf_counter_ns(),
-        phase=RECV,
+        phase=phase,
         peer=peer,
     )
 
@@ -118,26 +125,40 @@ def recording_torch_waits(clock: ActionClock) -> Iterator[None]:
         schedules._wait_batch_p2p = original
 
 
-@contextlib.contextmanager
-def recording_mp_receives(recorder: Recorder, rank: int) -> Iterator[None]:
-    """While the block runs, every receive of mp's transports (``Mailbox.take``: a rank's main loop
-    waiting for its next message, a thread waiting for a handed tensor) is recorded into ``recorder``."""
+def _mp_methods() -> list[tuple[type, str, str]]:
+    """The methods :func:`recording_mp` times: (class, name, phase)."""
     from mp_comm.transport.mailbox import Mailbox
+    from mp_pipeline.link import Link
+    from mp_pipeline.remote import Remote
 
-    original = Mailbox.take
+    return [(Mailbox, "take", RECV), (Remote, "call", CALL), (Link, "backward", CALL)]
 
-    def timed(self: Mailbox, source: int, tag: object, timeout: float, **kwargs: Any) -> Any:
-        t0 = time.perf_counter_ns()
-        try:
-            return original(self, source, tag, timeout, **kwargs)
-        finally:
-            _wait_event(recorder, rank, t0, source if source >= 0 else None)
 
-    Mailbox.take = timed  # type: ignore[method-assign]
+@contextlib.contextmanager
+def recording_mp(recorder: Recorder, rank: int) -> Iterator[None]:
+    """While the block runs, every receive of mp's transports (``Mailbox.take``: a rank's main loop
+    waiting for its next message, a thread waiting for a handed tensor; phase :data:`RECV`, the peer its
+    source) and the runtime's path of every call to another rank (phase :data:`CALL`) are recorded into
+    ``recorder``, on the thread that ran them."""
+    originals = []
+    for cls, name, phase in _mp_methods():
+        original = getattr(cls, name)
+        originals.append((cls, name, original))
+
+        def timed(self: Any, *args: Any, _f: Any = original, _phase: str = phase, **kwargs: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            try:
+                return _f(self, *args, **kwargs)
+            finally:
+                source = args[0] if _phase == RECV and args and isinstance(args[0], int) else -1
+                _wait_event(recorder, rank, t0, source if source >= 0 else None, _phase)
+
+        setattr(cls, name, timed)
     try:
         yield
     finally:
-        Mailbox.take = original  # type: ignore[method-assign]
+        for cls, name, original in originals:
+            setattr(cls, name, original)
 
 
 @dataclass(frozen=True)
@@ -154,6 +175,10 @@ class RankTime:
     """Waiting before the rank's first action."""
     drain: float
     """Waiting after its last action."""
+    calls: int = 0
+    """mp: the paths of calls to another rank it ran (a call's forward and its backward count apart)."""
+    in_calls: float = 0.0
+    """mp: the part of ``own`` spent in those paths."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -207,6 +232,15 @@ def split(timeline: Timeline) -> list[RankTime]:
         segments = timeline.compute_segments(rank)
         compute = _union([s for _, segs in segments for s in segs], lo, hi)
         wait = _minus(_union(_receives(timeline, rank), lo, hi), compute)
+        waits = timeline.select(EventKind.WAIT, rank=rank)
+        paths = [e for e in waits if e.phase == CALL]
+        parked = [(e.thread, e.start_ns, e.end_ns) for e in waits if e.phase != CALL]
+        running = [  # a path's time on its thread, less where that thread waited (parked or receiving)
+            seg
+            for e in paths
+            for seg in busy_segments(e.start_ns, e.end_ns, [(a, b) for t, a, b in parked if t == e.thread])
+        ]
+        in_calls = _minus(_minus(_union(running, lo, hi), compute), wait)
         first = compute[0][0] if compute else hi
         last = compute[-1][1] if compute else hi
         ms = 1e-6
@@ -220,6 +254,8 @@ def split(timeline: Timeline) -> list[RankTime]:
                 actions=sum(1 for _, segs in segments if segs),
                 fill=_length(_union(wait, lo, first)) * ms,
                 drain=_length(_union(wait, last, hi)) * ms,
+                calls=len(paths),
+                in_calls=_length(in_calls) * ms,
             )
         )
     return out
@@ -227,13 +263,18 @@ def split(timeline: Timeline) -> list[RankTime]:
 
 def cause(row: RankTime, ranks: int) -> str:
     """One sentence on where ``row``'s step went beyond compute: its waits (fill, between actions,
-    drain) or the runtime's own time per action."""
+    drain) or the runtime's own time: per call to another rank where it made some, else per action."""
     peer = f"rank {1 - row.rank}" if ranks == 2 else "its peers"
     between = max(row.wait - row.fill - row.drain, 0.0)
     if row.wait >= row.own and row.wait >= 0.1 * row.step:
         return (
             f"waited {row.wait:.1f} ms for {peer}: {row.fill:.1f} before its first action (fill), "
             f"{between:.1f} between actions, {row.drain:.1f} after its last (drain)"
+        )
+    if row.own >= 0.1 * row.step and row.calls:
+        return (
+            f"{row.own:.1f} ms of the runtime's own, {row.in_calls:.1f} of it in the paths of its "
+            f"{row.calls} calls to another rank ({row.in_calls / row.calls * 1e3:.0f} µs each)"
         )
     if row.own >= 0.1 * row.step and row.actions:
         return (

@@ -456,9 +456,9 @@ def _where_lines(where: dict[Any, dict[str, list[dict[str, Any]]]], p: int) -> l
         "",
         "Where the time went, the last timed step of each pipelined system (ms per rank): *compute* = "
         "its actions (mp: the recorder's executions, on pp_rank 0 the step function's forward and "
-        "backward with the Python of its calls; torch: its stages' forward, loss and backward calls), "
-        "*waiting* = blocked receiving from a peer outside any action, *own* = the rest of its step "
-        "(scheduling, messages, the guard).",
+        "backward, less the runtime's path of each call to another rank; torch: its stages' forward, loss "
+        "and backward calls), *waiting* = blocked receiving from a peer outside any action, *own* = the "
+        "rest of its step (scheduling, messages, the guard and posting of each call).",
         "",
         "| m | system | rank | step | compute | waiting | own | beyond compute |",
         "|---|---|---|---|---|---|---|---|",
@@ -557,15 +557,23 @@ def _build(run: Run, case: Any, base: dict[str, Any], m: int, cuts: list[int]) -
 
 
 def _observing(runner: Any, mp_like: bool, rank: int) -> contextlib.AbstractContextManager[None]:
-    """The observed step's blocking receives recorded (mp: into its recorder, already on for its steps;
-    torch: into the runner's clock, started here)."""
-    from benchmarks._pipeline_where import recording_mp_receives, recording_torch_waits
+    """The observed step's blocking receives recorded, and mp's path of each call to another rank (mp:
+    into its recorder, already on for its steps; torch: into the runner's clock, started here)."""
+    from benchmarks._pipeline_where import recording_mp, recording_torch_waits
     from mp_pipeline.timeline import RECORDER
 
     if mp_like:
-        return recording_mp_receives(RECORDER, rank)
+        return recording_mp(RECORDER, rank)
     runner.clock.recorder.start()
     return recording_torch_waits(runner.clock)
+
+
+def _runtime_only(trace: Any) -> Any:
+    """``trace`` without the WAIT events :func:`_observing` added (its busy figure as every step's)."""
+    from benchmarks._pipeline_where import CALL, RECV
+
+    kept = tuple(e for e in trace.events if e.phase not in (RECV, CALL))
+    return dataclasses.replace(trace, events=kept)
 
 
 def _time(run: Run, case: Any, m: int, group: int, runners: dict[str, Any]) -> dict[str, Any]:
@@ -598,9 +606,9 @@ def _time(run: Run, case: Any, m: int, group: int, runners: dict[str, Any]) -> d
                 elapsed = time.perf_counter() - t0
                 busy = runner.busy
                 trace = None
-                if mp_like:  # the timeline's compute, its waits cut out
-                    trace = RECORDER.stop()
-                    segments = Timeline.merge([trace]).compute_segments(rank)
+                if mp_like:  # the timeline's compute, its waits cut out (as in every step: not the
+                    trace = RECORDER.stop()  # observed step's receives and calls)
+                    segments = Timeline.merge([_runtime_only(trace)]).compute_segments(rank)
                     busy = sum(b - a for _, segs in segments for a, b in segs) / 1e9
                 if observe:
                     traces = comm.gather(trace if mp_like else runner.clock.recorder.stop(), root=0)

@@ -9,14 +9,16 @@ from typing import Any
 
 import pytest
 
+from benchmarks import _pipeline_where
 from benchmarks._pipeline_overhead import chain_split
 from benchmarks._pipeline_where import (
+    CALL,
     RECV,
     WEIGHTS,
     ActionClock,
     RankTime,
     cause,
-    recording_mp_receives,
+    recording_mp,
     recording_torch_waits,
     render,
     split,
@@ -46,12 +48,22 @@ def test_split_divides_each_rank_step_into_compute_waiting_and_own() -> None:
         _event(EventKind.WAIT, 0, 2, 6, phase=RECV),  # before the first action: fill
         _event(EventKind.WAIT, 0, 30, 55, phase=RECV),  # 50-55 overlaps w0's compute: not waiting
         _event(EventKind.WAIT, 0, 90, 120, phase=RECV),  # clipped to the step: drain 10
+        _event(EventKind.WAIT, 0, 60, 70, thread="w2", phase=CALL),  # a call's path in the gap 60-70 ...
+        _event(EventKind.WAIT, 0, 62, 68, thread="w2", phase="FWD", peer=1),  # ... parked 62-68
         _event(EventKind.STEP, 1, 5, 45, module=STEP_MODULE, mb=-1),
         _event(EventKind.FWD, 1, 5, 45),
+        _event(EventKind.WAIT, 1, 20, 25, phase=CALL),  # a call's path inside the execution: cut out
+        _event(EventKind.WAIT, 1, 22, 24, phase=RECV),  # inside it: waiting, not the path's
+        _event(EventKind.WAIT, 1, 30, 38, thread="w1", phase=CALL),  # parked 31-37 (the runtime's WAIT)
+        _event(EventKind.WAIT, 1, 31, 37, thread="w1", phase="FWD", peer=0),
     )
     r0, r1 = split(tl)
-    assert r0 == RankTime(rank=0, step=100, compute=40, wait=4 + 20 + 10, own=26, actions=2, fill=4, drain=10)
-    assert r1 == RankTime(rank=1, step=40, compute=40, wait=0, own=0, actions=1, fill=0, drain=0)
+    assert r0 == RankTime(
+        rank=0, step=100, compute=40, wait=34, own=26, actions=2, fill=4, drain=10, calls=1, in_calls=4
+    )
+    assert r1 == RankTime(  # w1's path overlaps compute on MainThread: not the runtime's own there
+        rank=1, step=40, compute=35, wait=2, own=3, actions=1, fill=0, drain=0, calls=2, in_calls=3
+    )
 
 
 def test_cause_names_the_fill_and_drain_or_the_own_time_per_action() -> None:
@@ -62,6 +74,12 @@ def test_cause_names_the_fill_and_drain_or_the_own_time_per_action() -> None:
     )
     own = RankTime(rank=0, step=100, compute=60, wait=10, own=30, actions=12, fill=0, drain=0)
     assert cause(own, 2) == "30.0 ms of the runtime's own over 12 actions (2500 µs per action)"
+    calls = RankTime(
+        rank=0, step=100, compute=60, wait=5, own=35, actions=8, fill=0, drain=0, calls=64, in_calls=16
+    )
+    assert cause(calls, 2) == (
+        "35.0 ms of the runtime's own, 16.0 of it in the paths of its 64 calls to another rank (250 µs each)"
+    )
     busy = RankTime(rank=0, step=100, compute=95, wait=3, own=2, actions=4, fill=0, drain=0)
     assert cause(busy, 4) == "computed 95% of its step"
 
@@ -119,13 +137,41 @@ def test_mp_receives_are_recorded_with_their_source_and_take_restored() -> None:
     box, recorder = Mailbox(), Recorder()
     threading.Timer(0.02, lambda: box.deliver(Arrival(source=1, tag="t", order=0))).start()
     recorder.start()
-    with recording_mp_receives(recorder, rank=0):
+    with recording_mp(recorder, rank=0):
         got = box.take(1, "t", 5.0)
     assert Mailbox.take is original
     (event,) = recorder.stop().events
     assert got.source == 1
     assert (event.kind, event.phase, event.peer) == (EventKind.WAIT, RECV, 1)
     assert event.duration_ns >= 10 * MS  # it waited for the delivery (20 ms later)
+
+
+def test_mp_call_paths_are_recorded_on_their_thread_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Calls:
+        def call(self, path: str, owner: int) -> str:
+            if owner < 0:
+                raise ValueError(path)
+            return path
+
+    original = Calls.call
+    monkeypatch.setattr(_pipeline_where, "_mp_methods", lambda: [(Calls, "call", CALL)])
+    recorder = Recorder()
+    recorder.start()
+    with recording_mp(recorder, rank=1):
+        assert Calls().call("blocks.3", 1) == "blocks.3"
+        with pytest.raises(ValueError, match=r"blocks\.4"):
+            Calls().call("blocks.4", -1)  # recorded too
+    assert Calls.call is original
+    events = recorder.stop().events
+    assert [(e.kind, e.phase, e.rank, e.thread, e.peer) for e in events] == [
+        (EventKind.WAIT, CALL, 1, threading.current_thread().name, None)
+    ] * 2
+
+
+def test_the_mp_methods_timed_exist() -> None:
+    """The runtime's names this benchmark wraps: a rename must fail here, not in a full run."""
+    for cls, name, _ in _pipeline_where._mp_methods():
+        assert callable(getattr(cls, name)), f"{cls.__name__}.{name}"
 
 
 def test_render_stacks_the_systems_in_one_picture(tmp_path: Path) -> None:
