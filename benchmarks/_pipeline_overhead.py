@@ -25,10 +25,10 @@ Every variant's first step checks the scale parameter's gradient against plain P
 interleaved: each repetition runs every variant once, in a rotating order.
 
 After the repetitions, one step of ``remote default`` is recorded per kind of block (``smp.timeline``
-around one step after the warm-up) and reduced to where a call's time goes (:func:`chain_split`):
-pp_rank 0's forward per call (its Python: the guard and posting the call), the owner's spacing between
-consecutive forwards and one forward's execution, pp_rank 0's backward per call (up to its request for
-the run's backward) and the owner's backward of the run.
+around one step after the warm-up, with the runtime's call paths timed) and reduced to where a call's
+time goes (:func:`chain_split`): pp_rank 0's forward path per call (its Python: the guard and posting
+the call), the owner's spacing between consecutive forwards and one forward's execution, pp_rank 0's
+backward path per call and the owner's backward of the run.
 
 ``device="cuda"`` puts the chain, its input and every variant on each rank's GPU (torch's stages then
 send through host memory when the ranks share a GPU under gloo, as mp's MPI route does); the raw round
@@ -225,37 +225,33 @@ def _torch_session(calls: int, kind: str, placement: str, rank: int, device: str
 
 
 def chain_split(timeline: Any, calls: int) -> dict[str, float | None]:
-    """One recorded step of the ``remote`` chain (an mp_pipeline Timeline, pp_rank 0 = rank 0, the owner
-    rank 1) in µs: pp_rank 0's forward per call (from its step function's forward to its last forward
-    request, over ``calls``), the owner's median spacing between consecutive forward executions and their
-    median length, pp_rank 0's backward per call (from its step function's backward to its first backward
-    request, over ``calls``), the owner's backward executions (their number, and their total over
+    """One recorded step of the ``remote`` chain (an mp_pipeline Timeline with the call paths of
+    benchmarks._pipeline_where.recording_mp; pp_rank 0 = rank 0, the owner rank 1) in µs: pp_rank 0's
+    forward and backward path per call (``Remote.call`` and ``Link.backward``, less where the thread was
+    parked or receiving; their mean), the owner's median spacing between consecutive forward executions
+    and their median length, and the owner's backward executions (their number, and their total over
     ``calls``). None where the step recorded no such event."""
-    from mp_pipeline.timeline import STEP_MODULE, EventKind
+    from benchmarks._pipeline_where import call_paths
+    from mp_pipeline.timeline import EventKind
 
-    def mine(kind: EventKind, rank: int) -> list[Any]:
-        return sorted(timeline.select(kind, rank=rank), key=lambda e: e.start_ns)
-
-    own_f, own_b = mine(EventKind.FWD, 1), mine(EventKind.BWD, 1)
-    step_f = [e for e in mine(EventKind.FWD, 0) if e.module == STEP_MODULE]
-    step_b = [e for e in mine(EventKind.BWD, 0) if e.module == STEP_MODULE]
-    requests = mine(EventKind.REQUEST, 0)
-    req_f = [e.start_ns for e in requests if e.phase == "FWD"]
-    req_b = [e.start_ns for e in requests if e.phase == "BWD"]
     us = 1e-3
+    paths = call_paths(timeline, 0)
+
+    def path(what: str) -> float | None:
+        times = [sum(b - a for a, b in segs) for e, segs in paths if e.module == what]
+        return statistics.fmean(times) * us if times else None
+
+    own_f = sorted(timeline.select(EventKind.FWD, rank=1), key=lambda e: e.start_ns)
+    own_b = timeline.select(EventKind.BWD, rank=1)
     return {
-        "pp_rank0_forward_per_call": (req_f[-1] - step_f[0].start_ns) * us / calls
-        if req_f and step_f
-        else None,
+        "pp_rank0_forward_per_call": path("Remote.call"),
         "owner_forward_spacing": statistics.median(
             (b.start_ns - a.start_ns) * us for a, b in itertools.pairwise(own_f)
         )
         if len(own_f) > 1
         else None,
         "owner_forward_execution": statistics.median(e.duration_ns * us for e in own_f) if own_f else None,
-        "pp_rank0_backward_per_call": (req_b[0] - step_b[0].start_ns) * us / calls
-        if req_b and step_b
-        else None,
+        "pp_rank0_backward_per_call": path("Link.backward"),
         "owner_backward_executions": float(len(own_b)),
         "owner_backward_per_call": sum(e.duration_ns for e in own_b) * us / calls if own_b else None,
     }
@@ -265,6 +261,8 @@ def _recorded_chain(comm: Any, calls: int, kind: str, device: str) -> dict[str, 
     """One recorded step of ``remote default`` after the warm-up, reduced by :func:`chain_split` (on rank
     0; None elsewhere)."""
     import mp as smp
+    from benchmarks._pipeline_where import recording_mp
+    from mp_pipeline.timeline import RECORDER
 
     train, _, close = _mp_session(calls, kind, "remote", True, device)
     try:
@@ -272,7 +270,8 @@ def _recorded_chain(comm: Any, calls: int, kind: str, device: str) -> dict[str, 
             train()
         idle_barrier(comm)
         smp.timeline.start()
-        train()
+        with recording_mp(RECORDER, comm.Get_rank()):
+            train()
         timeline = smp.timeline.stop()
     finally:
         close()

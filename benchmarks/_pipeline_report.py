@@ -658,10 +658,10 @@ def overhead_lines(o: dict[str, Any]) -> list[str]:
 
 BLOCKS_SHOWN = ("identity", "linear")
 _RECORDED_ROWS = (
-    ("pp_rank0_forward_per_call", "pp_rank 0's forward per call (its guard and posting the call)"),
+    ("pp_rank0_forward_per_call", "pp_rank 0's forward path per call (Remote.call: the guard, the post)"),
     ("owner_forward_spacing", "owner: spacing between consecutive forwards"),
     ("owner_forward_execution", "owner: one forward's execution"),
-    ("pp_rank0_backward_per_call", "pp_rank 0's backward per call (up to its request for the backward)"),
+    ("pp_rank0_backward_per_call", "pp_rank 0's backward path per call (Link.backward)"),
     ("owner_backward_per_call", "owner: its backward executions, per call"),
 )
 

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mp_pipeline.timeline import EventKind, Recorder, Timeline, busy_segments
+from mp_pipeline.timeline import Event, EventKind, Recorder, Timeline, busy_segments
 from mp_pipeline.timeline_record import EXECUTIONS
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "RECV",
     "ActionClock",
     "RankTime",
+    "call_paths",
     "cause",
     "recording_mp",
     "recording_torch_waits",
@@ -89,12 +90,14 @@ class ActionClock:
         return self.recorder.span(EventKind.STEP, rank=self.rank, step=0, module="<step>", microbatch=-1)
 
 
-def _wait_event(recorder: Recorder, rank: int, t0: int, peer: int | None, phase: str = RECV) -> None:
+def _wait_event(
+    recorder: Recorder, rank: int, t0: int, peer: int | None, *, phase: str = RECV, what: str = ""
+) -> None:
     recorder.add(
         EventKind.WAIT,
         rank=rank,
         step=0,
-        module="",
+        module=what,
         microbatch=-1,
         start_ns=t0,
         end_ns=time.perf_counter_ns(),
@@ -134,26 +137,31 @@ def _mp_methods() -> list[tuple[type, str, str]]:
     return [(Mailbox, "take", RECV), (Remote, "call", CALL), (Link, "backward", CALL)]
 
 
+def _timed_method(
+    original: Callable[..., Any], phase: str, what: str, recorder: Recorder, rank: int
+) -> Callable[..., Any]:
+    """``original`` recording each call as a WAIT event of ``phase`` (a receive's peer: its source)."""
+
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter_ns()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            source = args[0] if phase == RECV and args and isinstance(args[0], int) else -1
+            _wait_event(recorder, rank, t0, source if source >= 0 else None, phase=phase, what=what)
+
+    return timed
+
+
 @contextlib.contextmanager
 def recording_mp(recorder: Recorder, rank: int) -> Iterator[None]:
     """While the block runs, every receive of mp's transports (``Mailbox.take``: a rank's main loop
     waiting for its next message, a thread waiting for a handed tensor; phase :data:`RECV`, the peer its
     source) and the runtime's path of every call to another rank (phase :data:`CALL`) are recorded into
-    ``recorder``, on the thread that ran them."""
-    originals = []
-    for cls, name, phase in _mp_methods():
-        original = getattr(cls, name)
-        originals.append((cls, name, original))
-
-        def timed(self: Any, *args: Any, _f: Any = original, _phase: str = phase, **kwargs: Any) -> Any:
-            t0 = time.perf_counter_ns()
-            try:
-                return _f(self, *args, **kwargs)
-            finally:
-                source = args[0] if _phase == RECV and args and isinstance(args[0], int) else -1
-                _wait_event(recorder, rank, t0, source if source >= 0 else None, _phase)
-
-        setattr(cls, name, timed)
+    ``recorder``, on the thread that ran them (the event's module: ``"<class>.<method>"``)."""
+    originals = [(cls, name, getattr(cls, name)) for cls, name, _ in _mp_methods()]
+    for (cls, name, original), (_, _, phase) in zip(originals, _mp_methods(), strict=True):
+        setattr(cls, name, _timed_method(original, phase, f"{cls.__name__}.{name}", recorder, rank))
     try:
         yield
     finally:
@@ -221,6 +229,19 @@ def _receives(timeline: Timeline, rank: int) -> list[tuple[int, int]]:
     return [(e.start_ns, e.end_ns) for e in timeline.select(EventKind.WAIT, rank=rank) if e.phase == RECV]
 
 
+def call_paths(timeline: Timeline, rank: int) -> list[tuple[Event, list[tuple[int, int]]]]:
+    """Each recorded call path (phase :data:`CALL`) of ``rank`` with the intervals it ran: its span less
+    where its thread waited (parked on a response, or receiving)."""
+    waits = timeline.select(EventKind.WAIT, rank=rank)
+    parked: dict[str, list[tuple[int, int]]] = {}
+    for e in waits:
+        if e.phase != CALL:
+            parked.setdefault(e.thread, []).append((e.start_ns, e.end_ns))
+    return [
+        (e, busy_segments(e.start_ns, e.end_ns, parked.get(e.thread, ()))) for e in waits if e.phase == CALL
+    ]
+
+
 def split(timeline: Timeline) -> list[RankTime]:
     """Each rank's step divided into compute, waiting for a peer and the runtime's own time."""
     out = []
@@ -232,14 +253,8 @@ def split(timeline: Timeline) -> list[RankTime]:
         segments = timeline.compute_segments(rank)
         compute = _union([s for _, segs in segments for s in segs], lo, hi)
         wait = _minus(_union(_receives(timeline, rank), lo, hi), compute)
-        waits = timeline.select(EventKind.WAIT, rank=rank)
-        paths = [e for e in waits if e.phase == CALL]
-        parked = [(e.thread, e.start_ns, e.end_ns) for e in waits if e.phase != CALL]
-        running = [  # a path's time on its thread, less where that thread waited (parked or receiving)
-            seg
-            for e in paths
-            for seg in busy_segments(e.start_ns, e.end_ns, [(a, b) for t, a, b in parked if t == e.thread])
-        ]
+        paths = call_paths(timeline, rank)
+        running = [seg for _, segs in paths for seg in segs]
         in_calls = _minus(_minus(_union(running, lo, hi), compute), wait)
         first = compute[0][0] if compute else hi
         last = compute[-1][1] if compute else hi

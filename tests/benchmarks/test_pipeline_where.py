@@ -193,21 +193,23 @@ def test_chain_split_reads_where_a_call_goes_from_one_recorded_step() -> None:
 
     calls = 4
     events = [
-        _event(EventKind.FWD, 0, *us(100, 900), module=STEP_MODULE),
-        _event(EventKind.REQUEST, 0, *us(500, 500), phase="FWD", peer=1),
-        _event(EventKind.REQUEST, 0, *us(900, 900), phase="FWD", peer=1),
-        _event(EventKind.BWD, 0, *us(1000, 1500), module=STEP_MODULE),
-        _event(EventKind.REQUEST, 0, *us(1200, 1200), phase="BWD", peer=1),
+        _event(EventKind.FWD, 0, *us(100, 900), module=STEP_MODULE, thread="w0"),
+        _event(EventKind.WAIT, 0, *us(200, 230), phase=CALL, module="Remote.call", thread="w0"),
+        _event(EventKind.WAIT, 0, *us(300, 350), phase=CALL, module="Remote.call", thread="w0"),
+        _event(EventKind.WAIT, 0, *us(320, 340), phase="FWD", thread="w0"),  # parked: not the path's
+        _event(EventKind.BWD, 0, *us(1000, 1500), module=STEP_MODULE, thread="w0"),
+        _event(EventKind.WAIT, 0, *us(1100, 1160), phase=CALL, module="Link.backward", thread="w0"),
+        _event(EventKind.WAIT, 0, *us(1120, 1140), phase=RECV, thread="MainThread"),  # another thread's
     ]
     events += [_event(EventKind.FWD, 1, *us(300 + 50 * i, 310 + 50 * i), module=f"c{i}") for i in range(4)]
     events.append(_event(EventKind.BWD, 1, *us(1300, 1380), module="c3"))
     got = chain_split(_timeline(*events), calls)
     assert got == pytest.approx(
         {
-            "pp_rank0_forward_per_call": 800 / calls,
+            "pp_rank0_forward_per_call": (30 + 30) / 2,
             "owner_forward_spacing": 50,
             "owner_forward_execution": 10,
-            "pp_rank0_backward_per_call": 200 / calls,
+            "pp_rank0_backward_per_call": 60,
             "owner_backward_executions": 1,
             "owner_backward_per_call": 80 / calls,
         }
