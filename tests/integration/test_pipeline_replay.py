@@ -55,6 +55,26 @@ class Branching(Looped):
         return self.head(pick(h)).squeeze(-1)
 
 
+class LateHook(Looped):
+    """In the steps of ``branch_at`` the parent adds a tensor hook (it only counts) to block 2's input
+    after block 2 took it: under replay pp_rank 0 joined the two calls into one autograd node."""
+
+    def __init__(self, blocks: int, width: int = 8) -> None:
+        super().__init__(blocks, width)
+        self.hooked = 0
+
+    def _count(self, grad: torch.Tensor) -> None:
+        self.hooked += 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for i, block in enumerate(self.blocks):
+            taken, h = h, block(h)
+            if i == 2 and self.step in self.branch_at:
+                taken.register_hook(self._count)
+        return self.head(h).squeeze(-1)
+
+
 def _trainer(
     net: nn.Module, owners: dict[int, int], microbatches: int, fast_mode: bool | None
 ) -> tuple[Any, Any, Any]:
@@ -89,7 +109,7 @@ def train(  # noqa: PLR0917 - the harness passes a test's arguments by position
     "branching" (Branching, blocks on rank 1). ``changes``: steps whose flow differs (block 1 skipped)."""
     microbatches = 2
     owners = {i: 1 if layout != "alternating" else (i + 1) % 2 for i in range(blocks)}
-    kind = Branching if layout == "branching" else Looped
+    kind = {"branching": Branching, "late_hook": LateHook}.get(layout, Looped)
     g = torch.Generator().manual_seed(3)
     data = [(torch.randn(8, 6, generator=g), torch.randn(8, generator=g)) for _ in range(steps)]
     if layout == "branching":  # the parent's pick reads the data: it flips in the steps named by changes
@@ -124,6 +144,7 @@ def train(  # noqa: PLR0917 - the harness passes a test's arguments by position
         "stats": stats,
         "sent": sent,
         "error": error,
+        "hooked": getattr(net, "hooked", 0),
     }
 
 
@@ -162,6 +183,13 @@ def test_pp_rank_0_sends_no_request_in_the_steady_state(worlds: Any, layout: str
             # first takes the output of the one before as it is, and the run has one backward
             fused = 2 * (remote_blocks - 1) if layout == "chain" else 0
             assert owner["stats"][s].get("fused", 0) == fused, (s, owner["stats"][s])
+            # pp_rank 0 (link.Run): the first block's call takes the root's output (data, its own node);
+            # every later call joins the node of the calls before it from the second one on, so a
+            # microbatch's backward runs two nodes for the 32 calls (alternating: one node per call)
+            chained = 2 * (remote_blocks - 2) if layout == "chain" else 0
+            assert stats.get("chained", 0) == chained, (s, stats)
+            nodes = 2 * 2 if layout == "chain" else 2 * remote_blocks
+            assert stats.get("chained_nodes", 0) == nodes, (s, stats)
 
 
 def test_a_flow_change_in_a_replayed_step_runs_again_on_the_full_path(worlds: Any) -> None:
@@ -180,6 +208,23 @@ def test_a_flow_change_in_a_replayed_step_runs_again_on_the_full_path(worlds: An
     # the change came inside a run that the owner served as one graph
     fused = [s for s in range(steps) if results[1]["stats"][s].get("fused", 0)]
     assert fused == replayed, fused
+
+
+def test_a_hook_added_inside_a_run_of_rank_0_still_runs_and_training_stays_exact(worlds: Any) -> None:
+    """From step 5 (replayed) the parent adds a hook to block 2's input after block 2 took it, the calls
+    of blocks 1-5 one autograd node on pp_rank 0 (link.Run) in which block 1's node never runs: the run's
+    backward runs the hook, once per microbatch as autograd would (on the placeholder's gradient, as
+    under per-call replay); nothing falls back and training equals plain PyTorch."""
+    change, steps = REPLAYED_FROM + 1, REPLAYED_FROM + 3
+    results = worlds.run(2, train, "late_hook", 6, steps, [change, change + 1], timeout=300)
+    _exact(results)
+    top = results[0]
+    for s in range(REPLAYED_FROM, steps):
+        assert top["stats"][s]["replayed"] > 0, (s, top["stats"][s])
+        assert top["stats"][s].get("chained", 0) == 2 * 4, (s, top["stats"][s])  # blocks 2-5 joined
+    fell_back = [s for s in range(steps) if top["stats"][s]["fell_back"]]
+    assert fell_back == [], fell_back
+    assert top["hooked"] == 2 * 2, top  # two steps, two microbatches
 
 
 def test_a_data_dependent_branch_falls_back_and_stays_exact(worlds: Any) -> None:

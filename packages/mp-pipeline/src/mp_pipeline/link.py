@@ -10,12 +10,15 @@ gets back, or, under fast mode, posts the request and returns the predicted plac
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import collections
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from mp_pipeline.context import capture
-from mp_pipeline.errors import NotInStepError, PipelineError, RemoteExecutionError
+from mp_pipeline.errors import FlowChangedError, NotInStepError, PipelineError, RemoteExecutionError
 from mp_pipeline.fast import CallKey
 from mp_pipeline.messages import Failure, Request, Response, StepId
 from mp_pipeline.schedule import Phase
@@ -23,7 +26,7 @@ from mp_pipeline.schedule import Phase
 if TYPE_CHECKING:
     from mp_pipeline.remote import Remote
 
-__all__ = ["Chained", "Link", "RemoteFunction", "Unpack", "raise_failure", "remote_error"]
+__all__ = ["Chained", "Link", "RemoteFunction", "Run", "Unpack", "raise_failure", "remote_error"]
 
 
 def raise_failure(response: Response) -> None:
@@ -195,23 +198,100 @@ class Unpack(torch.autograd.Function):
         return None, None, torch.zeros(0)
 
 
+class Run:
+    """Consecutive replayed calls of one microbatch on pp_rank 0 whose graph is one :class:`Chained` node.
+
+    Call ``k + 1`` joins the run when its only input that requires grad is the only output of call ``k``
+    that does, a ``meta`` placeholder handed straight to its owner (fast mode's only consumer, checked by
+    the shortcut), not retaining its gradient, with no autograd node made on the thread in between (so
+    that no other part of the graph can run between their backwards). Its node then stands for the whole
+    run: its inputs are the run's first call's (placeholders too: nothing is kept alive), and its backward
+    calls each call's :meth:`Link.backward` in turn, last call first, passing each one's input gradient to
+    the call before as autograd would have (shape checked, dtype cast, the placeholder's tensor hooks run
+    on it, also those registered later); the earlier calls' nodes never run. Every call is still matched
+    against the program, forward and backward.
+    """
+
+    __slots__ = ("__weakref__", "inputs", "links", "taken")
+
+    def __init__(self, link: Link, inputs: list[torch.Tensor]) -> None:
+        self.links = [link]
+        self.inputs = tuple(inputs) if all(t.is_meta for t in inputs) else None
+        """The autograd inputs of the run's node, its first call's inputs that require grad, where they are
+        all placeholders (they hold no memory); None: other calls cannot join this one."""
+        self.taken: list[_Taken] = []
+        """Per call after the first: the placeholder it took from the call before."""
+
+    def join(self, link: Link, taken: torch.Tensor) -> None:
+        hooks = taken._backward_hooks
+        if hooks is None:  # the dict autograd runs the tensor's hooks from, shared with its node
+            hooks = taken._backward_hooks = collections.OrderedDict()
+            assert taken.grad_fn is not None
+            taken.grad_fn._register_hook_dict(taken)
+        self.links.append(link)
+        self.taken.append(_Taken(weakref.ref(taken), taken.shape, taken.dtype, hooks))
+
+    def passed(self, k: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """The gradient of the placeholder that call ``k`` (> 0) took, for call ``k - 1``'s backward: as
+        autograd's engine would have passed it."""
+        taken = self.taken[k - 1]
+        placeholder = taken.tensor()
+        if placeholder is not None and placeholder.retains_grad:
+            raise FlowChangedError(
+                f"retain_grad() was called on the output of module {self.links[k - 1].module!r} after "
+                f"module {self.links[k].module!r} took it, the two replayed as one autograd node: the flow "
+                "changed (set 'fast_mode' to False, or call it before the next module takes the output)"
+            )
+        if grad is None:
+            return None
+        if grad.shape != taken.shape:
+            raise PipelineError(
+                f"the backward of module {self.links[k].module!r} returned an input gradient of shape "
+                f"{tuple(grad.shape)} for an input of shape {tuple(taken.shape)}"
+            )
+        if grad.dtype != taken.dtype:
+            grad = grad.to(taken.dtype)
+        for hook in tuple(taken.hooks.values()):
+            replaced = hook(grad)
+            if replaced is not None:
+                grad = replaced
+        return grad
+
+
+class _Taken(NamedTuple):
+    tensor: weakref.ReferenceType[torch.Tensor]
+    shape: torch.Size
+    dtype: torch.dtype
+    hooks: dict[int, Callable[[torch.Tensor], torch.Tensor | None]]
+    """The placeholder's tensor hooks (autograd's dict for it: hooks registered later land here too)."""
+
+
 class Chained(torch.autograd.Function):
     """A remote call in the requester's graph as one node: :class:`RemoteFunction` and :class:`Unpack` in
     one, without the anchor, for a replayed call whose outputs are CPU tensors or ``meta`` placeholders
     (their node runs on the thread that called backward, which may wait) and that has inputs requiring grad
-    (they join it to the graph). A chain of blocks on another rank costs pp_rank 0 one node per call."""
+    (they join it to the graph). ``count``: the calls of ``run`` it stands for (a chain of blocks on
+    another rank costs pp_rank 0 one node per :class:`Run`, not per call)."""
 
     @staticmethod
     def forward(
-        ctx: Any, link: Link, received: list[torch.Tensor], *inputs: torch.Tensor
+        ctx: Any, run: Run, count: int, received: list[torch.Tensor], *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        ctx.link = link
+        ctx.run, ctx.count = run, count
         ctx.set_materialize_grads(False)
         return tuple(received)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        return (None, None, *ctx.link.backward(grads))
+        run: Run = ctx.run
+        links = run.links
+        server = links[0].remote.server
+        if server is not None:  # (else Link.backward raises NotInStepError)
+            server.stats["chained_nodes"] = server.stats.get("chained_nodes", 0) + 1
+        for k in range(ctx.count - 1, 0, -1):
+            (grad,) = links[k].backward(grads)
+            grads = (run.passed(k, grad),)
+        return (None, None, None, *links[0].backward(grads))
 
 
 class Received(torch.autograd.Function):

@@ -36,7 +36,7 @@ import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -50,7 +50,7 @@ from mp_pipeline.context import TaskContext, applied, capture, current, task_con
 from mp_pipeline.errors import FlowChangedError, NotInStepError, PipelineError
 from mp_pipeline.fast import CallKey, FastPlan
 from mp_pipeline.fused import Fusion, note_gradient
-from mp_pipeline.link import Chained, Link, Received, RemoteFunction, Unpack, raise_failure, remote_error
+from mp_pipeline.link import Chained, Link, Received, RemoteFunction, Run, Unpack, raise_failure, remote_error
 from mp_pipeline.messages import Ref, Request, Response, StepId
 from mp_pipeline.posted import Predictions
 from mp_pipeline.schedule import Phase
@@ -112,6 +112,12 @@ class _Saved:
         return found
 
 
+_Tail = tuple["weakref.ReferenceType[torch.Tensor]", "weakref.ReferenceType[Run]", int, StepId]
+"""Remote._tail's entry: a replayed call's output that the next call may take into its run."""
+_sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
+"""The sequence number the next autograd node made on this thread gets."""
+
+
 class _Produced(NamedTuple):
     """A tensor a remote forward returned (the shortcut's bookkeeping on the requester)."""
 
@@ -147,6 +153,10 @@ class Remote:
         """``"pipeline": "zero_bubble"``: a call's backward sends its input gradients first and defers its
         weight half here (mp_pipeline.split_backward); None: whole backwards."""
         self._nested = threading.local()
+        self._tail = threading.local()
+        """Per thread (``last``): the last replayed call's only output that requires grad, a placeholder
+        handed on, and its run (both weakly), the autograd sequence number of its node and its step
+        (_run_of)."""
         """Per thread: the anchors of the calls to other ranks made inside the forward it runs (split
         backward: their backward requests must go out in the input half)."""
         """How an owner runs such a module: ``checkpoint_call(forward, *args, **kwargs)`` (the umbrella
@@ -304,12 +314,18 @@ class Remote:
                     and getattr(self._nested, "anchors", None) is None
                     and all(t.device.type in ("cpu", "meta") for t in received)
                 ):
-                    # per-rank replay: one node (link.Chained); its inputs join it to the graph
-                    wired = Chained.apply(link, received, *grad_inputs)  # type: ignore[no-untyped-call]
+                    # per-rank replay: a node (link.Chained) per run of calls; its inputs join it to the graph
+                    run, inputs = self._run_of(link, grad_inputs, server)
+                    wired = Chained.apply(run, len(run.links), received, *inputs)  # type: ignore[no-untyped-call]
                     for i, t in zip(wire, wired, strict=True):
                         outputs[i] = t
                     if call is not None:
                         self._remember(link, wired, dict(handoff))
+                    self._tail.last = (
+                        (weakref.ref(wired[0]), weakref.ref(run), _sequence_nr() - 1, server.step)
+                        if len(wired) == 1 and wired[0].is_meta and 0 in dict(handoff)
+                        else None
+                    )
                     return unflatten(response.payload, outputs)
                 anchor = torch.empty(0, requires_grad=True)
                 collect = getattr(self._nested, "anchors", None)
@@ -324,6 +340,28 @@ class Remote:
                     if learning:
                         self.plan.produced(call, wired)
             return unflatten(response.payload, outputs)
+
+    def _run_of(
+        self, link: Link, grad_inputs: list[torch.Tensor], server: Any
+    ) -> tuple[Run, Sequence[torch.Tensor]]:
+        """The run (link.Run) whose node a replayed call's outputs get, and that node's inputs: the run of
+        the call before it on this thread, which it joins (see link.Run for when), or a new one."""
+        tail: _Tail | None = getattr(self._tail, "last", None)
+        if tail is not None and len(grad_inputs) == 1:
+            output, ran, seq, step = tail
+            taken, run = grad_inputs[0], ran()
+            if (
+                run is not None
+                and run.inputs is not None
+                and taken is output()
+                and step == server.step
+                and seq + 1 == _sequence_nr()  # no autograd node made since (no other use of it in between)
+                and not taken.retains_grad
+            ):
+                run.join(link, taken)
+                server.stats["chained"] = server.stats.get("chained", 0) + 1
+                return run, run.inputs
+        return Run(link, grad_inputs), grad_inputs
 
     def begin_step(self, step: StepId) -> None:
         # ids of the last step's tensors mean nothing now
