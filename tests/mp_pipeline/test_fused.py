@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mp_pipeline.context import ExecState
-from mp_pipeline.fused import Fusion
+from mp_pipeline.fused import Fusion, meta_like
 from mp_pipeline.messages import Ref, Request, Response, StepId
 from mp_pipeline.remote import Remote
 from mp_pipeline.replay import REPLAY_BASE
@@ -169,3 +169,31 @@ def test_produces_only_one_output_with_a_graph_and_no_nested_call() -> None:
     assert not Fusion.produces([made, made * 3], [])  # two outputs that require grad
     assert not Fusion.produces([a], [])  # a leaf: no graph to join
     assert not Fusion.produces([made], [torch.empty(0, requires_grad=True)])  # it called another rank
+
+
+@pytest.mark.parametrize(
+    "t",
+    [
+        torch.ones(2, 3),
+        torch.ones(3, 2).t(),
+        torch.ones(2, 3, dtype=torch.float16),
+        torch.ones(()),
+        torch.ones(0, 4),
+        torch.ones(2, 3, 4, 4).to(memory_format=torch.channels_last),
+    ],
+    ids=["contiguous", "transposed", "half", "scalar", "empty", "channels_last"],
+)
+def test_meta_like_is_empty_like_on_meta(t: torch.Tensor) -> None:
+    """The placeholders of answered gradients and handed-off outputs: what empty_like(meta) gives, each
+    a tensor of its own (two calls' placeholders are not one object)."""
+    a, b, want = meta_like(t), meta_like(t), torch.empty_like(t, device="meta")
+    for got in (a, b):
+        assert (got.shape, got.dtype, got.stride(), got.device, got.requires_grad, got.layout) == (
+            want.shape,
+            want.dtype,
+            want.stride(),
+            want.device,
+            want.requires_grad,
+            want.layout,
+        )
+    assert a is not b

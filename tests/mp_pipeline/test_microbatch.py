@@ -98,3 +98,16 @@ def test_flatten_dedups_tensors_and_round_trips() -> None:
     assert len(tensors) == 2 and skeleton["a"][0] == Slot(0) == skeleton["a"][1]
     back = unflatten(skeleton, tensors)
     assert back["a"][0] is t and isinstance(back["a"][2], Pair) and back["b"] == [None, "x", 1.5]
+
+
+def test_unflatten_rebuilds_each_container_as_its_own_type() -> None:
+    t, u = torch.ones(1), torch.zeros(2)
+    obj = ((t, [u, {"k": t}]), OrderedDict(a=u), Pair(t, (u,)), {"d": (t,), "n": None}, [])
+    skeleton, tensors = flatten(obj)
+    back = unflatten(skeleton, tensors)
+    assert type(back) is tuple and type(back[0][1]) is list and type(back[0][1][1]) is dict
+    assert type(back[1]) is OrderedDict and type(back[2]) is Pair and type(back[2][1]) is tuple
+    assert back[0][0] is t and back[0][1][0] is u and back[0][1][1]["k"] is t and back[1]["a"] is u
+    assert back[3] == {"d": (t,), "n": None} and back[4] == []
+    assert back[0][1] is not skeleton[0][1] and back[4] is not skeleton[4]  # new containers
+    assert unflatten(Slot(1), tensors) is u and unflatten("x", tensors) == "x"

@@ -132,8 +132,14 @@ class _GradMode:
         torch.set_grad_enabled(self._previous)
 
 
+def _autocast_on() -> bool:
+    """Whether an autocast context is enabled in this thread (asked once per request: a map over the one
+    or two device types, cheaper than a generator)."""
+    return True in map(torch.is_autocast_enabled, _device_types())
+
+
 def applied(state: ExecState) -> contextlib.AbstractContextManager[None]:
     """Run the body under ``state`` (grad mode and autocast); autocast contexts not in it are off."""
-    if state.autocast or any(torch.is_autocast_enabled(dev) for dev in _device_types()):
+    if state.autocast or _autocast_on():
         return _applied(state)
     return _GradMode(state.grad_enabled)  # the common case (once per request), cheaply

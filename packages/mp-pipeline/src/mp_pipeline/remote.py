@@ -49,13 +49,13 @@ from torch.utils.hooks import RemovableHandle
 from mp_pipeline.context import TaskContext, applied, capture, current, task_context
 from mp_pipeline.errors import FlowChangedError, NotInStepError, PipelineError
 from mp_pipeline.fast import CallKey, FastPlan
-from mp_pipeline.fused import Fusion, note_gradient
+from mp_pipeline.fused import Fusion, meta_like, note_gradient
 from mp_pipeline.link import Chained, Link, Received, RemoteFunction, Run, Unpack, raise_failure, remote_error
 from mp_pipeline.messages import Ref, Request, Response, StepId
 from mp_pipeline.posted import Predictions
 from mp_pipeline.schedule import Phase
 from mp_pipeline.split_backward import WeightQueue, backward_input
-from mp_pipeline.structure import flatten, unflatten
+from mp_pipeline.structure import Slot, flatten, unflatten
 from mp_pipeline.timeline import RECORDER, EventKind
 
 __all__ = ["Remote", "remote_error"]
@@ -63,6 +63,10 @@ __all__ = ["Remote", "remote_error"]
 log = logging.getLogger(__name__)
 
 _ORIGINAL = "_mp_pipeline_original_forward"
+_NO_REFS: dict[int, Ref] = {}
+"""A request's inputs by slot when none travels otherwise (never written)."""
+_SLOT0 = Slot(0)
+"""The skeleton of an output that is one tensor (what flatten gives)."""
 
 
 def _checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -436,7 +440,7 @@ class Remote:
         anchor: torch.Tensor | None = None
         if self.weights is not None:
             self.weights.make_room(request.microbatch)
-        by_slot = {ref.slot: ref for ref in request.refs}
+        by_slot = {ref.slot: ref for ref in request.refs} if request.refs else _NO_REFS
         joinable = self.fusion.joinable(request, module, self.weights is not None)
         joined: set[int] = set()  # inputs taken as they are, graph and all, from the call before here
         held: dict[int, tuple[torch.Tensor, int]] = {}
@@ -491,28 +495,31 @@ class Remote:
         args, kwargs = unflatten(request.payload, tensors)
         task = TaskContext(request.microbatch, request.position)
         outer, self._nested.anchors = getattr(self._nested, "anchors", None), []
+        learning = self.plan.learning
         try:
-            with (
-                self._recorded(EventKind.FWD, request),
-                task_context(task),
-                applied(request.state),
-                self.plan.watching(),
-            ):
-                if request.checkpoint and request.state.grad_enabled:
-                    out = self.checkpoint_call(original, *args, **kwargs)
-                else:
-                    out = original(*args, **kwargs)
+            if RECORDER.enabled or learning:
+                with (
+                    self._recorded(EventKind.FWD, request),
+                    task_context(task),
+                    applied(request.state),
+                    self.plan.watching(),
+                ):
+                    out = self._run(request, original, args, kwargs)
+            else:  # the same without the two that would do nothing (a timeline span, fast mode's watch)
+                with task_context(task), applied(request.state):
+                    out = self._run(request, original, args, kwargs)
         finally:
             nested: list[torch.Tensor] = self._nested.anchors
             self._nested.anchors = outer
         if held:
             self._check_untouched(request, held)
-        skeleton, outs = flatten(out)
-        if self.plan.learning:
+        skeleton, outs = (_SLOT0, [out]) if type(out) is torch.Tensor else flatten(out)
+        if learning:
             self.plan.touched(outs)  # what this module returns leaves its hands: used
         grad_on = request.state.grad_enabled
-        out_requires = tuple(grad_on and t.requires_grad for t in outs)
-        sent: list[torch.Tensor | None] = [t.detach() for t in outs]
+        out_requires = tuple([grad_on and t.requires_grad for t in outs])
+        sent: list[torch.Tensor | None] = list(outs)  # detached below, unless a placeholder goes instead
+        here: set[int] = set()  # outputs whose placeholder goes instead
         if any(out_requires):
             wired = [i for i, r in enumerate(out_requires) if r]
             kept = [outs[i] for i in wired]
@@ -546,10 +553,22 @@ class Remote:
                         self.server.stats["handoffs"] += 1
                     else:  # handed over: no request refers to it here again
                         key = ("act", request.requester, request.request_id, k)
-                        self.server.hand(dest, key, sent[wired[k]])
+                        self.server.hand(dest, key, kept[k].detach())
                         self.saved[(request.requester, request.request_id)].let_go(k, joined=False)
-                    sent[wired[k]] = torch.empty_like(kept[k], device="meta")
+                    sent[wired[k]] = meta_like(kept[k])
+                    here.add(wired[k])
+        for i, t in enumerate(outs):
+            if i not in here:
+                sent[i] = t.detach()
         return Response(request.step, request.request_id, self.rank, skeleton, sent, out_requires)
+
+    def _run(
+        self, request: Request, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The module's own forward on the request's arguments (under a checkpoint where asked)."""
+        if request.checkpoint and request.state.grad_enabled:
+            return self.checkpoint_call(original, *args, **kwargs)
+        return original(*args, **kwargs)
 
     def _kept_output(self, request: Request, forward_id: int, index: int) -> tuple[torch.Tensor, _Saved]:
         """The output a shortcut refers to (as its producer returned it), with its producer's record."""
@@ -604,8 +623,27 @@ class Remote:
             for k in request.handed:  # gradients the consumers of handed-off outputs sent here themselves
                 given[k] = self.server.take(("grad", request.requester, request.forward_id, k))
         pairs = [(saved.edge(k), g) for k, g in enumerate(given) if g is not None]
+        if pairs:  # (none for the earlier calls of a run served as one graph: they only answer)
+            self._backward_pass(request, saved, pairs)
+        grads: list[torch.Tensor | None] = []
+        for grad, route in zip(saved.grads, saved.routes, strict=True):
+            if route is not None and grad is not None:  # to the producer; the requester gets a placeholder
+                key = ("grad", request.requester, route.forward_id, route.kept_index)
+                self.server.hand(route.producer, key, grad)
+                grads.append(meta_like(grad))
+            else:
+                grads.append(grad)
+        for hook in saved.hooks:  # (after the backward: the last call's fire in it)
+            hook.remove()
+        return Response(request.step, request.request_id, self.rank, tensors=grads)
+
+    def _backward_pass(
+        self, request: Request, saved: _Saved, pairs: list[tuple[GradientEdge, torch.Tensor]]
+    ) -> None:
+        """The backward of a call from its outputs' edges with the given gradients: whole, or (split
+        backward) the input half now and the weight half queued."""
         task = TaskContext(request.microbatch, request.position)
-        if pairs and saved.params is not None and self.weights is not None:
+        if saved.params is not None and self.weights is not None:
             with self._recorded(EventKind.BWD, request), task_context(task), applied(request.state):
                 found, half = backward_input(
                     [e for e, _ in pairs],
@@ -617,20 +655,9 @@ class Remote:
             saved.grads[:] = found
             state, span = request.state, self._recorded(EventKind.BWD, request)
             self.weights.add(request.microbatch, half, lambda: _weight_context(task, state, span))
-        elif pairs:
+        else:
             with self._recorded(EventKind.BWD, request), task_context(task), applied(request.state):
                 torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
-        grads: list[torch.Tensor | None] = []
-        for grad, route in zip(saved.grads, saved.routes, strict=True):
-            if route is not None and grad is not None:  # to the producer; the requester gets a placeholder
-                key = ("grad", request.requester, route.forward_id, route.kept_index)
-                self.server.hand(route.producer, key, grad)
-                grads.append(torch.empty_like(grad, device="meta"))
-            else:
-                grads.append(grad)
-        for hook in saved.hooks:  # (after the backward: the last call's fire in it)
-            hook.remove()
-        return Response(request.step, request.request_id, self.rank, tensors=grads)
 
 
 @contextlib.contextmanager

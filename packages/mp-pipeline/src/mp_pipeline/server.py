@@ -609,13 +609,13 @@ class Server:
     def _run_program(self, calls: list[ProgramCall]) -> None:
         """Per-rank replay: run one microbatch's programmed calls for pp_rank 0 in order, each once the
         tensors pp_rank 0 sends for it have come (its other inputs come as the shortcut's do)."""
-        requester = self.peers[0]
+        requester, step, stats, serve = self.peers[0], self.step, self.stats, self._serve_one
         for call in calls:
             tensors: list[Any] = [None] * call.slots
-            for j in call.fed:
+            for j in call.fed:  # the calls of a run served as one graph have none: nothing to wait for
                 tensors[j] = self.take(("fed", requester, call.request.request_id, j))
-            self.stats["replayed"] += 1
-            if not self._serve_one(fill(call, self.step, tensors)):
+            stats["replayed"] += 1
+            if not serve(fill(call, step, tensors)):
                 return
 
     def _serve_one(self, request: Request) -> bool:

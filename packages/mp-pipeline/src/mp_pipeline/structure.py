@@ -110,6 +110,15 @@ def flatten(obj: Any) -> tuple[Any, list[torch.Tensor]]:
 
 def unflatten(skeleton: Any, tensors: list[Any]) -> Any:
     """Inverse of :func:`flatten`: each :class:`Slot` replaced by ``tensors[slot.index]``."""
+    kind = type(skeleton)  # the exact built-in containers first: rebuilt as _rebuild_* would, cheaply
+    if kind is Slot:
+        return tensors[skeleton.index]
+    if kind is tuple:
+        return tuple([unflatten(x, tensors) for x in skeleton])
+    if kind is dict:
+        return {k: unflatten(v, tensors) for k, v in skeleton.items()}
+    if kind is list:
+        return [unflatten(x, tensors) for x in skeleton]
     if isinstance(skeleton, Slot):
         return tensors[skeleton.index]
     if isinstance(skeleton, list | tuple):
