@@ -65,14 +65,16 @@ _Key = tuple[CallKey, Phase, bool]
 def shape_of(response: Response) -> Shape | None:
     """The response's shape if it carries no data (only placeholders or nothing), else None."""
     metas: list[TensorMeta] = []
-    for t in response.tensors:
+    placeholders = False
+    for t in response.tensors:  # (an owner asks once per call it answers: a loop, no generator)
         if t is None:
             metas.append(None)
         elif t.is_meta:
             metas.append((t.shape, t.dtype))
+            placeholders = True
         else:
             return None
-    if not any(m is not None for m in metas):
+    if not placeholders:
         return None  # nothing flows back at all: rare, and cheap to await
     return Shape(response.payload, tuple(metas), tuple(response.requires_grad))
 
@@ -147,7 +149,7 @@ class PostedCheck:
     """The check of one posted call: on its response (:meth:`__call__`: a failure raised, the shape as
     predicted) or on its acknowledgement (:meth:`acked`: the owner's digest as predicted)."""
 
-    __slots__ = ("_forget", "_raise_failure", "digest", "expected", "microbatch", "module", "phase")
+    __slots__ = ("_forget", "digest", "expected", "microbatch", "module", "phase", "raise_failure")
 
     def __init__(  # noqa: PLR0917 - internal, built in one place
         self,
@@ -165,10 +167,10 @@ class PostedCheck:
         self.module = module
         self.microbatch = microbatch
         self._forget = forget
-        self._raise_failure = raise_failure
+        self.raise_failure = raise_failure
 
     def __call__(self, response: Response) -> None:
-        self._raise_failure(response)
+        self.raise_failure(response)
         got = shape_of(response)
         if got != self.expected:
             raise self._changed(
@@ -195,9 +197,12 @@ class Predictions:
 
     def __init__(self) -> None:
         self._shapes: dict[_Key, Prediction] = {}
+        self._checks: dict[_Key, PostedCheck] = {}
+        """The check of each prediction, made at its first use (it holds nothing of a step)."""
 
     def learn(self, call: CallKey, phase: Phase, grad: bool, response: Response) -> None:
         key = (call, phase, grad)
+        self._checks.pop(key, None)
         shape = shape_of(response) if response.failure is None else None
         if shape is None:
             self._shapes.pop(key, None)
@@ -212,6 +217,13 @@ class Predictions:
     ) -> PostedCheck:
         """The check of a posted call's response or acknowledgement."""
         key = (call, phase, grad)
-        return PostedCheck(
-            self._shapes[key], phase, module, call[1], lambda: self._shapes.pop(key, None), raise_failure
-        )
+        check = self._checks.get(key)
+        if check is None or check.module != module or check.raise_failure is not raise_failure:
+            check = self._checks[key] = PostedCheck(
+                self._shapes[key], phase, module, call[1], lambda: self._forget(key), raise_failure
+            )
+        return check
+
+    def _forget(self, key: _Key) -> None:
+        self._shapes.pop(key, None)
+        self._checks.pop(key, None)

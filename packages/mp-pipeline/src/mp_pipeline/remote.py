@@ -221,9 +221,14 @@ class Remote:
         task = current()
         microbatch = task.microbatch if task is not None else -1
         position = (task.position if task is not None else ()) + (path,)
-        skeleton, tensors = flatten((args, kwargs))
+        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # one tensor: as flatten gives
+            skeleton: Any = ((_SLOT0,), {})
+            tensors = [args[0]]
+        else:
+            skeleton, tensors = flatten((args, kwargs))
         state = capture()
-        requires = tuple(state.grad_enabled and t.requires_grad for t in tensors)
+        grad_on = state.grad_enabled
+        requires = tuple([grad_on and t.requires_grad for t in tensors])
         dest = self.peers[owner]
         call: CallKey | None = None
         if self.shortcut:

@@ -260,13 +260,13 @@ class Server:
         self.wire.account(dest, request, self.replay.static.get(rid) if self.replay is not None else None)
         self.stats["replayed"] += 1
         early = self._unclaimed.pop(rid, None)
-        slot = Waiter()
+        slot = None
         if check is not None:
             self._posted[rid] = (dest, check)
             self._posted_to[dest] = self._posted_to.get(dest, 0) + 1
             self.stats["posted"] += 1
         elif early is None:
-            self._pending[rid] = slot
+            slot = self._pending[rid] = Waiter()
         sent = RECORDER.now()
         for j, t in enumerate(request.tensors):
             if t is not None:
@@ -279,6 +279,7 @@ class Server:
         if early is not None:
             self.stats["responses"] += 1
             return early
+        assert slot is not None
         return self._wait_for(slot, request, dest, sent)
 
     def _wait_for(self, slot: Waiter, request: Request, dest: int, sent: int) -> Response:
