@@ -1,4 +1,4 @@
-"""pp_rank 0's node for a run of replayed calls (mp_pipeline.link.Run, Chained, chained): the run's one
+"""pp_rank 0's node for a run of replayed calls (mp_pipeline.link.Run, Chained): the run's one
 node makes each call's backward in turn, last call first, with the gradients a node per call would have
 passed; the placeholders' hooks run on them."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mp_pipeline.errors import FlowChangedError, PipelineError
-from mp_pipeline.link import Chained, Run, chained
+from mp_pipeline.link import Chained, Run
 
 
 class _Link:
@@ -44,7 +44,7 @@ def _chain(links: list[_Link], joined: bool) -> tuple[torch.Tensor, torch.Tensor
             run, inputs = Run(link, [x]), (x,)  # type: ignore[arg-type]
         assert inputs is not None
         taken.append(x)
-        (x,) = chained(run, len(run.links), [_meta()], inputs)
+        (x,) = Chained.apply(run, len(run.links), [_meta()], *inputs)  # type: ignore[no-untyped-call]
     return x0, x, taken
 
 
@@ -95,13 +95,3 @@ def test_retain_grad_added_inside_a_run_is_a_flow_change() -> None:
     taken[1].retain_grad()
     with pytest.raises(FlowChangedError, match="retain_grad"):
         torch.autograd.backward(out, _meta())
-
-
-def test_chained_makes_the_node_chained_apply_makes() -> None:
-    x = torch.empty(2, 3, device="meta", requires_grad=True)
-    run = Run(_Link("b0", [], None), [x])  # type: ignore[arg-type]
-    (a,) = chained(run, 1, [_meta()], [x])
-    (b,) = Chained.apply(run, 1, [_meta()], x)  # type: ignore[no-untyped-call]
-    assert type(a.grad_fn) is type(b.grad_fn)
-    assert a.grad_fn.next_functions == b.grad_fn.next_functions
-    assert a.requires_grad and a.is_meta and a.shape == b.shape

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -26,7 +26,7 @@ from mp_pipeline.schedule import Phase
 if TYPE_CHECKING:
     from mp_pipeline.remote import Remote
 
-__all__ = ["Chained", "Link", "RemoteFunction", "Run", "Unpack", "chained", "raise_failure", "remote_error"]
+__all__ = ["Chained", "Link", "RemoteFunction", "Run", "Unpack", "raise_failure", "remote_error"]
 
 
 def raise_failure(response: Response) -> None:
@@ -292,21 +292,6 @@ class Chained(torch.autograd.Function):
             (grad,) = links[k].backward(grads)
             grads = (run.passed(k, grad),)
         return (None, None, None, *links[0].backward(grads))
-
-
-_C_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, Chained)
-"""autograd's own ``apply`` of :class:`Chained` (what ``Chained.apply`` ends in)."""
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-_transforms_active = torch._C._are_functorch_transforms_active
-
-
-def chained(run: Run, count: int, received: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Any:
-    """``Chained.apply(run, count, received, *inputs)`` without ``Function.apply``'s Python wrapper (4.5 of
-    its 8 µs per call here). Outside functorch transforms the wrapper only unwraps dead functorch wrappers
-    among the tensor arguments, as done here; under a transform it is called as it is."""
-    if _transforms_active():
-        return Chained.apply(run, count, received, *inputs)  # type: ignore[no-untyped-call]
-    return _C_APPLY(run, count, received, *[_unwrap_if_dead(t) for t in inputs])
 
 
 class Received(torch.autograd.Function):

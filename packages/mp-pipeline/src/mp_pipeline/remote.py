@@ -50,7 +50,7 @@ from mp_pipeline.context import TaskContext, applied, capture, current, task_con
 from mp_pipeline.errors import FlowChangedError, NotInStepError, PipelineError
 from mp_pipeline.fast import CallKey, FastPlan
 from mp_pipeline.fused import Fusion, meta_like, note_gradient
-from mp_pipeline.link import Link, Received, RemoteFunction, Run, Unpack, chained, raise_failure, remote_error
+from mp_pipeline.link import Chained, Link, Received, RemoteFunction, Run, Unpack, raise_failure, remote_error
 from mp_pipeline.messages import Ref, Request, Response, StepId
 from mp_pipeline.posted import Predictions
 from mp_pipeline.schedule import Phase
@@ -325,7 +325,7 @@ class Remote:
                 ):
                     # per-rank replay: a node (link.Chained) per run of calls; its inputs join it to the graph
                     run, inputs = self._run_of(link, grad_inputs, server)
-                    wired = chained(run, len(run.links), received, inputs)
+                    wired = Chained.apply(run, len(run.links), received, *inputs)  # type: ignore[no-untyped-call]
                     for i, t in zip(wire, wired, strict=True):
                         outputs[i] = t
                     if call is not None:
