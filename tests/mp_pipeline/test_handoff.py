@@ -229,3 +229,81 @@ def test_simple_schedule_starts_its_forwards_before_the_responses_that_wait(case
     assert served == ([0] if case == "request" else [])
     assert driver.started == [Task(0, Phase.FORWARD), Task(1, Phase.FORWARD)]
     transport.close()
+
+
+class _ActiveReplay:
+    """pp_rank 0's replay in its steady state, as far as the main loop asks."""
+
+    active = object()
+    recording = False
+
+    def check_complete(self) -> None:
+        pass
+
+
+def test_replaying_pp_rank0_hands_out_backward_responses_then_starts_forwards_first() -> None:
+    """Replaying, pp_rank 0 hands out the response to a backward call before earlier messages (it ends a
+    microbatch, freeing a new forward's slot), and starts a forward the schedule allows before handling
+    the other messages (its inputs reach the first calls' owners at once). The rest keeps its order."""
+    transport = LoopbackHub(1, config=TransportConfig(timeout=5.0)).transport(0)
+    step = StepId(0, 0)
+    server = Server(
+        transport=transport,
+        rank=0,
+        peers=(0,),
+        step=step,
+        handle_request=lambda request: pytest.fail("no request expected"),  # type: ignore[arg-type,return-value]
+        timeout=5.0,
+        early=[],
+    )
+    server.replay = _ActiveReplay()  # type: ignore[assignment]
+    driver = _ScriptedDriver(server, [Task(4, Phase.FORWARD)])
+    order: list[str] = []
+    slots = {"fwd": Waiter(), "bwd": Waiter()}
+    slots["bwd"].backward = True
+    server._pending.update({5: slots["fwd"], 6: slots["bwd"]})
+
+    def requester(name: str) -> None:
+        server.baton.wait_for(slots[name])
+        order.append(f"{name} (started {len(driver.started)})")
+        server.baton.hand(MAIN)
+
+    threads = [_start(lambda name=name: requester(name)) for name in slots]
+    key = ("act", 0, 0, 0)
+    server._inbox.append(Handoff(step, key, torch.ones(2)))
+    transport.send(Response(step, 5, 0), 0, TAG)  # arrived before the backward's response
+    transport.send(Response(step, 6, 0), 0, TAG)
+    time.sleep(0.05)  # loopback: in the mailbox at once
+    server.serve(driver)
+    for thread in threads:
+        thread.join(timeout=5.0)
+    assert order == ["bwd (started 0)", "fwd (started 1)"]
+    assert driver.started == [Task(4, Phase.FORWARD)]
+    assert key in server.handoffs  # handled all the same
+    transport.close()
+
+    # not replaying: the messages are handled in the order they came, the forward once they are
+    transport = LoopbackHub(1, config=TransportConfig(timeout=5.0)).transport(0)
+    server = Server(
+        transport=transport,
+        rank=0,
+        peers=(0,),
+        step=step,
+        handle_request=lambda request: pytest.fail("no request expected"),  # type: ignore[arg-type,return-value]
+        timeout=5.0,
+        early=[],
+    )
+    driver = _ScriptedDriver(server, [Task(4, Phase.FORWARD)])
+    order.clear()
+    slots = {"fwd": Waiter(), "bwd": Waiter()}
+    slots["bwd"].backward = True
+    server._pending.update({5: slots["fwd"], 6: slots["bwd"]})
+    threads = [_start(lambda name=name: requester(name)) for name in slots]
+    transport.send(Response(step, 5, 0), 0, TAG)
+    transport.send(Response(step, 6, 0), 0, TAG)
+    server.serve(driver)
+    for thread in threads:
+        thread.join(timeout=5.0)
+    assert order == ["fwd (started 0)", "bwd (started 0)"]
+    assert driver.started == [Task(4, Phase.FORWARD)]
+    transport.close()
