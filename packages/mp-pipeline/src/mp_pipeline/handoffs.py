@@ -25,13 +25,11 @@ class Waiter:
     """A paused thread of the server (its baton token) and what resumes it: the response it waits for
     (Server.call) or the tensor handed over for it."""
 
-    __slots__ = ("backward", "handed", "response")
+    __slots__ = ("handed", "response")
 
     def __init__(self) -> None:
         self.response: Response | None = None
         self.handed: torch.Tensor | None = None
-        self.backward = False
-        """It waits for the response to a backward call."""
 
 
 class HandoffStore:

@@ -291,7 +291,6 @@ class Server:
         phase = request.phase.name.lower() if isinstance(request.phase, Phase) else request.phase
         what = f"the {phase} response of module {request.module!r} (microbatch {request.microbatch})"
         token = waits.enter(what, dest)
-        slot.backward = request.phase is Phase.BACKWARD  # handed out first (_finishing_first)
         try:
             if not self._response_in_place(slot):
                 self.baton.switch(MAIN, slot)
@@ -401,11 +400,7 @@ class Server:
                     raise self._inbox_error
                 if driver is not None and driver.failure is not None:
                     raise driver.failure
-                if self._finishing_first(driver):
-                    continue
                 if self._backward_first(driver):
-                    continue
-                if self._forward_first(driver):
                     continue
                 if ready:  # a wait that this rank's own work ended (fast mode)
                     self._lend(ready.popleft())
@@ -464,48 +459,6 @@ class Server:
         if driver is None or (self.sequencer is not None and not self.sequencer.is_leader):
             return False
         if not driver.has_backward():
-            return False
-        task = driver.next_task()
-        assert task is not None
-        self._start(driver, task)
-        return True
-
-    def _replaying(self, driver: Driver | None) -> bool:
-        """pp_rank 0 (no TP) in per-rank replay's steady state, not holding responses back (_defer)."""
-        return (
-            driver is not None
-            and self.sequencer is None
-            and self.replay is not None
-            and self.replay.active is not None
-            and driver.failure is None
-            and not driver.has_early_forward()
-        )
-
-    def _finishing_first(self, driver: Driver | None) -> bool:
-        """pp_rank 0 replaying: hand out the response to a backward call before anything else (what has
-        arrived is taken into the inbox, which keeps its order otherwise). It resumes the rest of that
-        microbatch's backward here, which usually ends the microbatch (Scheduler.finished) and frees the
-        slot of a new forward: the owners of the first calls of the data flow then get its input after
-        their backward instead of after every backward waiting there (T5's encoder on pp_rank 1)."""
-        if not self._replaying(driver):
-            return False
-        while (message := self.wire.poll(0.0)) is not None:
-            self._inbox.append(message)
-        pending = self._pending
-        for k, message in enumerate(self._inbox):
-            if isinstance(message, Response):
-                slot = pending.get(message.request_id)
-                if slot is not None and slot.backward:
-                    del self._inbox[k]
-                    self._arrived(message)
-                    return True
-        return False
-
-    def _forward_first(self, driver: Driver | None) -> bool:
-        """pp_rank 0 replaying: start a forward the schedule would start now before handling messages:
-        its programmed calls send their inputs to their owners at once, before this rank resumes other
-        work."""
-        if driver is None or not self._replaying(driver) or not driver.has_task():
             return False
         task = driver.next_task()
         assert task is not None
