@@ -400,9 +400,12 @@ def render(panels: Sequence[tuple[str, Timeline, bool]], path: str | Path, *, ti
         Patch(facecolor="0.9", label="runtime's own (step, nothing else)"),
         *(Patch(facecolor=color(m), label=f"microbatch {m}") for m in mbs),
     ]
-    axes[0].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    # the legend belongs to the figure, not to the first panel: tight_layout would otherwise squeeze that
+    # panel (and so all of them) to the legend's height, which with 16 microbatches exceeds a panel's
+    fig.set_figheight(max(fig.get_figheight(), 1.0 + 0.16 * len(handles)))
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0.0, 0.0, 0.84, 1.0))
+    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.84, 0.95), fontsize=7, frameon=False)
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(target, dpi=110, bbox_inches="tight")  # (the legend right of the axes)
