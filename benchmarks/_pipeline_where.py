@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mp_pipeline.timeline import Event, EventKind, Recorder, Timeline, busy_segments
+from mp_pipeline.timeline import Event, EventKind, Recorder, Timeline, busy_segments, draw_action
 from mp_pipeline.timeline_record import EXECUTIONS
 
 __all__ = [
@@ -345,7 +345,6 @@ def render(panels: Sequence[tuple[str, Timeline, bool]], path: str | Path, *, ti
         letter = _letter(tl, split_backward)
         times = {r.rank: r for r in split(tl)}
         for row, rank in enumerate(tl.ranks):
-            y = row - height / 2
             for e in tl.select(EventKind.STEP, rank=rank):
                 band = [(e.start_ns * scale, e.duration_ns * scale)]
                 ax.broken_barh(band, (row - 0.45, 0.9), facecolors="0.9")
@@ -355,30 +354,18 @@ def render(panels: Sequence[tuple[str, Timeline, bool]], path: str | Path, *, ti
                 **WAITING,
             )
             for e, segs in tl.compute_segments(rank):
-                if not segs:
-                    continue
                 kind = letter(e)
-                ax.broken_barh(
-                    [(a * scale, (b - a) * scale) for a, b in segs],
-                    (y, height),
-                    facecolors=color(e.microbatch),
-                    edgecolor="0.15",
-                    lw=0.5,
+                draw_action(
+                    ax,
+                    segs,
+                    row,
+                    f"{kind}{e.microbatch}",
+                    color(e.microbatch),
+                    height=height,
                     hatch={"F": None, "B": "///", "W": "xx"}[kind],
-                    alpha=1.0 if kind == "F" else 0.8,
+                    scale=scale,
+                    min_label=min_label,
                 )
-                a, b = max(segs, key=lambda s: s[1] - s[0])
-                if (b - a) * scale >= min_label:
-                    ax.text(
-                        (a + b) / 2 * scale,
-                        row,
-                        f"{kind}{e.microbatch}",
-                        ha="center",
-                        va="center",
-                        fontsize=7,
-                        fontweight="bold",
-                        bbox={"facecolor": "white", "alpha": 0.7, "pad": 0.5, "lw": 0},
-                    )
         labels = []
         for rank in tl.ranks:
             t = times.get(rank)

@@ -49,9 +49,51 @@ __all__ = [
     "Recorder",
     "Timeline",
     "busy_segments",
+    "draw_action",
 ]
 
 _log = logging.getLogger(__name__)
+
+
+def draw_action(
+    ax: Any,
+    segments: Sequence[tuple[int, int]],
+    row: int,
+    label: str,
+    color: Any,
+    *,
+    height: float,
+    hatch: str | None,
+    scale: float,
+    min_label: float,
+) -> None:
+    """One action's computing ``segments`` (ns) as bars on matplotlib axes ``ax`` at ``row``, hatched
+    (a backward) or solid (a forward, more opaque), labelled on its longest segment where that is at
+    least ``min_label`` wide; ``scale`` converts ns to the axis' unit. Shared by :meth:`Timeline.render`
+    and pictures that stack several timelines."""
+    if not segments:
+        return
+    ax.broken_barh(
+        [(a * scale, (b - a) * scale) for a, b in segments],
+        (row - height / 2, height),
+        facecolors=color,
+        edgecolor="0.15",
+        lw=0.5,
+        hatch=hatch,
+        alpha=1.0 if hatch is None else 0.8,
+    )
+    a, b = max(segments, key=lambda s: s[1] - s[0])
+    if (b - a) * scale >= min_label:
+        ax.text(
+            (a + b) / 2 * scale,
+            row,
+            label,
+            ha="center",
+            va="center",
+            fontsize=7,
+            fontweight="bold",
+            bbox={"facecolor": "white", "alpha": 0.7, "pad": 0.5, "lw": 0},
+        )
 
 
 def busy_segments(start: int, end: int, holes: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -247,30 +289,18 @@ class Timeline:
                         (e.start_ns + e.end_ns) / 2 * scale, row, "dp", ha="center", va="center", fontsize=7
                     )
             for e, segs in self.compute_segments(rank):
-                if not segs:
-                    continue
                 bwd = e.kind is EventKind.BWD
-                ax.broken_barh(
-                    [(a * scale, (b - a) * scale) for a, b in segs],
-                    (y, height),
-                    facecolors=color(e.microbatch),
-                    edgecolor="0.15",
-                    lw=0.5,
+                draw_action(
+                    ax,
+                    segs,
+                    row,
+                    f"{'B' if bwd else 'F'}{e.microbatch}",
+                    color(e.microbatch),
+                    height=height,
                     hatch="///" if bwd else None,
-                    alpha=0.8 if bwd else 1.0,
+                    scale=scale,
+                    min_label=min_label,
                 )
-                a, b = max(segs, key=lambda s: s[1] - s[0])
-                if (b - a) * scale >= min_label:
-                    ax.text(
-                        (a + b) / 2 * scale,
-                        row,
-                        f"{'B' if bwd else 'F'}{e.microbatch}",
-                        ha="center",
-                        va="center",
-                        fontsize=7,
-                        fontweight="bold",
-                        bbox={"facecolor": "white", "alpha": 0.7, "pad": 0.5, "lw": 0},
-                    )
         for origin in list(self.step_origins_ns.values())[1:]:
             ax.axvline(origin * scale, color="0.3", ls="--", lw=0.8)
         ax.set_yticks(range(len(ranks)))
