@@ -207,18 +207,7 @@ def _union(intervals: Sequence[tuple[int, int]], lo: int, hi: int) -> list[tuple
 
 def _minus(intervals: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Disjoint sorted ``intervals`` minus disjoint sorted ``holes``."""
-    out: list[tuple[int, int]] = []
-    for a, b in intervals:
-        cursor = a
-        for h0, h1 in holes:
-            if h1 <= cursor or h0 >= b:
-                continue
-            if h0 > cursor:
-                out.append((cursor, h0))
-            cursor = max(cursor, h1)
-        if cursor < b:
-            out.append((cursor, b))
-    return out
+    return [seg for a, b in intervals for seg in busy_segments(a, b, holes)]
 
 
 def _length(intervals: list[tuple[int, int]]) -> int:

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from mp_pipeline.messages import Request
+from mp_pipeline.posted import meta_base
 from mp_pipeline.replay import REPLAY_BASE
 
 __all__ = ["Fusion", "meta_like", "note_gradient"]
@@ -65,26 +66,14 @@ def _global_hooks() -> bool:
     return any(shared.get(name) for name in _GLOBAL_HOOKS)
 
 
-_META: dict[tuple[torch.Size, torch.dtype], torch.Tensor] = {}
-"""Contiguous ``meta`` tensors by shape and dtype (:func:`meta_like` detaches them)."""
-_META_SIZE = 4096
-"""Entries kept in :data:`_META` before it starts over (a bound for shapes that never repeat)."""
-
-
 def meta_like(t: torch.Tensor) -> torch.Tensor:
     """``torch.empty_like(t, device="meta")`` (shape, dtype and strides of ``t``, no data), for a
-    contiguous ``t`` as a ``detach()`` of a kept meta tensor of its shape and dtype: a new tensor in a
-    third of ``empty_like``'s time, made once per call an owner runs. A meta tensor has no data to share;
-    its version counter is shared with the kept one, and nothing changes a placeholder in place."""
+    contiguous ``t`` as a ``detach()`` of the kept meta tensor of its shape and dtype
+    (:func:`mp_pipeline.posted.meta_base`): a new tensor in a third of ``empty_like``'s time, made once
+    per call an owner runs."""
     if not t.is_contiguous():
         return torch.empty_like(t, device="meta")
-    key = (t.shape, t.dtype)
-    base = _META.get(key)
-    if base is None:
-        if len(_META) >= _META_SIZE:
-            _META.clear()
-        base = _META[key] = torch.empty(t.shape, dtype=t.dtype, device="meta")
-    return base.detach()
+    return meta_base(t.shape, t.dtype).detach()
 
 
 def note_gradient(grads: list[torch.Tensor | None], index: int) -> Callable[[torch.Tensor], None]:

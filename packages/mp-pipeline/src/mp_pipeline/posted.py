@@ -38,7 +38,7 @@ from mp_pipeline.messages import Response
 from mp_pipeline.schedule import Phase
 from mp_pipeline.structure import Slot
 
-__all__ = ["PostedCheck", "Prediction", "Predictions", "Shape", "digest", "shape_of"]
+__all__ = ["PostedCheck", "Prediction", "Predictions", "Shape", "digest", "meta_base", "shape_of"]
 
 TensorMeta = tuple[torch.Size, torch.dtype] | None
 """A response tensor's placeholder: its shape and dtype (None: no tensor, e.g. an unused gradient)."""
@@ -127,9 +127,8 @@ class Prediction(NamedTuple):
     digest: int | None
     """The owner's digest of the response (None: its owner sends responses to posted calls)."""
     bases: tuple[torch.Tensor | None, ...]
-    """Per tensor of :attr:`shape`: a ``meta`` tensor of its shape and dtype, made once when learned; each
-    placeholder is a ``detach()`` of it (a new tensor in a fraction of ``torch.empty``'s time; a meta
-    tensor has no data to share, and the version counter it shares is only this call's, across steps)."""
+    """Per tensor of :attr:`shape`: the kept ``meta`` tensor of its shape and dtype (:func:`meta_base`);
+    each placeholder is a ``detach()`` of it."""
 
     def placeholders(self) -> list[torch.Tensor | None]:
         """The shape's placeholders (as :meth:`Shape.placeholders`)."""
@@ -141,8 +140,27 @@ class Prediction(NamedTuple):
         return Response(step, request_id, responder, shape.payload, self.placeholders(), shape.requires_grad)
 
 
+_META: dict[tuple[torch.Size, torch.dtype], torch.Tensor] = {}
+"""Contiguous ``meta`` tensors by shape and dtype (:func:`meta_base`)."""
+_META_SIZE = 4096
+"""Entries kept in :data:`_META` before it starts over (a bound for shapes that never repeat)."""
+
+
+def meta_base(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """The kept contiguous ``meta`` tensor of ``shape`` and ``dtype``, whose ``detach()`` is a placeholder:
+    a new tensor in a fraction of ``torch.empty``'s time. A meta tensor has no data to share; the version
+    counter the placeholders share is never bumped (nothing changes a placeholder in place)."""
+    key = (shape, dtype)
+    base = _META.get(key)
+    if base is None:
+        if len(_META) >= _META_SIZE:
+            _META.clear()
+        base = _META[key] = torch.empty(shape, dtype=dtype, device="meta")
+    return base
+
+
 def _bases(shape: Shape) -> tuple[torch.Tensor | None, ...]:
-    return tuple(None if m is None else torch.empty(m[0], dtype=m[1], device="meta") for m in shape.tensors)
+    return tuple(None if m is None else meta_base(*m) for m in shape.tensors)
 
 
 class PostedCheck:
