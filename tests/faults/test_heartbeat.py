@@ -11,6 +11,7 @@ import re
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -203,3 +204,16 @@ def test_a_gloo_collective_registers_its_wait_with_the_group(worlds: Any) -> Non
     for text in seen:
         expected = r"waiting for the gloo all_reduce over ranks \[0, 1\] for 0\.\d s \(thread .+\)"
         assert re.fullmatch(expected, text), text
+
+
+def test_a_rank_that_holds_the_gil_is_reported_with_its_stacks() -> None:
+    """Rank 1 stops its heartbeat by holding the GIL: rank 0 ends the job, and its report holds the stacks
+    rank 1's faulthandler watchdog wrote (the function that holds the GIL)."""
+    from tests._harness import run_script
+
+    env = {"MP_HEARTBEAT_TIMEOUT": "3", "OMP_NUM_THREADS": "1"}
+    output, code, took = run_script(Path(__file__).with_name("_gil_job.py"), 2, env=env, timeout=120)
+    assert code != 0 and took < 45, (code, took, output[-3000:])
+    assert "rank 1 (pp_rank 1" in output and "has sent no heartbeat" in output, output[-3000:]
+    report = output[output.index("its threads when its heartbeat stopped (faulthandler):") :]
+    assert "in hold_the_gil_in_one_c_call" in report, output[-3000:]

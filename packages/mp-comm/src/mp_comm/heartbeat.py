@@ -15,6 +15,14 @@ The socket binds to the address the job uses (127.0.0.1 on one host, else the ad
 resolves to), and every datagram carries an HMAC of the job's secret (rank 0 draws it and shares it
 over the bootstrap), checked before the JSON is parsed: other processes are not heard.
 
+When a rank falls silent because one of its own threads holds Python's GIL (a C call that never
+releases it, so the heartbeat thread cannot run), its Python stacks explain the silence, and only the
+rank itself can take them: each rank re-arms faulthandler's watchdog (a C thread: it needs no GIL) at
+every beat, to write all its threads' stacks to an in-memory file (memfd, gone with the process) once
+the next beat is ``STACKS_AFTER`` of the timeout late. A rank that notices a silent peer on its own
+host reads that file (/proc/PID/fd/N) into its report. ``MP_HEARTBEAT_STACKS=0`` leaves faulthandler's
+watchdog (one per process) to the script.
+
 A rank that ends normally says goodbye, and its peers stop watching it. A rank that finds its own
 thread was not scheduled for half the timeout (the rank itself was stopped, then continued) forgets
 what it heard before instead of blaming its peers. Jobs above `FULL_MESH` ranks send to their
@@ -24,6 +32,7 @@ what it heard before instead of blaming its peers. Jobs above `FULL_MESH` ranks 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
 import math
@@ -54,6 +63,10 @@ DEFAULT_TIMEOUT: Final = 30.0
 after which a torch.distributed collective fails, far above how late a loaded host runs the thread (the
 fault tests use 5 s, with no false alarm at a load of 14-27 on 2 cores)."""
 FAILURE_DIR_ENV: Final = "MP_LAUNCH_FAILURE_DIR"
+STACKS_ENV: Final = "MP_HEARTBEAT_STACKS"
+STACKS_AFTER: Final = 0.6
+"""The fraction of the timeout after a beat at which a rank whose heartbeat thread has not run since writes
+its stacks: early enough that the file is there when a peer reports it (at the timeout, plus one interval)."""
 FULL_MESH: Final = 64
 RING: Final = 8
 _TAG: Final = 0x4842  # "HB": the MAC's tag, apart from the UCX transport's
@@ -86,6 +99,8 @@ class Peer:
     address: tuple[str, int]
     label: str
     """Its coordinates, e.g. "pp_rank 1, tp_rank 0, rdp_rank 0" (may be empty)."""
+    stacks: str = ""
+    """Where its watchdog writes its threads' stacks (/proc/PID/fd/N on its host); "" if it writes none."""
 
     def name(self) -> str:
         where = f"host {self.host}, PID {self.pid}"
@@ -114,6 +129,7 @@ class Heartbeat:
         *,
         interval: float | None = None,
         on_silent: Callable[[str, list[int]], None] | None = None,
+        stacks: int | None = None,
     ) -> None:
         self.rank = rank
         self.peers = peers
@@ -124,6 +140,7 @@ class Heartbeat:
         self._sock = sock
         self._secret = secret
         self._on_silent = on_silent or self._end_job
+        self._stacks = stacks  # the descriptor of this rank's peers[rank].stacks, which faulthandler writes
         size = len(peers)
         if size <= FULL_MESH:
             near = [r for r in range(size) if r != rank]
@@ -148,6 +165,9 @@ class Heartbeat:
         os.write(self._wake_w, b"x")
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(2 * self.interval + 1.0)
+        if self._stacks is not None:
+            faulthandler.cancel_dump_traceback_later()
+            os.close(self._stacks)
         with contextlib.suppress(OSError):
             self._send({"r": self.rank, "k": "bye"})
         self._sock.close()
@@ -170,6 +190,8 @@ class Heartbeat:
                 if now >= next_beat:
                     self._beat()
                     next_beat = now + self.interval
+                    if self._stacks is not None:  # re-armed at each beat: it fires only if the next is late
+                        faulthandler.dump_traceback_later(self.timeout * STACKS_AFTER, file=self._stacks)
                 self._listen(max(0.0, next_beat - time.monotonic()))
                 silent = self._silent(time.monotonic())
                 if silent:
@@ -251,11 +273,30 @@ class Heartbeat:
             age = now - heard.at
             described = [waits.describe(waits.Wait(w, p, heard.at - a, t), now) for w, p, a, t in heard.waits]
             lines.append(self._doing(self.peers[rank], f"{age:.1f} s ago", described, heard.frame))
+        lines += self._stacks_of(silent)
         lines.append(
             f"Fix: look at what the silent rank was doing (a debugger, py-spy dump --pid); raise {ENV} if "
             "ranks legitimately hold Python's GIL for that long (one C call that never releases it)."
         )
         return "\n".join(lines)
+
+    def _stacks_of(self, silent: list[int]) -> list[str]:
+        """The stacks each silent rank on this host wrote when its heartbeat thread stopped running (a
+        stopped or dead rank writes none: its watchdog stopped with it)."""
+        here = self.peers[self.rank].host
+        lines = []
+        for r in silent:
+            peer = self.peers[r]
+            if peer.host != here or not peer.stacks:
+                continue
+            try:
+                text = Path(peer.stacks).read_text(errors="replace").strip()
+            except OSError:
+                continue
+            if text:
+                lines.append(f"{peer.name()}: its threads when its heartbeat stopped (faulthandler):")
+                lines += ["    " + line for line in text.splitlines()[-60:]]
+        return lines
 
     def _end_job(self, report: str, silent: list[int]) -> None:
         """Report the silent ranks (to mp-launch, which prints it once for the job, else to the log), then
@@ -323,26 +364,49 @@ def start(world: Any, label: str = "", *, timeout: float | None = None) -> Heart
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind((_address(world), 0))
     sock.setblocking(False)
+    stacks = _stacks_file() if os.environ.get(STACKS_ENV, "1").strip() != "0" else None
+    stacks_at = f"/proc/{os.getpid()}/fd/{stacks}" if stacks is not None else None
     bootstrap = bootstrap_for_world(world)
     try:
         secret = auth.new_secret() if world.rank == 0 else None
         entries = bootstrap.allgather(
-            (sock.getsockname(), socket.gethostname(), os.getpid(), label, secret, limit)
+            (
+                sock.getsockname(),
+                socket.gethostname(),
+                os.getpid(),
+                label,
+                secret,
+                limit,
+                stacks_at,
+            )
         )
     finally:
         bootstrap.close()
     limits = {e[5] for e in entries}
     if len(limits) > 1:
         sock.close()
+        if stacks is not None:
+            os.close(stacks)
         raise WorldError(
             f"{ENV} differs between ranks ({sorted(limits)}); expected one value for the whole job. "
             f"Fix: export the same {ENV} to every rank"
         )
-    peers = [Peer(r, e[1], int(e[2]), (str(e[0][0]), int(e[0][1])), str(e[3])) for r, e in enumerate(entries)]
-    beat = Heartbeat(world.rank, peers, sock, entries[0][4], limit)
+    peers = [
+        Peer(r, e[1], int(e[2]), (str(e[0][0]), int(e[0][1])), str(e[3]), e[6] or "")
+        for r, e in enumerate(entries)
+    ]
+    beat = Heartbeat(world.rank, peers, sock, entries[0][4], limit, stacks=stacks)
     _HEARTBEAT.append(beat)
     log.debug("rank %d: heartbeat every %.1f s, timeout %g s", world.rank, beat.interval, limit)
     return beat.start()
+
+
+def _stacks_file() -> int | None:
+    """A descriptor of this rank's (empty) in-memory stacks file, or None where Linux's memfd is missing."""
+    try:
+        return os.memfd_create("mp-heartbeat-stacks")
+    except (AttributeError, OSError):
+        return None
 
 
 def who_is_at(text: str) -> str | None:
