@@ -189,3 +189,55 @@ def test_fast_mode_raises_on_a_posted_call_whose_structure_changed(worlds: Any) 
     top = results[0]["error"]
     assert top[1] == "NotSupportedByFastModeError", top
     assert "'b'" in top[2] and "flow changed" in top[2], top
+
+
+class Seq2Seq(torch.nn.Module):
+    """An encoder fed token ids (rank 1) whose output the decoder (rank 0) reads: the encoder's forward
+    response carries data, its backward response nothing (its input, integers, takes no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.encoder = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8))
+        self.decoder = torch.nn.Linear(8, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder(torch.tanh(self.encoder(ids))).mean(-1).mean(-1)
+
+
+def seq2seq(world: Any, steps: int) -> dict[str, Any]:
+    microbatches = 4
+    g = torch.Generator().manual_seed(11)
+    data = [(torch.randint(0, 16, (8, 5), generator=g), torch.randn(8, generator=g)) for _ in range(steps)]
+    ref = Seq2Seq()
+    ref_losses = plain_sgd(ref, data, microbatches, lr=0.05)
+    net = Seq2Seq()
+    model, opt, train_step = fast_trainer(net, 2, {"encoder": 1}, microbatches, fast_mode=None, lr=0.05)
+    assert model._runtime is not None
+    losses, stats = [], []
+    for x, y in data:
+        losses.append(train_step(x, y).reduce_mean().item())
+        opt.step()
+        opt.zero_grad()
+        stats.append(model._runtime.last_stats)
+    return {
+        "rank": smp.rank(),
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "params": first_difference(model.state_dict(), ref.state_dict()),
+        "stats": stats,
+    }
+
+
+def test_a_backward_that_returns_no_gradient_is_posted(worlds: Any) -> None:
+    """Under mp's default config, pp_rank 0 does not wait for the backward of an encoder fed token ids
+    (nothing comes back): from the second step on, each microbatch's encoder backward is posted, and
+    pp_rank 0's microbatch ends with the decoder's backward. Training equals plain PyTorch."""
+    steps = 6
+    results = worlds.run(2, seq2seq, steps, timeout=240)
+    for r in results:
+        assert r["params"] is None, f"rank {r['rank']}: {r['params']}"
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6), r
+    top = results[0]["stats"]
+    assert top[0]["posted"] == 0, top  # learning: awaited
+    assert all(s["posted"] == 4 for s in top[1:]), top  # one backward per microbatch

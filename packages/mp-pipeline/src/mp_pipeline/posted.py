@@ -63,7 +63,7 @@ _Key = tuple[CallKey, Phase, bool]
 
 
 def shape_of(response: Response) -> Shape | None:
-    """The response's shape if it carries no data (only placeholders or nothing), else None."""
+    """The response's shape if it carries no data (only placeholders, or nothing), else None."""
     metas: list[TensorMeta] = []
     placeholders = False
     for t in response.tensors:  # (an owner asks once per call it answers: a loop, no generator)
@@ -74,8 +74,11 @@ def shape_of(response: Response) -> Shape | None:
             placeholders = True
         else:
             return None
-    if not placeholders:
-        return None  # nothing flows back at all: rare, and cheap to await
+    if not placeholders and response.payload is not None:
+        return None  # a value (an int, a string) with no tensor: data
+    # Placeholders only, or nothing at all: the backward of a call whose inputs need no gradient (an
+    # encoder fed token ids). Awaiting that one would hold the requester's backward until the owner's
+    # whole backward ran, though nothing comes back.
     return Shape(response.payload, tuple(metas), tuple(response.requires_grad))
 
 
