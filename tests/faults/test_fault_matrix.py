@@ -109,7 +109,7 @@ def _save_folder(tmp_path: Path, kind: str) -> Iterator[tuple[Path, dict[str, st
         yield folder, {"MP_TEST_FSIZE": "1024"} if kind == "full" and not mounted else {}
     finally:
         if mounted:
-            subprocess.run(["umount", str(folder)], check=False)
+            subprocess.run(["umount", "--lazy", str(folder)], check=False)  # lazy: a busy mount detaches too
 
 
 def _launch(job: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
