@@ -3,8 +3,9 @@
 It initializes smp with the degrees in MP_TEST_PP and MP_TEST_TP, runs one allreduce in each of its
 groups, prints its ranks, and ends. Right after a gloo collective returns, gloo's worker thread may
 still hold the tensors; if the interpreter finalizes in that window the worker dies taking the GIL
-(`terminate called without an active exception`, SIGABRT): what mp's teardown at exit prevents. With
-MP_TEST_RAISE_RANK set, that rank raises instead of ending normally.
+(`terminate called without an active exception`, SIGABRT): what mp's teardown at exit prevents (it
+destroys mp's groups and waits for the workers of those the script still holds, as this one does).
+With MP_TEST_RAISE_RANK set, that rank raises instead of ending normally.
 """
 
 from __future__ import annotations

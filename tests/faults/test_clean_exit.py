@@ -5,7 +5,11 @@ exit: a gloo worker thread still releasing a finished collective's tensors took 
 finalized, and CPython's forced unwind of that thread ended in ``terminate called without an active
 exception`` (SIGABRT). Before the fix, 3 of 20 8-rank jobs (one allreduce, then exit) and 1 of 12
 2-rank jobs of this file's script failed on this host; mp_comm.teardown now destroys the groups
-(joining those threads) from atexit, after the transports and before MPI finalizes.
+(joining those threads) from atexit, after the transports and before MPI finalizes. The groups the
+script still references (this script keeps all of them) survive that, with their threads: one 2-rank
+job in 30 still aborted in CI on a loaded host, so the last exit stage (mp_comm.gloo_workers) waits
+until their workers have let go of their last collective; the last test here shows that wait on a
+worker starved as on a loaded host.
 
 Cost: each job imports torch on every rank (about 2 s of CPU a rank); in the fresh-clone CI run of
 2026-11-28 the 50 2-rank jobs took 368 s (7.4 s each) and the 5 8-rank jobs 71 s, the most of any test
@@ -16,6 +20,7 @@ it struck 3 in 20, add 5 more chances. MP_CLEAN_EXIT_RUNS="2:200,8:50" runs a so
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -97,3 +102,47 @@ def test_teardown_at_exit_joins_the_gloo_threads() -> None:
     before, after, initialized, dist_up = proc.stdout.split()
     assert int(before) > 0 and int(after) == 0, proc.stdout
     assert (initialized, dist_up) == ("False", "False")
+
+
+def test_exit_waits_for_a_gloo_worker_that_still_holds_a_finished_collective() -> None:
+    """The last exit stage, deterministically: a gloo worker starved behind the main thread (as on a
+    loaded host) still holds a collective's tensor after the caller let go of the work; it is seen busy,
+    and the wait returns only once it has dropped the tensor (whose Python reference it releases under
+    the GIL: after finalization began, that ended in ``terminate called``)."""
+    code = textwrap.dedent(
+        """
+        import os, torch, torch.distributed as dist
+        from mp_comm.gloo_workers import WORKER_NAME, busy_workers, wait_for_workers
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        cpu = min(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpu})
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                if comm.read().strip() == WORKER_NAME:  # it runs only while the main thread blocks
+                    os.sched_setaffinity(int(tid), {cpu})
+                    os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+        parked = wait_for_workers(timeout=60), busy_workers()
+        tensor = torch.ones(4)
+        for attempt in range(5):  # another process on this core may let the worker run early: retry
+            work = dist.all_reduce(tensor, async_op=True)
+            del work  # the worker holds the work's last reference now
+            held, busy = tensor._use_count(), busy_workers()
+            waited = wait_for_workers(timeout=60)
+            if busy:
+                break
+        print(repr((parked, held, busy, waited, tensor._use_count(), busy_workers(), tensor.tolist())))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID", "RANK", "WORLD_SIZE"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert TERMINATE not in proc.stderr, proc.stderr
+    result = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    parked, held, busy, waited, released, after, values = result
+    assert parked == (True, []), proc.stdout  # idle workers are recognized as parked
+    assert held > 1 and busy, proc.stdout  # the worker still held the tensor, and was seen busy
+    assert (waited, released, after) == (True, 1, []), proc.stdout  # the wait outlasted its hold
+    assert values == [1.0, 1.0, 1.0, 1.0], proc.stdout

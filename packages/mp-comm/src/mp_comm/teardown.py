@@ -12,9 +12,10 @@ So every piece registers how to stop at one :class:`Stage`, and one atexit handl
 order while the interpreter is whole: the code that uses the transports (the pipeline's worker
 threads), the transports and their progress threads (UCX first: it may still hand payloads to MPI),
 then the process groups (destroying a group joins its C++ worker threads, which may still run
-Python), and last mp's MPI communicators. Hooks are local: none waits on another rank for long, so a
-rank that exits while others still run does not hang (a transport's close meets the others for at
-most `EXIT_TIMEOUT` seconds).
+Python), then mp's MPI communicators, and last a wait until the gloo workers of the groups the script
+still references have let go of their last collective (mp_comm.gloo_workers). Hooks are local: none
+waits on another rank for long, so a rank that exits while others still run does not hang (a
+transport's close meets the others for at most `EXIT_TIMEOUT` seconds).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class Stage(enum.IntEnum):
     """The MPI transport and its progress thread."""
     WORLD = 3
     """torch.distributed process groups (joining their C++ threads), then mp's MPI communicators."""
+    GLOO_WORKERS = 4
+    """Waiting for the gloo worker threads of groups that outlive the teardown (mp_comm.gloo_workers)."""
 
 
 _Hook = Callable[[], None]

@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from mp_comm import gloo_workers  # noqa: F401 (registers the last exit stage: waiting for gloo's workers)
 from mp_comm.errors import NetworkError, WorldError
 from mp_comm.network import JobAddress, address_towards, choose_job_address, preflight_timeout
 from mp_comm.teardown import Stage, at_exit
