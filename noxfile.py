@@ -14,7 +14,8 @@ import nox
 
 ROOT = Path(__file__).parent
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
-TEST_TOOLS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100")
+# py-spy: a multi-rank job that does not end fails with every rank's stacks (tests/_harness.run_job)
+TEST_TOOLS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "py-spy>=0.3.14")
 
 # distribution -> (import name, local distributions it depends on, extra test-only requirements)
 PACKAGES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {

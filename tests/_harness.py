@@ -54,6 +54,96 @@ def run_script(
     return proc.stdout + proc.stderr, proc.returncode, time.monotonic() - start
 
 
+def run_job(
+    command: list[str], *, env: dict[str, str] | None = None, timeout: float = 240.0
+) -> tuple[str, int]:
+    """Run a job (``mpiexec ...``) to its end: (its stdout and stderr together, its exit code).
+
+    A job still running after ``timeout`` seconds fails the test with what it printed and, for every
+    process of it that is still alive (mpiexec, its proxy, each rank), its state and stacks: py-spy's
+    (Python and native frames) where py-spy is installed, else what /proc tells (state, kernel wait
+    channel, threads). Then every one of them is killed. A hang in CI thus says where each rank was."""
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        alive = [proc.pid, *_descendants(proc.pid)]
+        stacks = "\n".join(_stacks(pid) for pid in alive)
+        for pid in reversed(alive):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(
+            f"the job did not end in {timeout:g} s: {' '.join(command)}\n--- its output (last 4000 "
+            f"characters):\n{out[-4000:]}\n--- its processes still alive then:\n{stacks}"
+        ) from None
+    return out, proc.returncode
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children first), from /proc; hydra's ranks are session leaders, so a
+    process group or session would miss them."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    found: list[int] = []
+    todo = list(children.get(pid, []))
+    while todo:
+        child = todo.pop(0)
+        found.append(child)
+        todo.extend(children.get(child, []))
+    return found
+
+
+def _stacks(pid: int) -> str:
+    """One process's command line, state and stacks (see `run_job`): py-spy's Python and native frames,
+    else (no py-spy, or Python already finalized: a rank in MPI_Finalize) gdb's native ones."""
+    proc = Path(f"/proc/{pid}")
+    try:
+        cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        state = next(ln for ln in (proc / "status").read_text().splitlines() if ln.startswith("State:"))
+        tasks = sorted(proc.glob("task/*/wchan"))
+        waits = sorted({t.read_text().strip() or "-" for t in tasks})
+    except (OSError, StopIteration):
+        return f"== PID {pid}: gone"
+    status = state.split(":", 1)[1].strip()
+    lines = [f"== PID {pid} ({status}; {len(tasks)} threads, waiting in {waits}): {cmdline}"]
+    if "python" not in os.path.basename(cmdline.split(" ", 1)[0]):
+        return lines[0]
+    tools = (
+        (shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy"), "py-spy"),
+        (shutil.which("gdb"), "gdb"),
+    )
+    for tool, name in tools:
+        if tool is None:
+            continue
+        command = (
+            [tool, "dump", "--native", "--pid", str(pid)]
+            if name == "py-spy"
+            else [tool, "-p", str(pid), "-batch", "-ex", "thread apply all bt 30"]
+        )
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError) as exc:
+            lines.append(f"({name} failed: {exc})")
+            continue
+        if name == "gdb":
+            lines += [ln[:200] for ln in done.stdout.splitlines() if ln.startswith(("Thread ", "#"))]
+            break
+        if done.returncode == 0:
+            lines.append(done.stdout)
+            break
+        lines.append(f"({name} failed: {(done.stderr.strip().splitlines() or ['?'])[0]})")
+    return "\n".join(lines)
+
+
 class Pool:
     """n ranks under one mpiexec, serving test functions until closed."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -52,3 +53,30 @@ def test_failure_on_one_rank_names_it_and_does_not_hang(worlds: Any) -> None:
 def test_hang_times_out(worlds: Any) -> None:
     with pytest.raises(WorldFailure, match="did not answer within 2s"):
         worlds.run(2, _hang, timeout=2)
+
+
+def test_a_job_that_does_not_end_fails_with_its_processes_and_is_killed() -> None:
+    import re
+    import sys
+
+    from tests._harness import mpiexec, run_job
+
+    script = "import time; print('rank up', flush=True); time.sleep(600)"
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as failure:
+        run_job([mpiexec(), "-n", "2", sys.executable, "-c", script], timeout=6)
+    assert time.monotonic() - start < 120
+    report = str(failure.value)
+    assert "the job did not end in 6 s" in report, report
+    ranks = [int(p) for p in re.findall(r"^== PID (\d+) .*: \S+/python -c ", report, re.MULTILINE)]
+    assert len(ranks) == 2, report  # both ranks named, with their state and stacks
+    for pid in ranks:  # and killed
+        for _ in range(50):
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                    break  # killed, not yet reaped by its proxy (killed too)
+            except OSError:
+                break  # gone
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"PID {pid} still runs")

@@ -4,7 +4,9 @@
   of the save: the previous checkpoint still resumes, exactly, and ``newest`` never names a torn one;
 - truncate, flip bytes in, empty or delete one rank's part: every rank raises an error naming the file
   and what is wrong, before any parameter changes;
-- a pickle payload planted in a part does not run.
+- a pickle payload planted in a part does not run;
+- the rank that survives a kill during an async save ends by itself, with its error, even under a
+  launcher that does not end the job when one rank dies.
 
 This module is also the crashing script: ``python test_checkpoint_faults.py FOLDER MODE POINT`` under
 mpiexec saves step 10, then dies at POINT while saving step 20. MODE ``async`` saves with
@@ -90,17 +92,19 @@ if __name__ == "__main__":
 
 
 # ----------------------------------------------------------------------------------------- the tests
-def _crash(folder: Path, mode: str, point: str) -> str:
-    """Run this module as the script on 2 ranks; return its output (it must have died)."""
-    import subprocess
+def _crash(folder: Path, mode: str, point: str, *, launcher_ends_job: bool = True) -> str:
+    """Run this module as the script on 2 ranks; return its output (it must have died). A job that does not
+    end fails with every live process's stacks (tests._harness.run_job).
 
-    from tests._harness import mpiexec
+    ``launcher_ends_job=False`` runs it under ``mpiexec -disable-auto-cleanup``: mpiexec then does not end
+    the other rank when one dies, and the job ends only if mp itself ends the survivor."""
+    from tests._harness import mpiexec, run_job
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    command = [mpiexec(), "-n", "2", sys.executable, __file__, str(folder), mode, point]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, f"no rank died at {point}:\n{out[-3000:]}"
+    cleanup = [] if launcher_ends_job else ["-disable-auto-cleanup"]
+    command = [mpiexec(), *cleanup, "-n", "2", sys.executable, __file__, str(folder), mode, point]
+    out, returncode = run_job(command, env=env, timeout=240)
+    assert returncode != 0, f"no rank died at {point}:\n{out[-3000:]}"
     assert f"exits at {point.split(':', maxsplit=1)[0]}" in out, out[-3000:]
     return out
 
@@ -144,6 +148,20 @@ def test_kill_during_save_checkpoint_keeps_the_last_good_one(
     worlds.run(2, _save_again, str(tmp_path), timeout=120)
     names = sorted(os.listdir(tmp_path))
     assert names == ["expected10", "expected20", "newest", "step30_partial"], names
+
+
+def test_the_survivor_of_a_kill_during_an_async_save_ends_on_its_own(tmp_path: Path) -> None:
+    """Rank 0 dies right after publishing step 20's background save, under a launcher that leaves the
+    other rank running. Rank 1's background agreement fails ("Connection closed by peer"): it must end
+    with status 1 and say why, instead of exiting normally into MPI_Finalize, which waits for the dead
+    rank for ever (the job hung so before: the bare RuntimeError escaped the exit path's check for a
+    failed save, and the heartbeat had stopped by then)."""
+    out = _crash(tmp_path, "async", "published:0", launcher_ends_job=False)
+    assert (
+        "[rank 1] mp: smp.save_checkpoint(" in out and "rank 1 could not agree with the other ranks" in out
+    ), out[-3000:]
+    assert "The process exits with status 1: its last checkpoint was not saved" in out, out[-3000:]
+    assert (tmp_path / "newest").read_text() == "step10"
 
 
 def _save_again(world: Any, folder: str) -> None:

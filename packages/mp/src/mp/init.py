@@ -15,7 +15,6 @@ from mp.atp_setup import setup_atp_mesh
 from mp.config import ConfigSource, check_paths, load_config, validate_world
 from mp.config_rules import refuse_not_built
 from mp.dp_backend import check_engines, world_backend, world_port
-from mp.errors import SMPCheckpointError
 from mp.state import State, state
 from mp_comm import (
     EXIT_TIMEOUT,
@@ -176,18 +175,24 @@ def _release_at_exit() -> None:
     # the other ranks for a few seconds at most, so a rank that leaves while others run does not hang.
     if not state.initialized:
         return
-    rank = state.world.rank if state.world is not None else 0  # _release forgets the world
-    try:
-        _release(transport_timeout=EXIT_TIMEOUT)
-    except SMPCheckpointError as exc:  # the last background checkpoint save failed: never silently
-        # printed, not logged: the script's logging configuration may drop mp's records
+    from mp.checkpoint import finish_background
+
+    rank = state.world.rank if state.world is not None else 0
+    failed = finish_background()  # the last background save (Python joined its thread before atexit)
+    if failed is not None:
+        # Never silently, and before the teardown: when a rank ended mid-save (the ranks could not agree),
+        # the teardown's meetings, then mpi4py's MPI_Finalize, would wait for that rank (for ever under a
+        # launcher that does not end the job when one rank dies: `mpiexec -disable-auto-cleanup`). An exit
+        # without MPI_Finalize is a failure every launcher sees and ends the job for. Printed, not logged:
+        # the script's logging configuration may drop mp's records.
         sys.stdout.flush()
         print(
-            f"[rank {rank}] mp: {exc}\nThe process exits with status 1: its last checkpoint was not saved",
+            f"[rank {rank}] mp: {failed}\nThe process exits with status 1: its last checkpoint was not saved",
             file=sys.stderr,
             flush=True,
         )
         os._exit(1)
+    _release(transport_timeout=EXIT_TIMEOUT)
 
 
 at_exit(Stage.USERS, _release_at_exit)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from mp_memory.checkpoint.errors import CheckpointError
+from mp_memory.checkpoint.errors import CheckpointAgreementError, CheckpointError
 
 __all__ = ["agree"]
 
@@ -20,7 +20,12 @@ def agree(error: BaseException | None, payload: Any, group: Any, what: str, rank
 
     Every rank raises the same class: that of the first failing rank's checkpoint error (a ValueError,
     as ``CorruptCheckpointError``), so that ``except smp.CorruptCheckpointError`` catches it on every
-    rank and not only where the file was read; any other failure is raised as a ``CheckpointError``."""
+    rank and not only where the file was read; any other failure is raised as a ``CheckpointError``.
+
+    When the all-gather itself fails (a rank of the group ended mid-save: gloo reports "Connection closed
+    by peer"), this rank raises :class:`CheckpointAgreementError` naming ``what`` and the failure: a
+    checkpoint error like the others, so that a background save's failure is reported as one (and ends
+    the process with status 1 at exit) instead of escaping as a bare RuntimeError."""
     if group is None or dist.get_world_size(group) == 1:
         if error is not None:
             raise error
@@ -33,7 +38,16 @@ def agree(error: BaseException | None, payload: Any, group: Any, what: str, rank
         else:  # an unexpected failure: where it happened
             text += "\n" + "".join(traceback.format_exception(type(error), error, error.__traceback__))
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, (text, kind, payload), group=group)
+    try:
+        dist.all_gather_object(out, (text, kind, payload), group=group)
+    except RuntimeError as exc:  # torch.distributed's errors (DistError, gloo's) are RuntimeErrors
+        raise CheckpointAgreementError(
+            f"{what}: rank {rank} could not agree with the other ranks ({type(exc).__name__}: "
+            f"{str(exc).strip()[:500]}); expected every rank of the group to take part. A rank probably "
+            "ended (crashed or was killed) during it, or the network between them failed; newest still "
+            "names the last complete checkpoint. Fix: see that rank's own output for why it ended, then "
+            "resume from newest"
+        ) from exc
     failed = [(t, k) for t, k, _ in out if t is not None]
     if failed:
         message = f"{what} failed on {len(failed)} rank(s):\n" + "\n".join(t for t, _ in failed)

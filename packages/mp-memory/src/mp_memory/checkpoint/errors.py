@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointAgreementError",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointLayoutError",
@@ -26,6 +27,11 @@ class CheckpointCorruptError(CheckpointError):
 
 class CheckpointWriteError(CheckpointError):
     """Writing a checkpoint file failed (a full disk, a quota, a file size limit, an I/O error)."""
+
+
+class CheckpointAgreementError(CheckpointError):
+    """The ranks of a save or load could not agree: the collective over their group itself failed (a
+    rank ended, crashed or was killed during the save, or the network between them failed)."""
 
 
 class CheckpointLayoutError(CheckpointError):
