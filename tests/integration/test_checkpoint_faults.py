@@ -153,9 +153,8 @@ def test_kill_during_save_checkpoint_keeps_the_last_good_one(
 def test_the_survivor_of_a_kill_during_an_async_save_ends_on_its_own(tmp_path: Path) -> None:
     """Rank 0 dies right after publishing step 20's background save, under a launcher that leaves the
     other rank running. Rank 1's background agreement fails ("Connection closed by peer"): it must end
-    with status 1 and say why, instead of exiting normally into MPI_Finalize, which waits for the dead
-    rank for ever (the job hung so before: the bare RuntimeError escaped the exit path's check for a
-    failed save, and the heartbeat had stopped by then)."""
+    with status 1 and say why, instead of exiting normally into MPI_Finalize, which would wait for the
+    dead rank for ever (mp's heartbeat cannot end it there: Python and its thread have finalized)."""
     out = _crash(tmp_path, "async", "published:0", launcher_ends_job=False)
     assert (
         "[rank 1] mp: smp.save_checkpoint(" in out and "rank 1 could not agree with the other ranks" in out
