@@ -8,9 +8,9 @@ worker is not scheduled for a while (a loaded host) and Python starts finalizing
 the GIL, CPython ends the thread with a forced unwind through torch's noexcept destructors:
 ``terminate called without an active exception`` and SIGABRT, after the script has done everything
 right (seen: one 2-rank job in 30 in CI; a plain gloo group of one process whose workers were
-starved behind its main thread, as on a loaded host: 3 runs in 30, native stack
+starved behind its main thread, as on a loaded host: 6 runs in 70, native stack
 ``ProcessGroupGloo::runLoop`` > ``~AsyncAllreduceWork`` > ``TensorImpl::decref_pyobject`` >
-``gil_scoped_acquire`` > ``take_gil`` > ``pthread_exit``; with this wait, 0 in 30).
+``gil_scoped_acquire`` > ``take_gil`` > ``pthread_exit``; with this wait, 0 in 70).
 
 Destroying a group joins its workers (mp_comm.teardown does so at exit), but a group the script still
 references (smp scripts keep theirs: ``smp.get_dp_process_group()``) keeps them. So the last exit stage
