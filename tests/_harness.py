@@ -157,6 +157,12 @@ class Pool:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env.setdefault("OMP_NUM_THREADS", "1")
+        # The pool's ranks live through hundreds of tests on a shared 2-core host, and twice in CI a rank of
+        # a 4-rank pool stood still for 30 s (the default heartbeat timeout) at a pipeline model's
+        # transport setup (MPI_Comm_dup) while its peers waited: the whole process, since even its
+        # faulthandler watchdog (mp_comm.heartbeat's stacks) did not run. A hang here still ends at the
+        # test's own timeout, with every rank's stacks (SIGUSR1); the heartbeat tests set their own.
+        env.setdefault("MP_HEARTBEAT_TIMEOUT", "120")
         cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "tests._worker", host, str(port), authkey.hex()]
         self._proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
         self._conns: list[Connection] = []
