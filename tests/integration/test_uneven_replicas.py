@@ -47,8 +47,9 @@ def test_a_replica_that_runs_out_of_batches_is_an_error_not_a_hang(tmp_path: Pat
     output, code, took = run_script(script, 4, env={"MP_PIPELINE_TIMEOUT": str(TIMEOUT)})
     assert code != 0, output
     assert "rank 2 finished its loop" in output and "rank 0 finished its loop" not in output, output
-    assert "the data-parallel replicas [0, 2] did not all finish step 3 within 8 s" in output or (
-        "the data-parallel replicas [1, 3] did not all finish step 3 within 8 s" in output
+    # within the timeout, or sooner when the replica that finished has already left the group
+    assert "the data-parallel replicas [0, 2] did not all finish step 3 " in output or (
+        "the data-parallel replicas [1, 3] did not all finish step 3 " in output
     ), output
     assert "DistributedSampler(..., drop_last=True)" in output and "aborting the MPI job" in output, output
     assert took < 120, f"the job took {took:.0f} s to end"

@@ -174,11 +174,18 @@ class ReplicaSync:
         timeout = self._runtime.timeout if self._runtime is not None else default_timeout()
         try:
             return agree_any(flags, group, timeout=timeout)
-        except PipelineTimeoutError:
+        except (PipelineTimeoutError, RuntimeError) as exc:
+            # RuntimeError: the all-reduce failed because a replica that finished its loop already left
+            # (gloo: "Connection closed by peer"), which may come before the timeout
             members = state.require()[2].group(GroupKind.DP, self.rank)
+            how = (
+                f"within {timeout:g} s"
+                if isinstance(exc, PipelineTimeoutError)
+                else f"(one left the group: {str(exc).strip().splitlines()[0][:200]})"
+            )
             raise SMPRuntimeError(
                 f"rank {self.rank}: the data-parallel replicas {list(members)} did not all finish step "
-                f"{step} within {timeout:g} s. Every replica must run the same number of "
+                f"{step} {how}. Every replica must run the same number of "
                 "steps: one that runs out of batches first (a data loader whose length differs between "
                 "dp_ranks; use DistributedSampler(..., drop_last=True), or give every dp_rank the same "
                 "number of batches) leaves the others waiting here. Raise MP_PIPELINE_TIMEOUT if a replica "
