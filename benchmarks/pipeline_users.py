@@ -35,7 +35,8 @@ subset (``single acc``, the reference of the loss check, always runs).
 
 Before timing, every system's first-step loss is compared with the single process's on the same
 microbatches (a mismatch stops the run), and mp's partition is printed. Per (model, m), every runner is
-built once, then ``--rounds`` rounds each time ``--steps`` steps of every runner in a rotating order (a
+built once (mp's then runs untimed steps until it replays its learned program, the path of a user's steady
+state), then ``--rounds`` rounds each time ``--steps`` steps of every runner in a rotating order (a
 step is timed between two barriers that sleep while they wait). Reported per system: samples/s (median
 step), the ratios vs torch 1F1B and vs the single process on 1 thread (paired per round, median over
 rounds), each rank's busy fraction (the share of the step it computed: mp's from its pipeline timeline,
@@ -310,8 +311,10 @@ class Mp:
         import mp as smp
 
         smp.init({"pipeline_parallel_degree": p, "microbatches": m, **extra})
-        # static and fast mode replay from the step after their recording: warm up past it untimed
-        self.warmup = 7 if extra.get("static_mode") or extra.get("fast_mode") else 0
+        # Untimed warm-up, so that every timed step runs the path of a user's steady state: per-rank
+        # replay (the default) records steps 3 and 4 and replays from step 5 once they agree; static and
+        # fast mode replay from the step after their recording.
+        self.warmup = 7 if extra.get("static_mode") or extra.get("fast_mode") else 3
         net = case.build()
         net.load_state_dict(base)
         self.model = smp.DistributedModel(net)
