@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import torch
 
@@ -19,7 +19,9 @@ from mp_pipeline.schedule import Phase
 from mp_pipeline.structure import pickled_by_position
 
 __all__ = [
+    "COMPACT",
     "ENTERED_TAG",
+    "HANDOFF",
     "TAG",
     "Compact",
     "Entered",
@@ -33,6 +35,10 @@ __all__ = [
     "StepAbort",
     "StepEnd",
     "StepId",
+    "compact_response_of",
+    "compact_response_tag",
+    "handoff_of",
+    "handoff_tag",
     "is_pipeline_tag",
     "static_tag",
 ]
@@ -48,6 +54,46 @@ ENTERED_TAG = (TAG, "entered")
 def is_pipeline_tag(tag: object) -> bool:
     """Whether a transport tag is one of the pipeline's (TAG, or a tuple that starts with it)."""
     return tag == TAG or (isinstance(tag, tuple) and tag[:1] == (TAG,))
+
+
+HANDOFF: Final = "handoff"
+"""The second field of the tag a handed-off tensor travels under (:func:`handoff_tag`)."""
+
+
+def handoff_tag(handoff: Handoff) -> tuple[Any, ...]:
+    """The tag a :class:`Handoff` travels under: its step and key, so that its tensor travels alone.
+
+    A bare tensor is the transport's cheapest message (nothing to pickle around it: its body is always
+    the same stub); the receiver rebuilds the Handoff from the tag (:func:`handoff_of`)."""
+    step = handoff.step
+    return (TAG, HANDOFF, step.model, step.step, step.fn, *handoff.key)
+
+
+def handoff_of(tag: object, obj: Any) -> Handoff | None:
+    """The Handoff a message received under ``tag`` stands for (None: not one sent by handoff_tag)."""
+    if type(tag) is not tuple or len(tag) != 9 or tag[1] != HANDOFF:
+        return None
+    return Handoff(StepId(tag[2], tag[3], tag[4]), (tag[5], tag[6], tag[7], tag[8]), obj)
+
+
+COMPACT: Final = "compact"
+"""The second field of the tag a compact response travels under (:func:`compact_response_tag`)."""
+
+
+def compact_response_tag(step: StepId, template_id: int, request_id: int) -> tuple[Any, ...]:
+    """The tag a compact response (a :class:`Compact` standing for a Response) travels under: its step and
+    ids, so that only its tensors travel (one tensor alone, else their list); see
+    :func:`compact_response_of`."""
+    return (TAG, COMPACT, step.model, step.step, step.fn, template_id, request_id)
+
+
+def compact_response_of(tag: object, obj: Any) -> Compact | None:
+    """The Compact a message received under ``tag`` stands for (None: not one sent by
+    compact_response_tag)."""
+    if type(tag) is not tuple or len(tag) != 7 or tag[1] != COMPACT:
+        return None
+    tensors = [obj] if isinstance(obj, torch.Tensor) else list(obj)
+    return Compact(StepId(tag[2], tag[3], tag[4]), tag[5], tag[6], tensors)
 
 
 def static_tag(template_id: int) -> tuple[str, int]:

@@ -257,6 +257,12 @@ class Server:
         ``check``: a posted call (checked on its acknowledgement; returns None); else its response, which
         the owner sends unprompted (it may have come already: owners run ahead)."""
         rid = request.request_id
+        sent = RECORDER.now()
+        # The tensors first: the owner waits for them, and nothing below is needed before they leave (only
+        # this thread takes the response, once it waits for it).
+        for j, t in enumerate(request.tensors):
+            if t is not None:
+                self.wire.send_handoff(dest, Handoff(self.step, ("fed", self.rank, rid, j), t))
         self.wire.account(dest, request, self.replay.static.get(rid) if self.replay is not None else None)
         self.stats["replayed"] += 1
         early = self._unclaimed.pop(rid, None)
@@ -267,10 +273,6 @@ class Server:
             self.stats["posted"] += 1
         elif early is None:
             slot = self._pending[rid] = Waiter()
-        sent = RECORDER.now()
-        for j, t in enumerate(request.tensors):
-            if t is not None:
-                self.wire.send_handoff(dest, Handoff(self.step, ("fed", self.rank, rid, j), t))
         if check is not None:
             if early is not None:  # a failure, or data where none was predicted
                 self._posted.pop(rid, None)

@@ -29,6 +29,10 @@ from mp_pipeline.messages import (
     Request,
     Response,
     StepId,
+    compact_response_of,
+    compact_response_tag,
+    handoff_of,
+    handoff_tag,
     is_pipeline_tag,
     static_tag,
 )
@@ -96,7 +100,8 @@ class Wire:
             return
         self._stats["tensor_bytes"] += handoff.tensor.nbytes
         self.count_sent("Handoff")
-        self._sends.append(self.transport.send(handoff, dest, TAG))
+        # the tensor alone, its step and key in the tag: no object to pickle around it (_received)
+        self._sends.append(self.transport.send(handoff.tensor, dest, handoff_tag(handoff)))
 
     def count_sent(self, kind: str) -> None:
         """Count a message this rank sends in :attr:`sent`, by kind (its class name: Request, Response,
@@ -119,6 +124,17 @@ class Wire:
             self.send(dest, message)
             return
         tag = static_tag(plan.template_id)  # the transport skips the tensors' metadata after the first
+        if plan.compact and is_response:
+            # A compact response is its step, ids and tensors: the ids go in the tag and the tensors alone
+            # (one tensor: the transport's bare-tensor message), nothing else is pickled (_received).
+            tensors = message.tensors
+            lone = tensors[0] if len(tensors) == 1 else None
+            body: object = lone if lone is not None else tensors
+            self._stats["compact_sent"] += 1
+            self.count_sent("Response")
+            compact_tag = compact_response_tag(message.step, plan.template_id, message.request_id)
+            self._sends.append(self.transport.send(body, dest, compact_tag))
+            return
         if plan.compact:
             forward_id = message.forward_id if isinstance(message, Request) else None
             refs = message.refs if isinstance(message, Request) else ()
@@ -243,6 +259,10 @@ class Wire:
         """A received object as a full message: keeps announced templates, rebuilds compact messages."""
         if not is_pipeline_tag(tag):
             return None  # not a pipeline message (dropped by the caller)
+        handoff = handoff_of(tag, message)
+        if handoff is not None:
+            return handoff
+        message = compact_response_of(tag, message) or message
         if isinstance(message, Compact):
             if message.step < self.step:  # left over from an aborted step (dropped by the caller): its
                 return message  # template may be gone with the recording that the retry forgot
