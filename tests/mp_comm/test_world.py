@@ -6,6 +6,7 @@ import dataclasses
 import os
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -218,3 +219,38 @@ def test_launched_size_check_reads_each_launchers_variable() -> None:
     expected = r"OMPI_COMM_WORLD_SIZE=8.*has 1.*\(Open MPI v4\.1\.6, package: Debian\)"
     with pytest.raises(WorldError, match=expected):
         _check_launched_size(1, {"OMPI_COMM_WORLD_SIZE": "8"}, "Open MPI v4.1.6, package: Debian\n")
+
+
+def _late_rank_zero(world: Any, delay: float, timeout: float) -> list[float]:
+    """choose_job_address over two 'nodes' on loopback, rank 0 arriving `delay` s after rank 1; each
+    phase's connection attempts record how much of their bound was left when they began."""
+    import time
+
+    from mp_comm import network
+
+    left: list[float] = []
+    reach = network._reach
+
+    def spy(targets: list[tuple[str, int]], deadline: float) -> dict[int, tuple[str | None, str]]:
+        left.append(deadline - time.monotonic())
+        return reach(targets, deadline)
+
+    comm = world.mpi_comm
+    rank = comm.Get_rank()
+    network._reach = spy
+    try:
+        if rank == 0:
+            time.sleep(delay)
+        network.choose_job_address(comm, rank, rank, 2, environ={"MP_IFNAME": "lo"}, timeout=timeout)
+    finally:
+        network._reach = reach
+    return left
+
+
+def test_a_late_rank_does_not_shorten_the_preflight_of_the_others(worlds: Any) -> None:
+    # CI once failed a lossy-link job this way: ranks that start far apart (torch imported on a loaded
+    # host) spent the bound waiting for rank 0, so the last phase had one 0.1 s try and a lost SYN ended it.
+    results = worlds.run(2, _late_rank_zero, 3.0, 2.0)
+    assert results[0] and results[1], results
+    for rank, left in enumerate(results):
+        assert all(x > 1.5 for x in left), (rank, left)

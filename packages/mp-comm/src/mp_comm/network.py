@@ -231,7 +231,6 @@ def choose_job_address(
     (the MPI communicator of the whole job); raises NetworkError on every rank when any rank fails."""
     if num_nodes == 1:
         return JobAddress("127.0.0.1", "127.0.0.1", "lo")
-    deadline = time.monotonic() + timeout
 
     # 1. Rank 0 offers its addresses; every rank tries them.
     offer: list[tuple[str, int]] | str
@@ -247,6 +246,9 @@ def choose_job_address(
         offer = comm.bcast(None, root=0)
     if isinstance(offer, str):
         raise NetworkError(f"rank 0 could not offer an address for the rendezvous: {offer}")
+    # Each phase's bound starts once the ranks have met, not when this rank arrived: ranks that start
+    # minutes apart (torch imported on a loaded host) must not leave the late phase a single try.
+    deadline = time.monotonic() + timeout
     try:
         reached: dict[int, tuple[str | None, str]]
         if rank == 0:
@@ -287,7 +289,7 @@ def choose_job_address(
     hosts = {leader[r][0]: (leader[r][1], port, r) for r, port in enumerate(ports) if port is not None}
     others = [(addr, port) for n, (addr, port, _) in sorted(hosts.items()) if n != node]
     try:
-        result = _reach(others, deadline)
+        result = _reach(others, time.monotonic() + timeout)
         names = [f"node {n} (rank {r})" for n, (_, _, r) in sorted(hosts.items()) if n != node]
         failures = [(names[i], others[i], err) for i, (got, err) in result.items() if got is None]
         everyone_failures = _agree(comm, (socket.gethostname(), failures))
