@@ -32,9 +32,12 @@ def run_two_ranks(
     steps: int = 1,
     keep: list[PipelineRuntime] | None = None,
     before: Callable[[list[nn.Module], list[Any]], None] | None = None,
+    scheduler: Callable[[], Scheduler] | None = None,
+    **options: Any,
 ) -> tuple[list[nn.Module], list[Any]]:
     """The last of ``steps`` steps' results on each rank; ``keep`` receives the runtimes; ``before``
-    sees each rank's model and transport before the first step."""
+    sees each rank's model and transport before the first step; ``scheduler`` makes each step's scheduler
+    (default: ``kind`` over ``microbatches``); ``options`` go to each PipelineRuntime."""
     # no busy polling: both "ranks" share this process's GIL
     hub = LoopbackHub(2, config=TransportConfig(timeout=30.0, spin_time=0.0, poll_min=5e-4, poll_max=5e-4))
     transports = [hub.transport(r) for r in range(2)]
@@ -45,7 +48,7 @@ def run_two_ranks(
                 if owner_of(assignment, name) != r:
                     p.fill_(float("nan"))
     runtimes = [
-        PipelineRuntime(transport=transports[r], rank=r, peers=(0, 1), model_id=1, timeout=30.0)
+        PipelineRuntime(transport=transports[r], rank=r, peers=(0, 1), model_id=1, timeout=30.0, **options)
         for r in range(2)
     ]
     for r in range(2):
@@ -60,7 +63,7 @@ def run_two_ranks(
             for _ in range(steps):
                 out[r] = runtimes[r].run_step(
                     lambda mb: body(models[0], mb),
-                    Scheduler(kind, microbatches),
+                    Scheduler(kind, microbatches) if scheduler is None else scheduler(),
                     ExecState(True),  # type: ignore[arg-type]
                 )
         except BaseException as exc:

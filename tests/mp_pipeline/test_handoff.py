@@ -140,6 +140,8 @@ class _ScriptedDriver:
         self.unhandled_at_start: list[int] = []
         self.early_forwards = False
         """As the simple schedule: forwards may start before waiting responses are handled."""
+        self.feeding = False
+        """Its forwards feed another rank first (Scheduler.feed_first)."""
         self.started: list[Task] = []
 
     def next_task(self) -> Task | None:
@@ -148,8 +150,8 @@ class _ScriptedDriver:
     def has_task(self) -> bool:
         return bool(self.tasks)
 
-    def has_backward(self) -> bool:
-        return bool(self.tasks) and self.tasks[0].phase is Phase.BACKWARD
+    def has_urgent(self) -> bool:
+        return bool(self.tasks) and (self.feeding or self.tasks[0].phase is Phase.BACKWARD)
 
     def has_early_forward(self) -> bool:
         return self.early_forwards and bool(self.tasks) and self.tasks[0].phase is Phase.FORWARD
@@ -166,11 +168,13 @@ class _ScriptedDriver:
         return []
 
 
-@pytest.mark.parametrize("phase", [Phase.BACKWARD, Phase.FORWARD])
-def test_pp_rank0_starts_a_ready_backward_before_the_messages_that_wait(phase: Phase) -> None:
+@pytest.mark.parametrize(
+    ("phase", "feeding"), [(Phase.BACKWARD, False), (Phase.FORWARD, False), (Phase.FORWARD, True)]
+)
+def test_pp_rank0_starts_a_ready_backward_before_the_messages_that_wait(phase: Phase, feeding: bool) -> None:
     """A backward the schedule would start goes before any message waiting at pp_rank 0: its first act
-    (the request that starts it on the last stage) must not wait for what those messages resume here. A
-    forward still waits for them."""
+    (the request that starts it on the last stage) must not wait for what those messages resume here. So
+    does a forward that feeds another rank first; other forwards wait for them."""
     transport = LoopbackHub(1, config=TransportConfig(timeout=5.0)).transport(0)
     server = Server(
         transport=transport,
@@ -184,8 +188,9 @@ def test_pp_rank0_starts_a_ready_backward_before_the_messages_that_wait(phase: P
     key = ("act", 0, 0, 0)
     server._inbox.append(Handoff(StepId(0, 0), key, torch.ones(2)))  # stored when handled
     driver = _ScriptedDriver(server, [Task(0, phase)])
+    driver.feeding = feeding
     server.serve(driver)
-    assert driver.unhandled_at_start == ([1] if phase is Phase.BACKWARD else [0])
+    assert driver.unhandled_at_start == ([1] if phase is Phase.BACKWARD or feeding else [0])
     assert key in server.handoffs  # the message was handled all the same
     transport.close()
 

@@ -138,3 +138,20 @@ def test_steps_that_disagree_are_not_replayed_and_learning_stops_after_a_few() -
     assert replay.active is None
     replay.begin_step(record=True)
     assert not replay.recording  # given up: the posted path stays
+
+
+@pytest.mark.parametrize("second", [(True, True), (True, False), (False, False)])
+def test_it_leads_with_the_forwards_whose_first_call_fed_another_rank_in_both_recorded_steps(
+    second: tuple[bool, bool],
+) -> None:
+    """Microbatch 0's first call to another rank came before any module of pp_rank 0 returned in the first
+    recorded step, microbatch 1's after one did. Only what both steps saw leads (Scheduler.feed_first)."""
+    replay = Replay()
+    for n, opened in enumerate([(True, False), second]):
+        replay.begin_step(record=True)
+        for mb, remote_first in enumerate(opened):
+            replay.opened(mb, remote_first)
+        _step(replay, 100 * n)
+        learned = replay.learned()
+        assert (learned is None) == (n == 0)
+    assert replay.leading == (frozenset({0}) if second[0] else frozenset())

@@ -23,6 +23,7 @@ from mp_pipeline import (
     Scheduler,
     pipelined_backward,
 )
+from mp_pipeline.schedule import Phase, Task
 from tests.mp_pipeline._loopback import owner_of, run_two_ranks
 from tests.mp_pipeline.models import ReuseBranch
 
@@ -285,3 +286,76 @@ def test_a_collective_entered_by_a_rank_that_finished_the_step_first_is_kept_for
     assert not errors, errors
     assert all(not t.is_alive() for t in threads)
     assert runtimes[0]._entered == {2: []} and runtimes[1]._entered == {2: []}  # taken from the servers' keep
+
+
+class _Watched(Scheduler):
+    """Records, at each start, whether a backward was ready and whether a forward could start."""
+
+    def __init__(self) -> None:
+        super().__init__("interleaved", 4, 2)
+        self.choices: list[tuple[Task, bool, bool]] = []
+
+    def next_task(self) -> Task | None:
+        forwards = sum(t.phase is Phase.FORWARD for t in self.issued)
+        ready, room = bool(self.ready), forwards < self.microbatches and self.in_flight < self.active
+        task = super().next_task()
+        if task is not None:
+            self.choices.append((task, ready, room))
+        return task
+
+
+@pytest.mark.parametrize("first", ["remote", "local"])
+def test_replay_starts_a_forward_that_feeds_another_rank_before_a_ready_backward(first: str) -> None:
+    """Under per-rank replay pp_rank 0 learns which forwards feed another rank first: the step function's
+    first call to another rank came before any module of pp_rank 0 returned (the first layer on rank 1,
+    as T5's encoder). Those start before a ready backward; where pp_rank 0 computes first (its layer 0, as
+    the GPTs' first stage) a ready backward goes first (which one a run meets depends on its timing;
+    test_schedule shows both orders). Gradients equal plain PyTorch's either way."""
+    assignment = {"": 0, "0": 1, "1": 0, "2": 0} if first == "remote" else {"": 0, "0": 0, "1": 1, "2": 0}
+    x = torch.randn(8, 6)
+    steps = 6  # fast mode learns its plan in step 1, replay records steps 3 and 4 and replays from 5
+
+    def make() -> nn.Module:
+        torch.manual_seed(2)
+        return nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3))
+
+    made: list[_Watched] = []
+
+    def scheduler() -> Scheduler:
+        made.append(_Watched())
+        return made[-1]
+
+    kept: list[PipelineRuntime] = []
+    models, results = run_two_ranks(
+        make,
+        assignment,
+        _sum_loss(x),
+        4,
+        "interleaved",
+        steps=steps,
+        keep=kept,
+        scheduler=scheduler,
+        strict=True,
+        retry=True,
+    )
+    assert not isinstance(results[0], BaseException), results[0]
+    assert not isinstance(results[1], BaseException), results[1]
+    replay = kept[0].replays[""]
+    assert replay.active is not None, "the step never replayed"
+    assert replay.leading == (frozenset(range(4)) if first == "remote" else frozenset())
+    driven = [s for s in made if s.issued]  # pp_rank 0's (rank 1's is never asked)
+    assert len(driven) == steps
+    assert driven[-1].forward_first == replay.leading and not driven[0].forward_first
+    for task, ready, room in driven[-1].choices:
+        if first == "remote":  # never a backward while a forward could start
+            assert task.phase is Phase.FORWARD or not room, driven[-1].choices
+        else:  # never a forward while a backward was ready
+            assert task.phase is Phase.BACKWARD or not ready, driven[-1].choices
+    ref = make()
+    for _ in range(steps):
+        for mb in range(4):
+            ref(x[mb * 2 : mb * 2 + 2]).sum().backward()
+    for name, p in ref.named_parameters():
+        got = dict(models[owner_of(assignment, name)].named_parameters())[name].grad
+        assert got is not None, name
+        torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-6, msg=name)

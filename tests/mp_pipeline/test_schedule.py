@@ -95,6 +95,34 @@ def test_interleaved_prefers_a_ready_backward_and_bounds_microbatches_in_flight(
     assert drain(s) == [Task(3, F)]
 
 
+@pytest.mark.parametrize("feeds", [False, True])
+def test_a_forward_that_feeds_another_rank_first_goes_before_a_ready_backward(feeds: bool) -> None:
+    """pp_rank 0's order of starts: a forward whose first act feeds another rank (feed_first, learned by
+    per-rank replay: T5's encoder on pp_rank 1) starts before the ready backwards once in-flight room
+    frees; any other forward keeps the backward first (the looped GPT, whose first stage is pp_rank 0)."""
+    s = Scheduler("interleaved", 4, 2)
+    s.feed_first(frozenset(range(4)) if feeds else frozenset())
+    assert drain(s) == [Task(0, F), Task(1, F)]
+    s.backward_ready(0)
+    assert drain(s) == [Task(0, B)]
+    s.backward_ready(1)  # ready while two are in flight: no forward may start yet
+    s.finished(0)
+    assert s.has_urgent()  # a backward, or a feeding forward: either goes before messages
+    if feeds:
+        assert drain(s) == [Task(2, F), Task(1, B)]
+    else:
+        assert drain(s) == [Task(1, B), Task(2, F)]
+    s.backward_ready(2)
+    s.finished(1)
+    assert drain(s) == ([Task(3, F), Task(2, B)] if feeds else [Task(2, B), Task(3, F)])
+
+
+def test_a_fixed_order_or_the_simple_schedule_feeds_nothing_first() -> None:
+    for s in (Scheduler("interleaved", 3, 2, deterministic=True), Scheduler("simple", 3)):
+        s.feed_first(frozenset({0, 1, 2}))
+        assert s.forward_first == frozenset()
+
+
 def test_forward_only_microbatches_finish_without_backward() -> None:
     for kind in ("simple", "interleaved"):
         s = Scheduler(kind, 2)  # type: ignore[arg-type]
@@ -175,13 +203,16 @@ def test_simulated_pipelines_run_every_task_within_the_bounds(
 def test_has_task_answers_next_task_without_starting_anything(
     kind: str, microbatches: int, deterministic: bool, eager: bool, data: st.DataObject
 ) -> None:
-    """The module server asks `has_task` before a worker waits for messages itself, and `has_backward` and
+    """The module server asks `has_task` before a worker waits for messages itself, and `has_urgent` and
     `has_early_forward` before it handles a message: asking must tell what `next_task` would do and change
     nothing, whatever happened before (the fixed order's cursor included)."""
     active = data.draw(st.integers(1, microbatches))
+    feeds = frozenset(data.draw(st.sets(st.integers(0, microbatches - 1))))
 
     def make() -> Scheduler:
-        return Scheduler(kind, microbatches, active, deterministic=deterministic, eager_backward=eager)  # type: ignore[arg-type]
+        made = Scheduler(kind, microbatches, active, deterministic=deterministic, eager_backward=eager)  # type: ignore[arg-type]
+        made.feed_first(feeds)
+        return made
 
     asked, plain = make(), make()
     started: list[Task] = []
@@ -189,13 +220,15 @@ def test_has_task_answers_next_task_without_starting_anything(
     forward_only = data.draw(st.sets(st.integers(0, microbatches - 1)))
     while not asked.done:
         answers = [
-            (asked.has_task(), asked.has_backward(), asked.has_early_forward())
+            (asked.has_task(), asked.has_backward(), asked.has_early_forward(), asked.has_urgent())
             for _ in range(data.draw(st.integers(1, 3)))
         ]
         task = asked.next_task()
         assert task == plain.next_task()  # asking changed nothing
         early = kind == "simple" and task is not None and task.phase is not B
-        assert answers == [(task is not None, task is not None and task.phase is B, early)] * len(answers)
+        urgent = task is not None and (task.phase is B or task.microbatch in asked.forward_first)
+        expected = (task is not None, task is not None and task.phase is B, early, urgent)
+        assert answers == [expected] * len(answers)
         if task is not None:
             started.append(task)
             continue

@@ -38,6 +38,11 @@ class TaskContext:
     """Set for the step function's microbatches on pp_rank 0: called at the first ``model.backward`` of
     the microbatch; returns when the schedule starts this microbatch's backward."""
     backward_calls: int = 0
+    local_runs: int = 0
+    """pp_rank 0: calls of this rank's own modules that returned in this task."""
+    opened: bool | None = None
+    """pp_rank 0's step function: whether its first call to another rank came before any of this rank's
+    modules returned (it feeds another rank first: Replay.opened); None until that call."""
     extra: dict[str, object] = field(default_factory=dict)
 
 

@@ -221,6 +221,16 @@ class Remote:
         task = current()
         microbatch = task.microbatch if task is not None else -1
         position = (task.position if task is not None else ()) + (path,)
+        if (
+            task is not None
+            and task.opened is None
+            and task.on_backward is not None
+            and not task.backward_calls
+        ):
+            # the step function's first call to another rank: did pp_rank 0 compute before it?
+            task.opened = not task.local_runs
+            if server.replay is not None and server.replay.recording:
+                server.replay.opened(microbatch, task.opened)
         if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # one tensor: as flatten gives
             skeleton: Any = ((_SLOT0,), {})
             tensors = [args[0]]
@@ -680,9 +690,16 @@ def _make_forward(
 ) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         r = remote()
-        if r is None or owner == r.pp_rank:
+        if r is None:
             return original(*args, **kwargs)
-        return r.call(path, owner, args, kwargs)
+        if owner != r.pp_rank:
+            return r.call(path, owner, args, kwargs)
+        out = original(*args, **kwargs)
+        if owner == 0:  # pp_rank 0 computed (TaskContext.opened)
+            task = current()
+            if task is not None:
+                task.local_runs += 1
+        return out
 
     forward.__wrapped__ = original  # type: ignore[attr-defined]
     return forward

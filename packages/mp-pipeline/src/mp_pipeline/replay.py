@@ -152,6 +152,13 @@ class Replay:
         """By the id of each call of :attr:`active`: static mode's key and template of its request
         (Server.replayed accounts for it without building them per call, Wire.account)."""
         self.recording = False
+        self.leading: frozenset[int] = frozenset()
+        """While replaying: the microbatches whose step function made its first call to another rank
+        before any module of pp_rank 0 returned, in both recorded steps (:meth:`opened`): their forward
+        feeds another rank first, and pp_rank 0 starts it before a ready backward
+        (Scheduler.feed_first)."""
+        self._opened: dict[int, bool] = {}
+        self._previous_opened: dict[int, bool] = {}
         self._previous: dict[FlowKey, _Call] | None = None
         self._sent: list[tuple[FlowKey, int, Request, tuple[Meta, ...], bool]] = []
         self._counts: Counter[FlowKey] = Counter()
@@ -170,6 +177,7 @@ class Replay:
         self._counts = Counter()
         self._seq = Counter()
         self._made = set()
+        self._opened = {}
 
     # -- learning ------------------------------------------------------------------------------------------
     def record(self, dest: int, request: Request, posted: bool) -> None:
@@ -178,12 +186,18 @@ class Replay:
         bare = dataclasses.replace(request, tensors=[], step=_NO_STEP, template_id=None)
         self._sent.append((key, request.request_id, bare, tensor_metas(request.tensors), posted))
 
+    def opened(self, microbatch: int, remote_first: bool) -> None:
+        """The step function's first call to another rank in ``microbatch`` (remote_first: no module of
+        pp_rank 0 returned before it)."""
+        self._opened[microbatch] = remote_first
+
     def learned(self) -> dict[int, Program] | None:
         """End of a recorded step (complete, every posted call acknowledged): the owners' programs when it
         made the same calls as the recorded step before (replayed from the next step), else None."""
         self.recording = False
         flow = self._translated()
         previous, self._previous = self._previous, flow
+        opened, self._previous_opened = self._previous_opened, self._opened
         if flow is None or previous is None:
             return None
         why = _flows_differ(previous, flow)
@@ -192,6 +206,7 @@ class Replay:
             log.debug("replay: two recorded steps differ (%s)", why)
             return None
         self.active = flow
+        self.leading = frozenset(mb for mb, first in self._opened.items() if first and opened.get(mb))
         self._expected = {key: _expected(key[0], call) for key, call in flow.items()}
         self.static = {e.call.request.request_id: e.static for e in self._expected.values()}
         self._previous = None

@@ -99,8 +99,8 @@ class StepDriver:
     def has_task(self) -> bool:
         return self.failure is None and self.scheduler.has_task()
 
-    def has_backward(self) -> bool:
-        return self.failure is None and self.scheduler.has_backward()
+    def has_urgent(self) -> bool:
+        return self.failure is None and self.scheduler.has_urgent()
 
     def has_early_forward(self) -> bool:
         return self.failure is None and self.scheduler.has_early_forward()
@@ -392,6 +392,8 @@ class PipelineRuntime:
         replay = self.replays.setdefault(name, Replay()) if top else None
         if replay is not None:
             replay.begin_step(record=replaying and self._completed >= 2)
+            if replaying and replay.active is not None:
+                scheduler.feed_first(replay.leading)
         weights = self.remote.weights
         server = Server(
             transport=self.transport,

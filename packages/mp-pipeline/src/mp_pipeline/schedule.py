@@ -9,7 +9,8 @@ control and nothing else is waiting:
   every forward in flight has reached its backward (with ``eager_backward``: each as soon as its own
   forward has, see :class:`Scheduler`);
 * "interleaved": a microbatch that is ready for its backward goes first; otherwise the next forward,
-  while fewer than ``active_microbatches`` microbatches are in flight;
+  while fewer than ``active_microbatches`` microbatches are in flight. A forward whose first act feeds
+  another rank (:meth:`Scheduler.feed_first`, learned by per-rank replay) goes before the backward;
 * "zero_bubble": pp_rank 0 starts its tasks as "interleaved" does; the owners of remote calls split
   each backward and defer its weight half (mp_pipeline.split_backward, PipelineRuntime's
   ``split_backward``), ZB-H1's idea (:func:`zero_bubble_orders`) on the runtime's tasks.
@@ -122,11 +123,23 @@ class Scheduler:
         self._finished: set[int] = set()
         self._order = fixed_order(microbatches, active) if self.deterministic else []
         self._pos = 0
+        self.forward_first: frozenset[int] = frozenset()
+        """Microbatches whose forward goes before a ready backward (:meth:`feed_first`)."""
         self._decision: tuple[Task | None, int] | None = None
         """`_decide`'s answer until an event or a started task changes the state: pp_rank 0's server asks
-        several times between two changes (has_backward, has_early_forward, next_task)."""
+        several times between two changes (has_urgent, has_early_forward, next_task)."""
         self.issued: list[Task] = []
         """Every task started so far, in order."""
+
+    def feed_first(self, microbatches: frozenset[int]) -> None:
+        """The forwards of ``microbatches`` start before a ready backward (interleaved and zero_bubble,
+        not in a fixed order). For a forward whose first act sends its input to another rank before
+        pp_rank 0 computes anything (T5's encoder on pp_rank 1): that rank then runs it next instead of
+        the backwards that would otherwise go first, and pp_rank 0 is back within the Python up to that
+        call. A forward that computes on pp_rank 0 first would delay the backward the last stage waits
+        for, so the others keep the backward first."""
+        self.forward_first = microbatches if self.kind != "simple" and not self.deterministic else frozenset()
+        self._decision = None
 
     # -- events ----------------------------------------------------------------------------------------
     def backward_ready(self, microbatch: int) -> None:
@@ -188,6 +201,12 @@ class Scheduler:
         task = self._decide()[0]
         return task is not None and task.phase is Phase.BACKWARD
 
+    def has_urgent(self) -> bool:
+        """Whether `next_task` would start a task that pp_rank 0 starts before handling messages: a
+        backward, or a forward of :attr:`forward_first` (nothing is recorded as started)."""
+        task = self._decide()[0]
+        return task is not None and (task.phase is Phase.BACKWARD or task.microbatch in self.forward_first)
+
     def has_early_forward(self) -> bool:
         """Whether `next_task` would start a forward of the simple schedule now (nothing is recorded).
 
@@ -210,7 +229,8 @@ class Scheduler:
 
     def _decide_free(self) -> Task | None:
         if self.kind != "simple":
-            if self._ready:
+            feeds = self._next_forward in self.forward_first and self._can_forward()
+            if self._ready and not feeds:
                 return Task(self._ready[0], Phase.BACKWARD)
             if self._can_forward():
                 return Task(self._next_forward, Phase.FORWARD)

@@ -15,10 +15,10 @@ takes its own response, and one that has answered a request takes the next reque
 switches through the main thread each would cost (~25-30 µs each here). Any other message goes to the main
 thread, which dispatches it as if it had received it.
 
-pp_rank 0's main thread, whenever it has the rank, first starts a backward the schedule would start
-(:meth:`Server._backward_first`), then handles the messages that wait, except that the simple schedule's
-next forward goes before responses to this rank's own requests (:meth:`Server._defer`), then starts the
-schedule's next task.
+pp_rank 0's main thread, whenever it has the rank, first starts a backward the schedule would start, or a
+forward that feeds another rank first (:meth:`Server._urgent_first`), then handles the messages that wait,
+except that the simple schedule's next forward goes before responses to this rank's own requests
+(:meth:`Server._defer`), then starts the schedule's next task.
 
 Under tensor parallelism the servers of a TP group dispatch the same events in the same order
 (mp_pipeline.sequence): the leader announces each event to its followers before dispatching it, and a
@@ -90,8 +90,9 @@ class Driver(Protocol):
         """Whether `next_task` would start a task now (without starting it)."""
         ...
 
-    def has_backward(self) -> bool:
-        """Whether `next_task` would start a backward now (without starting it)."""
+    def has_urgent(self) -> bool:
+        """Whether `next_task` would start a backward, or a forward that feeds another rank first, now
+        (Scheduler.has_urgent; without starting it)."""
         ...
 
     def has_early_forward(self) -> bool:
@@ -402,7 +403,7 @@ class Server:
                     raise self._inbox_error
                 if driver is not None and driver.failure is not None:
                     raise driver.failure
-                if self._backward_first(driver):
+                if self._urgent_first(driver):
                     continue
                 if ready:  # a wait that this rank's own work ended (fast mode)
                     self._lend(ready.popleft())
@@ -453,14 +454,16 @@ class Server:
         self._announce((TASK, str(task)))
         driver.start(task)
 
-    def _backward_first(self, driver: Driver | None) -> bool:
+    def _urgent_first(self, driver: Driver | None) -> bool:
         """pp_rank 0 (or its TP leader): start a backward the schedule would start now before handling
         any message. Its first act is usually the request that starts the backward on the last stage,
         which otherwise waits behind whatever those messages resume here (a forward's continuation, a
-        backward's local half): the last stage idles meanwhile. Forwards still wait for the messages."""
+        backward's local half): the last stage idles meanwhile. So does a forward whose first act feeds
+        another rank (Scheduler.feed_first): it returns here at that call. Other forwards wait for the
+        messages."""
         if driver is None or (self.sequencer is not None and not self.sequencer.is_leader):
             return False
-        if not driver.has_backward():
+        if not driver.has_urgent():
             return False
         task = driver.next_task()
         assert task is not None
