@@ -196,11 +196,6 @@ class Scheduler:
         """Whether `next_task` would start a task now (nothing is recorded as started)."""
         return self._decide()[0] is not None
 
-    def has_backward(self) -> bool:
-        """Whether `next_task` would start a backward now (nothing is recorded as started)."""
-        task = self._decide()[0]
-        return task is not None and task.phase is Phase.BACKWARD
-
     def has_urgent(self) -> bool:
         """Whether `next_task` would start a task that pp_rank 0 starts before handling messages: a
         backward, or a forward of :attr:`forward_first` (nothing is recorded as started)."""
