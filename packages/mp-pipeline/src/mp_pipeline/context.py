@@ -38,8 +38,8 @@ class TaskContext:
     """Set for the step function's microbatches on pp_rank 0: called at the first ``model.backward`` of
     the microbatch; returns when the schedule starts this microbatch's backward."""
     backward_calls: int = 0
-    local_runs: int = 0
-    """pp_rank 0: calls of this rank's own modules that returned in this task."""
+    computed: bool = False
+    """pp_rank 0: a module of this rank returned in this task before its first call to another rank."""
     opened: bool | None = None
     """pp_rank 0's step function: whether its first call to another rank came before any of this rank's
     modules returned (it feeds another rank first: Replay.opened); None until that call."""

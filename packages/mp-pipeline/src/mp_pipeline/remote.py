@@ -228,7 +228,7 @@ class Remote:
             and not task.backward_calls
         ):
             # the step function's first call to another rank: did pp_rank 0 compute before it?
-            task.opened = not task.local_runs
+            task.opened = not task.computed
             if server.replay is not None and server.replay.recording:
                 server.replay.opened(microbatch, task.opened)
         if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # one tensor: as flatten gives
@@ -695,10 +695,10 @@ def _make_forward(
         if owner != r.pp_rank:
             return r.call(path, owner, args, kwargs)
         out = original(*args, **kwargs)
-        if owner == 0:  # pp_rank 0 computed (TaskContext.opened)
+        if owner == 0:  # pp_rank 0 computed (TaskContext.opened); read only until its first remote call
             task = current()
             if task is not None:
-                task.local_runs += 1
+                task.computed = True
         return out
 
     forward.__wrapped__ = original  # type: ignore[attr-defined]
