@@ -4,6 +4,7 @@ model config, data, optimizer, the single-process reference and the rank-side tr
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -31,9 +32,9 @@ def _config(layers: int = 2) -> Any:
     )
 
 
-def _data(dp_size: int) -> torch.Tensor:
+def _data(dp_size: int, steps: int = STEPS) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
-    return torch.randint(0, VOCAB, (STEPS, dp_size * PER_RANK, SEQ), generator=g)
+    return torch.randint(0, VOCAB, (steps, dp_size * PER_RANK, SEQ), generator=g)
 
 
 def _optimizer(params: Any) -> torch.optim.Optimizer:
@@ -45,13 +46,13 @@ CLIP = 0.5
 
 
 def _reference(
-    dp_size: int, clip: bool = False, layers: int = 2, device: str = "cpu"
+    dp_size: int, clip: bool = False, layers: int = 2, device: str = "cpu", steps: int = STEPS
 ) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(_config(layers)).to(device)
     opt = _optimizer(model.parameters())
     losses, norms = [], []
-    for ids in _data(dp_size).to(device):
+    for ids in _data(dp_size, steps).to(device):
         opt.zero_grad()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -90,7 +91,13 @@ def assert_losses(losses: list[float], reference: list[float], rank: int) -> Non
 
 
 def _train(  # noqa: PLR0917 - also called by test_gpu with its device
-    world: Any, pp: int, microbatches: int, clip: bool = False, fast: bool = False, device: str = "cpu"
+    world: Any,
+    pp: int,
+    microbatches: int,
+    clip: bool = False,
+    fast: bool = False,
+    device: str = "cpu",
+    steps: int = STEPS,
 ) -> dict[str, Any]:
     smp.init(
         {
@@ -105,7 +112,7 @@ def _train(  # noqa: PLR0917 - also called by test_gpu with its device
     with smp.tensor_parallelism():
         model = transformers.GPT2LMHeadModel(_config(4 if fast else 2)).to(device)
     before = os.environ.get("MP_PIPELINE_STATIC_STEPS")
-    os.environ["MP_PIPELINE_STATIC_STEPS"] = "1"  # fast mode: steps 2 and 3 replay
+    os.environ["MP_PIPELINE_STATIC_STEPS"] = "1"  # fast mode: the steps after the second replay
     try:
         model = smp.DistributedModel(model)
     finally:
@@ -118,19 +125,49 @@ def _train(  # noqa: PLR0917 - also called by test_gpu with its device
     train_step = gpt_step()
     dp, rank = smp.dp_size(), smp.dp_rank()
     losses, norms, shortcuts = [], [], 0
-    for ids in _data(dp).to(device):
-        opt.zero_grad()
-        out = train_step(model, ids[rank * PER_RANK : (rank + 1) * PER_RANK])
-        if model._runtime is not None:
-            shortcuts += model._runtime.last_stats["shortcuts"]
-        if clip:  # the norm of the whole model's gradient: over the stages and the TP shards
-            norms.append(float(opt.clip_master_grads(CLIP)))  # type: ignore[attr-defined]
-        opt.step()
-        losses.append(global_loss(out, dp))
-    result: dict[str, Any] = {"losses": losses, "dp": dp, "norms": norms, "shortcuts": shortcuts}
+    with _RetryLog() as retries:
+        for ids in _data(dp, steps).to(device):
+            opt.zero_grad()
+            out = train_step(model, ids[rank * PER_RANK : (rank + 1) * PER_RANK])
+            if model._runtime is not None:
+                shortcuts += model._runtime.last_stats["shortcuts"]
+            if clip:  # the norm of the whole model's gradient: over the stages and the TP shards
+                norms.append(float(opt.clip_master_grads(CLIP)))  # type: ignore[attr-defined]
+            opt.step()
+            losses.append(global_loss(out, dp))
+    result: dict[str, Any] = {
+        "losses": losses,
+        "dp": dp,
+        "norms": norms,
+        "shortcuts": shortcuts,
+        "retries": retries.messages,
+    }
     if pp == 1:
         from mp_tensor import gather_state_dict
 
         result["state"] = {k: v.detach().cpu() for k, v in gather_state_dict(model.module).items()}
     result["devices"] = sorted({p.device.type for p in model.local_parameters()})
     return result
+
+
+class _RetryLog(logging.Handler):
+    """What mp logged of steps that failed under fast mode's plan and ran again (mp.model_retry), so a
+    test that expects the plan to be followed can say why it was not."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+        self._logger = logging.getLogger("mp.model_retry")
+        self._level = self._logger.level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> _RetryLog:
+        self._logger.addHandler(self)
+        self._logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._level)

@@ -128,11 +128,12 @@ class StepRetry:
         else:
             runtime.relearn()
             log.info(
-                "rank %d: step %d failed under fast mode's plan (%s); it runs again on the full path and "
-                "the plan is learned again",
+                "rank %d: step %d failed under fast mode's plan (%s: %s); it runs again on the full path "
+                "and the plan is learned again",
                 self._rank,
                 step,
                 type(cause).__name__,
+                str(cause).splitlines()[0][:300] if str(cause) else "",
             )
         return cause, None
 
