@@ -17,11 +17,11 @@ over the bootstrap), checked before the JSON is parsed: other processes are not 
 
 When a rank falls silent because one of its own threads holds Python's GIL (a C call that never
 releases it, so the heartbeat thread cannot run), its Python stacks explain the silence, and only the
-rank itself can take them: each rank re-arms faulthandler's watchdog (a C thread: it needs no GIL) at
-every beat, to write all its threads' stacks to an in-memory file (memfd, gone with the process) once
-the next beat is ``STACKS_AFTER`` of the timeout late. A rank that notices a silent peer on its own
-host reads that file (/proc/PID/fd/N) into its report. ``MP_HEARTBEAT_STACKS=0`` leaves faulthandler's
-watchdog (one per process) to the script.
+rank itself can take them: each rank re-arms faulthandler's watchdog (a C thread: it needs no GIL) every
+``REARM_AFTER`` of the timeout, to write all its threads' stacks to an in-memory file (memfd, gone with
+the process) once the heartbeat thread has not run for up to ``STACKS_AFTER`` of the timeout. A rank
+that notices a silent peer on its own host reads that file (/proc/PID/fd/N) into its report.
+``MP_HEARTBEAT_STACKS=0`` leaves faulthandler's watchdog (one per process) to the script.
 
 A rank that ends normally says goodbye, and its peers stop watching it. A rank that finds its own
 thread was not scheduled for half the timeout (the rank itself was stopped, then continued) forgets
@@ -67,6 +67,8 @@ STACKS_ENV: Final = "MP_HEARTBEAT_STACKS"
 STACKS_AFTER: Final = 0.6
 """The fraction of the timeout after a beat at which a rank whose heartbeat thread has not run since writes
 its stacks: early enough that the file is there when a peer reports it (at the timeout, plus one interval)."""
+REARM_AFTER: Final = 0.2
+"""The fraction of the timeout after which a beat re-arms the watchdog (well below STACKS_AFTER)."""
 FULL_MESH: Final = 64
 RING: Final = 8
 _TAG: Final = 0x4842  # "HB": the MAC's tag, apart from the UCX transport's
@@ -178,6 +180,7 @@ class Heartbeat:
     def _run(self) -> None:
         last_turn = time.monotonic()
         next_beat = last_turn
+        armed = -math.inf
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
@@ -190,8 +193,11 @@ class Heartbeat:
                 if now >= next_beat:
                     self._beat()
                     next_beat = now + self.interval
-                    if self._stacks is not None:  # re-armed at each beat: it fires only if the next is late
+                    if self._stacks is not None and now - armed >= self.timeout * REARM_AFTER:
+                        # each arming starts a C thread, so not at every beat: it fires once this thread
+                        # stopped for between STACKS_AFTER - REARM_AFTER and STACKS_AFTER of the timeout
                         faulthandler.dump_traceback_later(self.timeout * STACKS_AFTER, file=self._stacks)
+                        armed = now
                 self._listen(max(0.0, next_beat - time.monotonic()))
                 silent = self._silent(time.monotonic())
                 if silent:
