@@ -121,7 +121,7 @@ class StepRetry:
                 self._rank,
                 step,
                 type(cause).__name__,
-                str(cause).splitlines()[0][:300] if str(cause) else "",
+                _first_line(cause),
                 retry.repeated,
                 retry.shortcut_steps,
             )
@@ -133,7 +133,7 @@ class StepRetry:
                 self._rank,
                 step,
                 type(cause).__name__,
-                str(cause).splitlines()[0][:300] if str(cause) else "",
+                _first_line(cause),
             )
         return cause, None
 
@@ -182,6 +182,11 @@ _UNREPEATABLE = frozenset(
 )
 """Failures that a second run cannot fix: ranks that disagree about the step (a step function or a
 collective called on some ranks only) and ranks that stopped answering."""
+
+
+def _first_line(error: BaseException) -> str:
+    """The start of ``error``'s message, for a one-line log record."""
+    return (str(error).splitlines() or [""])[0][:300]
 
 
 def _repeatable(error: BaseException) -> bool:
